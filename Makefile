@@ -1,0 +1,39 @@
+# The two commands of the README: `make demo` and `make test`. Each runs the shared, idempotent
+# set-up step first (Debian packages, .venv, torch CPU wheel, h5py built against parallel HDF5).
+SHELL := /bin/bash
+VENV ?= $(CURDIR)/.venv
+PY := $(VENV)/bin/python
+NP ?= 2
+# OpenMPI as root, more ranks than cores.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export OMPI_MCA_rmaps_base_oversubscribe := 1
+export OMPI_MCA_btl_vader_single_copy_mechanism := none
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: setup test test-unit test-mpi demo bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+test: setup
+	@$(MAKE) --no-print-directory test-unit
+	@$(MAKE) --no-print-directory test-mpi
+
+# Unit tests (everything not marked `mpi`); SOLAR_STRICT turns "capability missing" skips into failures.
+test-unit:
+	SOLAR_STRICT=1 $(PY) -m pytest -m "not mpi" tests
+
+# MPI tests under a real `mpirun -n $(NP)`; fails if nothing ran or the world is not $(NP) ranks.
+test-mpi:
+	SOLAR_STRICT=1 SOLAR_EXPECT_WORLD=$(NP) timeout -k 15 1200 \
+	  mpirun -n $(NP) --bind-to none bash scripts/mpi-pytest.sh -m mpi tests
+
+demo: setup
+	$(VENV)/bin/solar demo
+
+bench: setup
+	$(VENV)/bin/solar bench all
+
+clean:
+	rm -rf .pytest_cache build *.egg-info .mpi-logs

@@ -1,0 +1,75 @@
+"""In-process memory tier: a dict under a byte budget (the loader's rank buffer)."""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Iterator
+
+from .base import Tier
+
+__all__ = ["MemoryTier"]
+
+
+def _nbytes(value: Any) -> int:
+    n = getattr(value, "nbytes", None)
+    return int(n) if n is not None else len(value)
+
+
+class MemoryTier(Tier):
+    """Keeps values in a dict; ``put`` refuses values that would exceed the budget.
+
+    It never evicts on its own: *what* stays is the client's decision (the loader's schedule
+    knows the future, an LRU would not), so eviction is an explicit :meth:`delete`.
+    """
+
+    name = "memory"
+
+    def __init__(self, capacity_bytes: int | None = None) -> None:
+        super().__init__(capacity_bytes)
+        self._data: dict[Hashable, Any] = {}
+        self._used = 0
+
+    def get(self, key: Hashable) -> Any | None:
+        value = self._data.get(key)
+        if value is None:
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        self.stats.bytes_out += _nbytes(value)
+        return value
+
+    def put(self, key: Hashable, value: Any) -> bool:
+        n = _nbytes(value)
+        old = self._data.get(key)
+        delta = n - (_nbytes(old) if old is not None else 0)
+        if self.capacity_bytes is not None and self._used + delta > self.capacity_bytes:
+            self.stats.rejected += 1
+            return False
+        self._data[key] = value
+        self._used += delta
+        self.stats.bytes_in += n
+        return True
+
+    def delete(self, key: Hashable) -> bool:
+        value = self._data.pop(key, None)
+        if value is None:
+            return False
+        self._used -= _nbytes(value)
+        self.stats.evictions += 1
+        return True
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def keys(self) -> Iterator[Hashable]:
+        return iter(list(self._data))
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    @property
+    def nbytes(self) -> int:
+        return self._used
+
+    def clear(self) -> None:
+        self._data.clear()
+        self._used = 0

@@ -1,0 +1,188 @@
+"""The storage-backend contract.
+
+A backend reads *rows* (entries along the leading axis) of named arrays in one container — an
+HDF5 file today, a directory of ``.npy`` shards through fsspec, ... — for a **sorted list of
+disjoint, contiguous row ranges**, into one preallocated buffer. It does not know why those rows
+are wanted: the schedule decides what to read, the backend only reads it as cheaply as it can
+(one call per range, or one collective call per step on parallel HDF5).
+
+NOTE [ Backends and processes ]
+    Handles are opened lazily, in the process that reads, on first use, and reopened after
+    ``fork`` (the pid is checked): h5py handles and MPI communicators do not survive fork, and
+    pickling a backend (to send it to a DataLoader worker) carries only its arguments.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+
+__all__ = ["Backend", "ArrayInfo", "IOStats", "normalize_ranges"]
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """Shape and dtype of one stored array; ``shape[0]`` is the number of rows."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return self.shape[1:]
+
+    @property
+    def row_nbytes(self) -> int:
+        return int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@dataclass
+class IOStats:
+    """Counters a backend keeps: bytes moved from storage and storage calls made."""
+
+    bytes_read: int = 0
+    read_calls: int = 0
+    rows_read: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"bytes_read": self.bytes_read, "read_calls": self.read_calls,
+                "rows_read": self.rows_read, **self.extra}
+
+    def reset(self) -> None:
+        self.bytes_read = self.read_calls = self.rows_read = 0
+        self.extra.clear()
+
+
+def normalize_ranges(ranges: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
+    """Return ``ranges`` as an ``(k, 2)`` int64 array of sorted, disjoint ``[start, stop)`` pairs.
+
+    Raises ``ValueError`` if they are unsorted, overlapping or empty-length.
+    """
+    arr = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+    if len(arr):
+        if np.any(arr[:, 1] <= arr[:, 0]):
+            raise ValueError(f"row ranges must have stop > start, got {arr[arr[:, 1] <= arr[:, 0]][:3].tolist()}")
+        if np.any(arr[1:, 0] < arr[:-1, 1]):
+            raise ValueError("row ranges must be sorted and disjoint; sort and coalesce them first")
+    return arr
+
+
+class Backend(ABC):
+    """Reads row ranges of named arrays from one storage container.
+
+    Subclasses set ``name`` and implement :meth:`_open`, :meth:`_close`, :meth:`keys`,
+    :meth:`info`, :meth:`attrs` and :meth:`_read_ranges`. The base class handles lazy per-process
+    opening, pickling, argument checks and statistics.
+
+    Args:
+        url: path or URL of the container.
+        **options: backend-specific options (block size, storage options ...).
+    """
+
+    name: ClassVar[str] = "abstract"
+    #: True if :meth:`read_ranges` is collective: every rank must call it, in the same order,
+    #: the same number of times (with an empty range list when it has nothing to read).
+    collective: ClassVar[bool] = False
+
+    def __init__(self, url: str | os.PathLike, **options: Any) -> None:
+        self.url = os.fspath(url)
+        self.options = options
+        self.stats = IOStats()
+        self._pid: int | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def ensure_open(self) -> None:
+        """Open (or reopen after fork) the underlying handles in this process."""
+        if self._pid != os.getpid():
+            self._pid = None
+            self._open()
+            self._pid = os.getpid()
+
+    def close(self) -> None:
+        if self._pid == os.getpid():
+            self._close()
+        self._pid = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for key in self._handle_attrs():
+            state.pop(key, None)
+        state["_pid"] = None
+        state["stats"] = IOStats()
+        return state
+
+    def _handle_attrs(self) -> Sequence[str]:
+        """Names of instance attributes holding open handles (dropped when pickled)."""
+        return ()
+
+    def __enter__(self) -> "Backend":
+        self.ensure_open()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    @abstractmethod
+    def _open(self) -> None: ...
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
+    # -- metadata --------------------------------------------------------------------------------
+    @abstractmethod
+    def keys(self) -> list[str]:
+        """Paths of every array in the container, in storage order."""
+
+    @abstractmethod
+    def info(self, key: str) -> ArrayInfo:
+        """Shape and dtype of array ``key``."""
+
+    @abstractmethod
+    def attrs(self, key: str = "/") -> dict[str, Any]:
+        """Attributes of the container root (``"/"``) or of one array/group."""
+
+    # -- data ------------------------------------------------------------------------------------
+    def read_ranges(self, key: str, ranges: Sequence[Sequence[int]] | np.ndarray,
+                    out: np.ndarray | None = None) -> np.ndarray:
+        """Read rows ``[start, stop)`` for each range, concatenated in range order.
+
+        Args:
+            key: array path.
+            ranges: sorted, disjoint ``[start, stop)`` pairs (may be empty; collective backends
+                still take part in the collective call then).
+            out: optional preallocated buffer of shape ``(total_rows, *row_shape)`` and the
+                array's dtype; reading straight into it avoids a copy.
+        """
+        self.ensure_open()
+        rng = normalize_ranges(ranges)
+        info = self.info(key)
+        total = int((rng[:, 1] - rng[:, 0]).sum()) if len(rng) else 0
+        if len(rng) and rng[-1, 1] > info.shape[0]:
+            raise IndexError(f"{self.url}:{key}: row {int(rng[-1, 1]) - 1} out of range for {info.shape[0]} rows")
+        want = (total, *info.row_shape)
+        if out is None:
+            out = np.empty(want, dtype=info.dtype)
+        elif out.shape != want or out.dtype != info.dtype:
+            raise ValueError(f"{self.url}:{key}: out has shape {out.shape} dtype {out.dtype}, "
+                             f"need {want} {info.dtype}")
+        self._read_ranges(key, rng, out)
+        self.stats.rows_read += total
+        self.stats.bytes_read += total * info.row_nbytes
+        return out
+
+    @abstractmethod
+    def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
+        """Fill ``out`` with the rows of ``ranges`` (already checked); count ``stats.read_calls``."""
+
+    def read_all(self, key: str) -> np.ndarray:
+        """Read a whole (small) array, e.g. an offsets index."""
+        n = self.info(key).shape[0]
+        return self.read_ranges(key, [(0, n)] if n else [])

@@ -1,0 +1,104 @@
+"""Serial HDF5 through h5py: one ``read_direct`` per contiguous row range, straight into ``out``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .base import ArrayInfo, Backend
+
+__all__ = ["HDF5Backend", "h5_keys", "h5_attrs"]
+
+
+def h5_keys(f) -> list[str]:
+    """Every dataset path in ``f`` (an h5py File), groups walked in creation/storage order."""
+    import h5py
+
+    out: list[str] = []
+
+    def walk(group, prefix: str) -> None:
+        for name, obj in group.items():
+            path = f"{prefix}{name}"
+            if isinstance(obj, h5py.Dataset):
+                out.append(path)
+            elif isinstance(obj, h5py.Group):
+                walk(obj, path + "/")
+
+    walk(f, "")
+    return out
+
+
+def h5_attrs(f, key: str) -> dict[str, Any]:
+    obj = f if key in ("/", "") else f[key]
+    return {k: (v.decode() if isinstance(v, bytes) else v) for k, v in obj.attrs.items()}
+
+
+class HDF5Backend(Backend):
+    """Reads an HDF5 file with serial h5py (any process, no MPI).
+
+    Args:
+        url: local path.
+        rdcc_nbytes: h5py chunk-cache size per dataset (default 4 MiB).
+    """
+
+    name = "hdf5"
+
+    def _handle_attrs(self):
+        return ("_file", "_dsets", "_keys")
+
+    def _open_file(self):
+        import h5py
+
+        return h5py.File(self.url, "r", rdcc_nbytes=self.options.get("rdcc_nbytes", 4 << 20))
+
+    def _open(self) -> None:
+        try:
+            self._file = self._open_file()
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{self.url}: no such HDF5 file; check the path") from exc
+        except OSError as exc:
+            raise OSError(f"{self.url}: cannot open as HDF5 ({exc}); is it an HDF5 file?") from exc
+        self._dsets: dict[str, Any] = {}
+        self._keys: list[str] | None = None
+
+    def _close(self) -> None:
+        f = self.__dict__.pop("_file", None)
+        if f is not None:
+            f.close()
+        self._dsets = {}
+
+    def _dset(self, key: str):
+        self.ensure_open()
+        d = self._dsets.get(key)
+        if d is None:
+            try:
+                d = self._dsets[key] = self._file[key]
+            except KeyError:
+                raise KeyError(f"{self.url}: no dataset {key!r}") from None
+        return d
+
+    def keys(self) -> list[str]:
+        self.ensure_open()
+        if self._keys is None:
+            self._keys = h5_keys(self._file)
+        return list(self._keys)
+
+    def info(self, key: str) -> ArrayInfo:
+        d = self._dset(key)
+        return ArrayInfo(tuple(d.shape), d.dtype)
+
+    def attrs(self, key: str = "/") -> dict[str, Any]:
+        self.ensure_open()
+        return h5_attrs(self._file, key)
+
+    def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
+        d = self._dset(key)
+        pos = 0
+        for start, stop in ranges.tolist():
+            n = stop - start
+            if n == 0:
+                continue
+            d.read_direct(out, np.s_[start:stop], np.s_[pos:pos + n])
+            pos += n
+            self.stats.read_calls += 1

@@ -1,0 +1,87 @@
+"""What this process can do: versions of the stack and the optional capabilities found.
+
+Used by ``solar info``, by the backend ``auto`` choice and by the test suite's MPI/GPU split.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+from typing import Any
+
+from solar import __version__
+from solar.dist import get_dist_info, under_mpirun
+
+__all__ = ["capabilities", "h5py_has_mpi", "dali_available", "cuda_devices"]
+
+
+def h5py_has_mpi() -> bool:
+    try:
+        import h5py
+    except ImportError:
+        return False
+    return bool(h5py.get_config().mpi)
+
+
+def dali_available() -> bool:
+    return importlib.util.find_spec("nvidia") is not None and importlib.util.find_spec("nvidia.dali") is not None
+
+
+def cuda_devices() -> list[str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+def capabilities() -> dict[str, Any]:
+    import fsspec
+    import h5py
+    import numpy
+    import torch
+
+    caps: dict[str, Any] = {
+        "solar": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "h5py": h5py.__version__,
+        "hdf5": h5py.version.hdf5_version,
+        "h5py_mpi": h5py_has_mpi(),
+        "fsspec": fsspec.__version__,
+    }
+    if importlib.util.find_spec("mpi4py") is not None:
+        import mpi4py
+
+        caps["mpi4py"] = mpi4py.__version__
+        if under_mpirun():
+            from mpi4py import MPI
+
+            caps["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
+    else:
+        caps["mpi4py"] = None
+    dist = get_dist_info()
+    caps["under_mpirun"] = under_mpirun()
+    caps["rank"] = dist.rank
+    caps["world_size"] = dist.world_size
+    caps["world_source"] = dist.source
+    caps["dali"] = None
+    if dali_available():
+        try:
+            import nvidia.dali as dali
+
+            caps["dali"] = dali.__version__
+        except Exception as exc:  # DALI import can fail on driver issues; report, do not crash
+            caps["dali"] = f"unusable: {exc}"
+    caps["cuda_devices"] = cuda_devices()
+    from fsspec.registry import known_implementations
+
+    protocols = []
+    for proto, spec in sorted(known_implementations.items()):
+        if proto in ("file", "memory", "http", "https", "s3", "gcs", "abfs", "hdfs", "sftp", "ssh", "reference"):
+            mod = spec["class"].rsplit(".", 1)[0].split(".")[0]
+            if importlib.util.find_spec(mod) is not None and (proto not in ("http", "https") or importlib.util.find_spec("aiohttp")):
+                protocols.append(proto)
+    caps["fsspec_protocols"] = protocols
+    return caps

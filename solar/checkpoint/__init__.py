@@ -1,0 +1,1 @@
+"""solar.checkpoint (see docs)."""

@@ -1,0 +1,1 @@
+"""solar.codec (see docs)."""

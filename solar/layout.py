@@ -1,0 +1,115 @@
+"""The SOLAR HDF5 layout (``solar-h5/1``): how fields, compressed samples and checksums are stored.
+
+A SOLAR file is a plain HDF5 file that h5py reads without SOLAR. Any HDF5 file whose datasets have
+a leading sample axis is also accepted (as "raw" fields).
+
+Root attributes
+    ``solar_format``  ``"solar-h5/1"``
+    ``num_samples``   N
+    ``fields``        JSON list of field names, in order
+    ``provenance``    JSON: inputs (paths/URLs, per-input sample counts), tool version, time
+    ``complete``      True once every sample is written (set last, before the atomic rename)
+
+A raw field ``NAME``
+    dataset ``/NAME`` of shape ``(N, *sample_shape)`` and the sample dtype.
+
+A compressed field ``NAME`` (variable-length codec blobs)
+    group ``/NAME`` with attrs ``codec`` (versioned descriptor, e.g. ``"ebq/1"``), ``codec_config``
+    (JSON), ``sample_shape``, ``dtype``, and ``abs_error`` (the guaranteed absolute bound);
+    dataset ``/NAME/data``: uint8, all blobs back to back in sample order;
+    dataset ``/NAME/offsets``: int64, shape ``(N + 1,)``; blob i is ``data[offsets[i]:offsets[i+1]]``.
+
+Checksums
+    dataset ``/_solar/checksum/NAME``: uint64, shape ``(N,)``: xxh3-64 of sample i's stored bytes
+    (the raw sample's C-order bytes, or the blob).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+__all__ = ["FORMAT", "FieldSpec", "describe_fields", "checksum_key", "sample_checksum"]
+
+FORMAT = "solar-h5/1"
+CHECKSUM_GROUP = "_solar/checksum"
+
+
+def checksum_key(field: str) -> str:
+    return f"{CHECKSUM_GROUP}/{field}"
+
+
+def sample_checksum(buf: bytes | memoryview | np.ndarray) -> int:
+    """xxh3-64 of a sample's stored bytes (C order for arrays)."""
+    import xxhash
+
+    if isinstance(buf, np.ndarray):
+        buf = np.ascontiguousarray(buf).view(np.uint8).reshape(-1)
+    return xxhash.xxh3_64_intdigest(memoryview(buf))
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """What one field of a dataset is and where its bytes live."""
+
+    name: str
+    kind: Literal["raw", "codec"]
+    sample_shape: tuple[int, ...]
+    dtype: np.dtype
+    #: raw: the dataset path; codec: the ``data`` dataset path (offsets at ``offsets_key``)
+    data_key: str
+    offsets_key: str | None = None
+    codec: str | None = None
+    codec_config: dict[str, Any] | None = None
+    abs_error: float | None = None
+
+
+def describe_fields(backend, fields=None) -> tuple[int, list[FieldSpec]]:
+    """Parse the layout of an opened :class:`solar.io_backends.Backend`.
+
+    Returns ``(num_samples, specs)`` for ``fields`` (``None``: every field, in file order).
+    Raises :class:`solar.DatasetFormatError` naming the file and field when the layout is not
+    usable (no leading sample axis, fields of different lengths, unknown field).
+    """
+    from solar.errors import DatasetFormatError
+
+    root = backend.attrs("/")
+    keys = backend.keys()
+    if root.get("solar_format") == FORMAT and "fields" in root:
+        order = list(json.loads(root["fields"]))
+    else:
+        order = [k for k in keys if "/" not in k and not k.startswith("_solar")]
+        order += sorted({k.split("/")[0] for k in keys if k.endswith("/data") and k.split("/")[0] not in order
+                         and not k.startswith("_solar")})
+    if fields is None:
+        fields = order
+    elif isinstance(fields, str):
+        fields = [fields]
+    specs: list[FieldSpec] = []
+    for name in fields:
+        if name in keys:
+            info = backend.info(name)
+            if len(info.shape) < 1:
+                raise DatasetFormatError(f"{backend.url}: field {name!r} is a scalar; fields need a leading sample axis")
+            specs.append(FieldSpec(name, "raw", info.row_shape, info.dtype, name))
+        elif f"{name}/data" in keys and f"{name}/offsets" in keys:
+            a = backend.attrs(name)
+            specs.append(FieldSpec(
+                name, "codec", tuple(int(s) for s in a["sample_shape"]), np.dtype(a["dtype"]),
+                f"{name}/data", f"{name}/offsets", str(a["codec"]),
+                json.loads(a.get("codec_config", "{}")), float(a["abs_error"]) if "abs_error" in a else None))
+        else:
+            raise DatasetFormatError(
+                f"{backend.url}: no field {name!r}; available: {', '.join(order) or 'none'}")
+    if not specs:
+        raise DatasetFormatError(f"{backend.url}: no fields with a leading sample axis found")
+    lengths = {}
+    for s in specs:
+        lengths[s.name] = backend.info(s.data_key).shape[0] if s.kind == "raw" else backend.info(s.offsets_key).shape[0] - 1
+    if len(set(lengths.values())) != 1:
+        raise DatasetFormatError(f"{backend.url}: fields have different numbers of samples: {lengths}; "
+                                 "pass fields=... to pick fields of one length")
+    return next(iter(lengths.values())), specs

@@ -1,0 +1,1 @@
+"""solar.testing (see docs)."""

@@ -1,0 +1,49 @@
+"""The `solar` entry point: --version, info, unknown commands."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import solar
+from solar.cli import main
+
+
+def test_version(capsys):
+    try:
+        main(["--version"])
+    except SystemExit as exc:
+        assert exc.code == 0
+    assert capsys.readouterr().out.strip() == f"solar {solar.__version__}"
+
+
+def test_info_json_reports_capabilities(capsys):
+    assert main(["info", "--json"]) == 0
+    caps = json.loads(capsys.readouterr().out)
+    for key in ("torch", "h5py", "h5py_mpi", "world_size", "dali", "cuda_devices", "fsspec_protocols"):
+        assert key in caps
+    assert caps["world_size"] >= 1
+    assert "file" in caps["fsspec_protocols"] and "memory" in caps["fsspec_protocols"]
+
+
+def test_console_script_installed():
+    out = subprocess.run([sys.executable, "-m", "solar.cli", "info"], capture_output=True, text=True, check=True).stdout
+    assert "h5py_mpi" in out and "torch" in out
+
+
+def test_unknown_command_fails():
+    try:
+        rc = main(["frobnicate"])
+    except SystemExit as exc:
+        rc = exc.code
+    assert rc != 0
+
+
+def test_demo_writes_and_reads_back(tmp_path, capsys):
+    rc = main(["demo", "--samples", "24", "--size", "16", "--out", str(tmp_path), "--ranks", "1"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "match" in out and "MISMATCH" not in out
+    assert (tmp_path / "ptycho.h5").exists()
+    assert not (tmp_path / "ptycho.h5.tmp").exists()
