@@ -21,6 +21,8 @@ registry.register(
     hint="pip install 'solar-loader[mpi]' and h5py built with MPI (run `make test` to set it up)",
 )
 registry.register("fsspec", "solar.io_backends.fsspec:FsspecBackend", hint="pip install fsspec")
+registry.register("throttled", "solar.io_backends.throttled:ThrottledBackend",
+                  hint="part of SOLAR; wraps another backend (inner=...) with bandwidth= and latency=")
 
 
 def get_backend(name: str) -> type[Backend]:

@@ -1,0 +1,108 @@
+"""A backend wrapper that makes storage slower on purpose: a bandwidth cap and a per-request latency.
+
+Benchmarks on one laptop-sized machine read files that sit in the page cache, at memory speed.
+A rank on a shared parallel file system sees something else: each request pays a round trip, and
+the bytes it moves share the link with every other rank. ``ThrottledBackend`` models that share so
+benchmark ratios (coalesced vs per-sample reads, hit rates that save reads) mean what they would
+on a PFS.
+
+NOTE [ Throttle model ]
+    A call that made ``k`` storage requests and moved ``b`` bytes takes at least
+    ``k * latency + b / bandwidth`` seconds; if the real read was faster, the wrapper sleeps for
+    the difference. Requests are what the inner backend counts in ``stats.read_calls`` (one per
+    contiguous range for h5py, one per collective call for parallel HDF5, one per byte range for
+    fsspec), so coalescing ranges pays fewer latencies, exactly as on real storage. The model is
+    per process: with ``P`` ranks sharing an aggregate bandwidth ``B``, pass ``bandwidth=B / P``.
+
+Use it directly, ``ThrottledBackend(HDF5Backend(path), bandwidth=200e6, latency=2e-3)``, or by
+name, ``open_backend(path, "throttled", inner="hdf5", bandwidth=200e6, latency=2e-3)``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from solar.errors import ConfigError
+
+from .base import ArrayInfo, Backend
+
+__all__ = ["ThrottledBackend"]
+
+
+class ThrottledBackend(Backend):
+    """Wraps another backend; every read is slowed to at most ``bandwidth`` and pays ``latency``.
+
+    Args:
+        source: the backend to wrap, or a path/URL (then ``inner`` names the backend that opens
+            it, default ``"auto"``, and the remaining options go to it), so
+            ``open_backend(url, "throttled", inner="hdf5", bandwidth=...)`` works.
+        bandwidth: bytes per second this process may move (``None``: unlimited).
+        latency: seconds added per storage request (``0``: none).
+        inner: registry name of the wrapped backend when ``source`` is a path/URL.
+    """
+
+    name = "throttled"
+
+    def __init__(self, source: Backend | str, bandwidth: float | None = None, latency: float = 0.0,
+                 inner: str = "auto", **options: Any) -> None:
+        if isinstance(source, Backend):
+            if options:
+                raise ConfigError(f"options {sorted(options)} apply only when ThrottledBackend opens a path; "
+                                  "pass them to the inner backend instead")
+        else:
+            from . import open_backend
+
+            if not isinstance(inner, str) or inner == self.name:
+                raise ConfigError(f"inner= must name a registered backend other than 'throttled', got {inner!r}")
+            source = open_backend(source, inner, **options)
+        inner_backend: Backend = source
+        if bandwidth is not None and not bandwidth > 0:
+            raise ConfigError(f"bandwidth must be > 0 bytes/s or None (unlimited), got bandwidth={bandwidth!r}")
+        if latency < 0:
+            raise ConfigError(f"latency must be >= 0 seconds, got latency={latency!r}")
+        super().__init__(inner_backend.url)
+        self.inner = inner_backend
+        self.bandwidth = None if bandwidth is None else float(bandwidth)
+        self.latency = float(latency)
+        # A collective inner backend stays collective: every rank must still make every call.
+        self.collective = inner_backend.collective
+
+    def __repr__(self) -> str:
+        return f"ThrottledBackend({self.inner!r}, bandwidth={self.bandwidth}, latency={self.latency})"
+
+    def _open(self) -> None:
+        self.inner.ensure_open()
+
+    def _close(self) -> None:
+        self.inner.close()
+
+    def keys(self) -> list[str]:
+        return self.inner.keys()
+
+    def info(self, key: str) -> ArrayInfo:
+        return self.inner.info(key)
+
+    def attrs(self, key: str = "/") -> dict[str, Any]:
+        return self.inner.attrs(key)
+
+    def delay_for(self, calls: int, nbytes: int) -> float:
+        """Seconds the modelled storage needs for ``calls`` requests moving ``nbytes`` bytes."""
+        t = calls * self.latency
+        if self.bandwidth is not None:
+            t += nbytes / self.bandwidth
+        return t
+
+    def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
+        calls0, bytes0 = self.inner.stats.read_calls, self.inner.stats.bytes_read
+        t0 = time.perf_counter()
+        self.inner.read_ranges(key, ranges, out=out)
+        spent = time.perf_counter() - t0
+        calls = self.inner.stats.read_calls - calls0
+        wait = self.delay_for(calls, self.inner.stats.bytes_read - bytes0) - spent
+        if wait > 0:
+            time.sleep(wait)
+            self.stats.extra["throttle_sleep_us"] = self.stats.extra.get("throttle_sleep_us", 0) + int(wait * 1e6)
+        self.stats.read_calls += calls
