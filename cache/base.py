@@ -96,6 +96,39 @@ class Tier(ABC):
     def close(self) -> None:
         """Release resources; the default does nothing."""
 
+    # -- optional extensions (compatible defaults; persistent tiers override them for speed) --
+
+    def exists(self, key: Hashable) -> bool:
+        """Whether ``key`` is stored, without counting a hit or a miss (dedup probes are not reads)."""
+        return key in self
+
+    def keys_with_prefix(self, prefix: str) -> Iterator[Hashable]:
+        """Keys that are strings starting with ``prefix`` (e.g. ``"chunks/"``)."""
+        return (k for k in self.keys() if isinstance(k, str) and k.startswith(prefix))
+
+    def read_into(self, key: Hashable, out: memoryview) -> int | None:
+        """Copy the value under ``key`` into ``out`` (a writable byte view); return its size or ``None``.
+
+        Lets a reader fill a preallocated buffer without an intermediate ``bytes`` object where the
+        tier can (a disk tier reads straight into it); the default goes through :meth:`get`.
+        """
+        value = self.get(key)
+        if value is None:
+            return None
+        src = memoryview(value).cast("B")
+        if src.nbytes > out.nbytes:
+            raise ValueError(f"value under {key!r} has {src.nbytes} B, the buffer only {out.nbytes} B")
+        out[: src.nbytes] = src
+        return src.nbytes
+
+    @classmethod
+    def example(cls, scratch_dir: str, capacity_bytes: int | None = None) -> "Tier":
+        """A fresh, empty instance for the conformance suite (:mod:`solar.testing.tiers`).
+
+        Tiers that need a location (a directory, a URL) override this to put it under ``scratch_dir``.
+        """
+        return cls(capacity_bytes=capacity_bytes)
+
     def __repr__(self) -> str:
         cap = "unbounded" if self.capacity_bytes is None else f"{self.capacity_bytes} B"
         return f"{type(self).__name__}({cap}, {self.nbytes} B used)"

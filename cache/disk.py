@@ -1,0 +1,244 @@
+"""Node-local disk tier: one file per key under a directory, every write atomic.
+
+A put writes a hidden temporary file next to its destination, ``fsync``s it and renames it into
+place, so a reader (or a process restarted after ``SIGKILL`` or a power cut) sees either the old
+value or the new one, never a torn file. That is what lets the checkpoint writer treat a chunk file
+that exists as a complete chunk. Temporaries left by a killed writer are invisible to :meth:`keys`
+and removed by :meth:`cleanup_temp`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import uuid
+from typing import Any, Hashable, Iterator
+
+from .base import Tier, TierFullError
+
+__all__ = ["DiskTier", "key_to_relpath", "relpath_to_key", "write_atomic"]
+
+_TMP_MARK = ".tmp-"
+
+
+def key_to_relpath(key: Hashable) -> str:
+    """The relative path (``/``-separated) a key is stored under.
+
+    String keys are paths (``"chunks/ab/abcd..."``); int keys (sample indices) map to ``"#<int>"``.
+    Components may not be empty, ``.``/``..`` or start with a dot (dot names are temporaries).
+    """
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise TypeError(f"file-backed tiers take str or int keys, got {type(key).__name__} {key!r}")
+    if isinstance(key, int):
+        return f"#{key}"
+    parts = key.split("/")
+    if not key or any(not p or p.startswith(".") for p in parts):
+        raise ValueError(f"invalid tier key {key!r}: use non-empty '/'-separated names that do not start with '.'")
+    return key
+
+
+def relpath_to_key(rel: str) -> Hashable:
+    if rel.startswith("#"):
+        try:
+            return int(rel[1:])
+        except ValueError:
+            return rel
+    return rel
+
+
+def _view(value: Any) -> memoryview:
+    return memoryview(value).cast("B")
+
+
+def write_atomic(path: str, value: Any, *, fsync: bool = True) -> int:
+    """Write ``value`` to ``path`` via a temporary file + fsync + rename; return the bytes written.
+
+    Raises:
+        TierFullError: the file system is out of space (the temporary is removed, ``path`` untouched).
+    """
+    view = _view(value)
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            done = 0
+            while done < view.nbytes:
+                done += os.write(fd, view[done:])
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise TierFullError(
+                f"no space left on the device writing {path} ({view.nbytes} B); free space or point the "
+                f"tier at a larger file system (nothing was replaced)"
+            ) from exc
+        raise
+    if fsync:
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    return view.nbytes
+
+
+class DiskTier(Tier):
+    """Files under ``root``; ``put`` is atomic (temp + fsync + rename) and respects the byte budget.
+
+    Args:
+        root: directory (created if missing).
+        capacity_bytes: byte budget, or ``None`` for "as much as the file system holds".
+        fsync: fsync files and their directory on every put (durable against power loss; turning it
+            off keeps atomicity against process crashes only).
+    """
+
+    name = "disk"
+    persistent = True
+
+    def __init__(self, root: str, capacity_bytes: int | None = None, *, fsync: bool = True) -> None:
+        super().__init__(capacity_bytes)
+        self.root = os.path.abspath(os.fspath(root))
+        self.fsync = fsync
+        os.makedirs(self.root, exist_ok=True)
+        self._lock = threading.Lock()
+        self._used: int | None = None  # scanned lazily: a large store should not be walked on open
+
+    @classmethod
+    def example(cls, scratch_dir: str, capacity_bytes: int | None = None) -> "DiskTier":
+        return cls(os.path.join(scratch_dir, "disk-tier"), capacity_bytes)
+
+    def path(self, key: Hashable) -> str:
+        return os.path.join(self.root, *key_to_relpath(key).split("/"))
+
+    def _size(self, path: str) -> int:
+        try:
+            return os.stat(path).st_size
+        except FileNotFoundError:
+            return 0
+
+    def _usage(self) -> int:
+        if self._used is None:
+            self._used = sum(self._size(self.path(k)) for k in self.keys())
+        return self._used
+
+    def get(self, key: Hashable) -> bytes | None:
+        try:
+            with open(self.path(key), "rb") as f:
+                data = f.read()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        self.stats.bytes_out += len(data)
+        return data
+
+    def read_into(self, key: Hashable, out: memoryview) -> int | None:
+        try:
+            f = open(self.path(key), "rb", buffering=0)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            self.stats.misses += 1
+            return None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size > out.nbytes:
+                raise ValueError(f"{self.path(key)} has {size} B, the buffer only {out.nbytes} B")
+            done = 0
+            while done < size:
+                n = f.readinto(out[done:size])
+                if not n:
+                    break
+                done += n
+        self.stats.hits += 1
+        self.stats.bytes_out += done
+        return done
+
+    def put(self, key: Hashable, value: Any) -> bool:
+        path = self.path(key)
+        n = _view(value).nbytes
+        with self._lock:
+            if self.capacity_bytes is not None:
+                delta = n - self._size(path)
+                if self._usage() + delta > self.capacity_bytes:
+                    self.stats.rejected += 1
+                    return False
+        old = self._size(path) if self._used is not None else 0
+        write_atomic(path, value, fsync=self.fsync)
+        with self._lock:
+            if self._used is not None:
+                self._used += n - old
+            self.stats.bytes_in += n
+        return True
+
+    def delete(self, key: Hashable) -> bool:
+        path = self.path(key)
+        try:
+            size = os.stat(path).st_size
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        with self._lock:
+            if self._used is not None:
+                self._used -= size
+            self.stats.evictions += 1
+        return True
+
+    def exists(self, key: Hashable) -> bool:
+        return os.path.isfile(self.path(key))
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            return self.exists(key)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return False
+
+    def _walk(self, top: str) -> Iterator[str]:
+        for dirpath, dirnames, filenames in os.walk(top):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            rel = os.path.relpath(dirpath, self.root)
+            for name in sorted(filenames):
+                if not name.startswith("."):
+                    yield name if rel == "." else f"{rel}/{name}".replace(os.sep, "/")
+
+    def keys(self) -> Iterator[Hashable]:
+        return (relpath_to_key(r) for r in self._walk(self.root))
+
+    def keys_with_prefix(self, prefix: str) -> Iterator[Hashable]:
+        head, _, _ = prefix.rpartition("/")
+        top = os.path.join(self.root, *head.split("/")) if head else self.root
+        return (relpath_to_key(r) for r in self._walk(top) if r.startswith(prefix))
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return self._usage()
+
+    def clear(self) -> None:
+        for key in list(self.keys()):
+            self.delete(key)
+
+    def cleanup_temp(self) -> int:
+        """Remove temporaries left by killed writers; return how many. Call only while no writer runs."""
+        removed = 0
+        for dirpath, _dirnames, filenames in os.walk(self.root):
+            for name in filenames:
+                if name.startswith(".") and _TMP_MARK in name:
+                    try:
+                        os.unlink(os.path.join(dirpath, name))
+                        removed += 1
+                    except FileNotFoundError:
+                        pass
+        return removed
+
+    def __repr__(self) -> str:
+        cap = "unbounded" if self.capacity_bytes is None else f"{self.capacity_bytes} B"
+        return f"DiskTier({self.root!r}, {cap})"

@@ -1,0 +1,151 @@
+"""Conformance suite every storage tier runs (shipped, so plug-in tiers can run it too).
+
+Use it by subclassing :class:`TierTests` in a pytest module and providing a ``tier_cls`` fixture
+that yields the class under test; the suite builds instances with ``tier_cls.example(dir, cap)``::
+
+    @pytest.fixture(params=solar.cache.registry.names())
+    def tier_cls(request):
+        return solar.cache.get_tier(request.param)
+
+    class TestMyTiers(TierTests):
+        pass
+
+The checks are what the loader and the checkpoint writer rely on: values round-trip byte-exact,
+misses are ``None`` and counted, ``exists`` counts nothing, the byte budget is enforced without
+storing anything, deletes and overwrites keep :attr:`~solar.cache.Tier.nbytes` exact, no temporary
+ever shows up as a key, and persistent tiers keep values across instances.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import numpy as np
+
+__all__ = ["TierTests"]
+
+
+def _fresh(tier_cls, capacity=None):
+    return tier_cls.example(tempfile.mkdtemp(prefix="solar-tier-"), capacity)
+
+
+class TierTests:
+    """Mix-in test class; needs a ``tier_cls`` fixture (a :class:`~solar.cache.Tier` subclass)."""
+
+    def test_roundtrip_bytes_like(self, tier_cls, tmp_path):
+        tier = tier_cls.example(str(tmp_path), None)
+        values = {
+            "a": b"hello",
+            "dir/b": bytearray(b"\x00\x01" * 1000),
+            "dir/sub/c": np.arange(1000, dtype=np.float32),
+            "empty": b"",
+        }
+        for key, value in values.items():
+            assert tier.put(key, value) is True
+        for key, value in values.items():
+            got = tier.get(key)
+            assert got is not None, key
+            assert bytes(memoryview(got).cast("B")) == bytes(memoryview(value).cast("B")), key
+        assert sorted(tier.keys()) == sorted(values)
+        assert tier.stats.hits == len(values)
+
+    def test_miss_is_none_and_counted(self, tier_cls, tmp_path):
+        tier = tier_cls.example(str(tmp_path), None)
+        assert tier.get("nope") is None
+        assert tier.stats.misses == 1 and tier.stats.hits == 0
+        assert "nope" not in tier
+
+    def test_exists_counts_nothing(self, tier_cls, tmp_path):
+        tier = tier_cls.example(str(tmp_path), None)
+        tier.put("k", b"v")
+        before = tier.stats.as_dict()
+        assert tier.exists("k") and not tier.exists("missing")
+        assert tier.stats.as_dict() == before
+
+    def test_delete_and_contains(self, tier_cls, tmp_path):
+        tier = tier_cls.example(str(tmp_path), None)
+        tier.put("x/y", b"123")
+        assert "x/y" in tier
+        assert tier.delete("x/y") is True
+        assert "x/y" not in tier and tier.get("x/y") is None
+        assert tier.delete("x/y") is False
+
+    def test_nbytes_tracks_overwrite_and_delete(self, tier_cls, tmp_path):
+        tier = tier_cls.example(str(tmp_path), None)
+        tier.put("a", b"x" * 100)
+        tier.put("b", b"y" * 50)
+        assert tier.nbytes == 150
+        tier.put("a", b"z" * 10)
+        assert tier.nbytes == 60 and tier.get("a") == b"z" * 10
+        tier.delete("b")
+        assert tier.nbytes == 10
+        tier.clear()
+        assert tier.nbytes == 0 and len(tier) == 0
+
+    def test_budget_rejects_without_storing(self, tier_cls, tmp_path):
+        tier = tier_cls.example(str(tmp_path), 100)
+        assert tier.put("a", b"x" * 60)
+        assert tier.fits(40) and not tier.fits(41)
+        assert tier.put("b", b"y" * 41) is False
+        assert "b" not in tier and tier.nbytes == 60 and tier.stats.rejected == 1
+        assert tier.put("a", b"x" * 100) is True  # an overwrite only needs the difference
+        assert tier.nbytes == 100
+
+    def test_prefix_listing(self, tier_cls, tmp_path):
+        tier = tier_cls.example(str(tmp_path), None)
+        for key in ["chunks/aa/1", "chunks/ab/2", "manifests/3", "chunksx"]:
+            tier.put(key, b"v")
+        assert sorted(tier.keys_with_prefix("chunks/")) == ["chunks/aa/1", "chunks/ab/2"]
+        assert sorted(tier.keys_with_prefix("manifests/")) == ["manifests/3"]
+        assert sorted(tier.keys_with_prefix("chunks")) == ["chunks/aa/1", "chunks/ab/2", "chunksx"]
+
+    def test_read_into_fills_buffer(self, tier_cls, tmp_path):
+        tier = tier_cls.example(str(tmp_path), None)
+        data = np.random.default_rng(0).integers(0, 255, 4096, dtype=np.uint8)
+        tier.put("blob", data)
+        out = bytearray(5000)
+        assert tier.read_into("blob", memoryview(out)) == 4096
+        assert bytes(out[:4096]) == data.tobytes()
+        assert tier.read_into("missing", memoryview(out)) is None
+
+    def test_persistence_matches_flag(self, tier_cls, tmp_path):
+        first = tier_cls.example(str(tmp_path), None)
+        first.put("keep", b"value")
+        second = tier_cls.example(str(tmp_path), None)
+        if tier_cls.persistent:
+            assert second.get("keep") == b"value"
+            assert second.nbytes == 5
+        else:
+            assert second.get("keep") is None
+
+    def test_model_based_operations(self, tier_cls):
+        """Random put/delete/overwrite sequences agree with a dict (Hypothesis)."""
+        from hypothesis import given, settings
+        from hypothesis import strategies as st
+
+        ops = st.lists(
+            st.tuples(st.sampled_from(["put", "delete", "get"]), st.sampled_from(["a", "b", "c/d", "c/e", 7]),
+                      st.binary(max_size=64)),
+            max_size=12,
+        )
+
+        @settings(max_examples=25, deadline=None)
+        @given(ops)
+        def check(sequence):
+            tier = _fresh(tier_cls, 256)
+            model: dict = {}
+            for op, key, value in sequence:
+                if op == "put":
+                    fits = sum(len(v) for k, v in model.items() if k != key) + len(value) <= 256
+                    assert tier.put(key, value) is fits
+                    if fits:
+                        model[key] = value
+                elif op == "delete":
+                    assert tier.delete(key) is (model.pop(key, None) is not None)
+                else:
+                    got = tier.get(key)
+                    assert (None if got is None else bytes(memoryview(got).cast("B"))) == model.get(key)
+            assert sorted(map(str, tier.keys())) == sorted(map(str, model))
+            assert tier.nbytes == sum(len(v) for v in model.values())
+
+        check()
