@@ -17,7 +17,7 @@ from typing import Any, Hashable, Iterator
 
 from .base import Tier, TierFullError
 
-__all__ = ["DiskTier", "key_to_relpath", "relpath_to_key", "write_atomic"]
+__all__ = ["DiskTier", "FileTier", "key_to_relpath", "relpath_to_key", "write_atomic"]
 
 _TMP_MARK = ".tmp-"
 
@@ -92,7 +92,110 @@ def write_atomic(path: str, value: Any, *, fsync: bool = True) -> int:
     return view.nbytes
 
 
-class DiskTier(Tier):
+class FileTier(Tier):
+    """Shared logic of tiers that keep one file (or object) per key: budget, counters, listing.
+
+    Subclasses provide the storage primitives :meth:`path`, :meth:`_size`, :meth:`_read`,
+    :meth:`_write` (atomic), :meth:`_unlink` and :meth:`_list`.
+    """
+
+    persistent = True
+
+    def __init__(self, capacity_bytes: int | None = None) -> None:
+        super().__init__(capacity_bytes)
+        self._lock = threading.Lock()
+        self._used: int | None = None  # scanned lazily: a large store should not be walked on open
+
+    # -- primitives --
+    def path(self, key: Hashable) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _size(self, path: str) -> int:  # 0 if missing
+        raise NotImplementedError
+
+    def _read(self, path: str) -> bytes:  # raises FileNotFoundError
+        raise NotImplementedError
+
+    def _write(self, path: str, view: memoryview) -> None:
+        raise NotImplementedError
+
+    def _unlink(self, path: str) -> None:  # raises FileNotFoundError
+        raise NotImplementedError
+
+    def _list(self, head: str) -> Iterator[str]:
+        """Relative paths of the visible files below the relative directory ``head``."""
+        raise NotImplementedError
+
+    # -- the Tier contract --
+    def _usage(self) -> int:
+        if self._used is None:
+            self._used = sum(self._size(self.path(k)) for k in self.keys())
+        return self._used
+
+    def _count_read(self, nbytes: int | None) -> None:
+        if nbytes is None:
+            self.stats.misses += 1
+        else:
+            self.stats.hits += 1
+            self.stats.bytes_out += nbytes
+
+    def get(self, key: Hashable) -> bytes | None:
+        try:
+            data = self._read(self.path(key))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            data = None
+        self._count_read(None if data is None else len(data))
+        return data
+
+    def put(self, key: Hashable, value: Any) -> bool:
+        path = self.path(key)
+        view = _view(value)
+        n = view.nbytes
+        with self._lock:
+            if self.capacity_bytes is not None and self._usage() + n - self._size(path) > self.capacity_bytes:
+                self.stats.rejected += 1
+                return False
+        old = self._size(path) if self._used is not None else 0
+        self._write(path, view)
+        with self._lock:
+            if self._used is not None:
+                self._used += n - old
+            self.stats.bytes_in += n
+        return True
+
+    def delete(self, key: Hashable) -> bool:
+        path = self.path(key)
+        size = self._size(path)
+        try:
+            self._unlink(path)
+        except FileNotFoundError:
+            return False
+        with self._lock:
+            if self._used is not None:
+                self._used -= size
+            self.stats.evictions += 1
+        return True
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            return self.exists(key)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return False
+
+    def keys(self) -> Iterator[Hashable]:
+        return (relpath_to_key(r) for r in self._list(""))
+
+    def keys_with_prefix(self, prefix: str) -> Iterator[Hashable]:
+        head = prefix.rpartition("/")[0]
+        return (relpath_to_key(r) for r in self._list(head) if r.startswith(prefix))
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return self._usage()
+
+
+class DiskTier(FileTier):
     """Files under ``root``; ``put`` is atomic (temp + fsync + rename) and respects the byte budget.
 
     Args:
@@ -103,15 +206,12 @@ class DiskTier(Tier):
     """
 
     name = "disk"
-    persistent = True
 
     def __init__(self, root: str, capacity_bytes: int | None = None, *, fsync: bool = True) -> None:
         super().__init__(capacity_bytes)
         self.root = os.path.abspath(os.fspath(root))
         self.fsync = fsync
         os.makedirs(self.root, exist_ok=True)
-        self._lock = threading.Lock()
-        self._used: int | None = None  # scanned lazily: a large store should not be walked on open
 
     @classmethod
     def example(cls, scratch_dir: str, capacity_bytes: int | None = None) -> "DiskTier":
@@ -123,85 +223,21 @@ class DiskTier(Tier):
     def _size(self, path: str) -> int:
         try:
             return os.stat(path).st_size
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return 0
 
-    def _usage(self) -> int:
-        if self._used is None:
-            self._used = sum(self._size(self.path(k)) for k in self.keys())
-        return self._used
+    def _read(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
 
-    def get(self, key: Hashable) -> bytes | None:
-        try:
-            with open(self.path(key), "rb") as f:
-                data = f.read()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            self.stats.misses += 1
-            return None
-        self.stats.hits += 1
-        self.stats.bytes_out += len(data)
-        return data
+    def _write(self, path: str, view: memoryview) -> None:
+        write_atomic(path, view, fsync=self.fsync)
 
-    def read_into(self, key: Hashable, out: memoryview) -> int | None:
-        try:
-            f = open(self.path(key), "rb", buffering=0)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            self.stats.misses += 1
-            return None
-        with f:
-            size = os.fstat(f.fileno()).st_size
-            if size > out.nbytes:
-                raise ValueError(f"{self.path(key)} has {size} B, the buffer only {out.nbytes} B")
-            done = 0
-            while done < size:
-                n = f.readinto(out[done:size])
-                if not n:
-                    break
-                done += n
-        self.stats.hits += 1
-        self.stats.bytes_out += done
-        return done
+    def _unlink(self, path: str) -> None:
+        os.unlink(path)
 
-    def put(self, key: Hashable, value: Any) -> bool:
-        path = self.path(key)
-        n = _view(value).nbytes
-        with self._lock:
-            if self.capacity_bytes is not None:
-                delta = n - self._size(path)
-                if self._usage() + delta > self.capacity_bytes:
-                    self.stats.rejected += 1
-                    return False
-        old = self._size(path) if self._used is not None else 0
-        write_atomic(path, value, fsync=self.fsync)
-        with self._lock:
-            if self._used is not None:
-                self._used += n - old
-            self.stats.bytes_in += n
-        return True
-
-    def delete(self, key: Hashable) -> bool:
-        path = self.path(key)
-        try:
-            size = os.stat(path).st_size
-            os.unlink(path)
-        except FileNotFoundError:
-            return False
-        with self._lock:
-            if self._used is not None:
-                self._used -= size
-            self.stats.evictions += 1
-        return True
-
-    def exists(self, key: Hashable) -> bool:
-        return os.path.isfile(self.path(key))
-
-    def __contains__(self, key: object) -> bool:
-        try:
-            return self.exists(key)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            return False
-
-    def _walk(self, top: str) -> Iterator[str]:
+    def _list(self, head: str) -> Iterator[str]:
+        top = os.path.join(self.root, *head.split("/")) if head else self.root
         for dirpath, dirnames, filenames in os.walk(top):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
             rel = os.path.relpath(dirpath, self.root)
@@ -209,22 +245,28 @@ class DiskTier(Tier):
                 if not name.startswith("."):
                     yield name if rel == "." else f"{rel}/{name}".replace(os.sep, "/")
 
-    def keys(self) -> Iterator[Hashable]:
-        return (relpath_to_key(r) for r in self._walk(self.root))
+    def read_into(self, key: Hashable, out: memoryview) -> int | None:
+        path = self.path(key)
+        try:
+            f = open(path, "rb", buffering=0)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            self._count_read(None)
+            return None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size > out.nbytes:
+                raise ValueError(f"{path} has {size} B, the buffer only {out.nbytes} B")
+            done = 0
+            while done < size:
+                n = f.readinto(out[done:size])
+                if not n:
+                    break
+                done += n
+        self._count_read(done)
+        return done
 
-    def keys_with_prefix(self, prefix: str) -> Iterator[Hashable]:
-        head, _, _ = prefix.rpartition("/")
-        top = os.path.join(self.root, *head.split("/")) if head else self.root
-        return (relpath_to_key(r) for r in self._walk(top) if r.startswith(prefix))
-
-    @property
-    def nbytes(self) -> int:
-        with self._lock:
-            return self._usage()
-
-    def clear(self) -> None:
-        for key in list(self.keys()):
-            self.delete(key)
+    def exists(self, key: Hashable) -> bool:
+        return os.path.isfile(self.path(key))
 
     def cleanup_temp(self) -> int:
         """Remove temporaries left by killed writers; return how many. Call only while no writer runs."""

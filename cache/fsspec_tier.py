@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import errno
 import posixpath
-import threading
 import uuid
-from typing import Any, Hashable, Iterator
+from typing import Hashable, Iterator
 
-from .base import Tier, TierFullError
-from .disk import key_to_relpath, relpath_to_key
+from .base import TierFullError
+from .disk import FileTier, key_to_relpath
 
 __all__ = ["FsspecTier"]
 
@@ -23,7 +22,7 @@ __all__ = ["FsspecTier"]
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory", "http", "https"}
 
 
-class FsspecTier(Tier):
+class FsspecTier(FileTier):
     """Keys are paths below ``url`` on an fsspec file system.
 
     Args:
@@ -33,20 +32,17 @@ class FsspecTier(Tier):
     """
 
     name = "fsspec"
-    persistent = True
 
     def __init__(self, url: str, capacity_bytes: int | None = None, *, storage_options: dict | None = None) -> None:
         super().__init__(capacity_bytes)
         from fsspec.core import url_to_fs
 
         self.url = str(url)
-        self.fs, self.root = url_to_fs(self.url, **(storage_options or {}))
-        self.root = self.root.rstrip("/") or "/"
+        self.fs, root = url_to_fs(self.url, **(storage_options or {}))
+        self.root = root.rstrip("/") or "/"
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         self.rename_atomic = not (set(protocols) & _OBJECT_STORES)
         self.fs.makedirs(self.root, exist_ok=True)
-        self._lock = threading.Lock()
-        self._used: int | None = None
 
     @classmethod
     def example(cls, scratch_dir: str, capacity_bytes: int | None = None) -> "FsspecTier":
@@ -61,31 +57,10 @@ class FsspecTier(Tier):
         except (FileNotFoundError, OSError):
             return 0
 
-    def _usage(self) -> int:
-        if self._used is None:
-            self._used = sum(self._size(self.path(k)) for k in self.keys())
-        return self._used
+    def _read(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
 
-    def get(self, key: Hashable) -> bytes | None:
-        try:
-            data = self.fs.cat_file(self.path(key))
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            self.stats.misses += 1
-            return None
-        self.stats.hits += 1
-        self.stats.bytes_out += len(data)
-        return data
-
-    def put(self, key: Hashable, value: Any) -> bool:
-        path = self.path(key)
-        view = memoryview(value).cast("B")
-        n = view.nbytes
-        with self._lock:
-            if self.capacity_bytes is not None:
-                if self._usage() + n - self._size(path) > self.capacity_bytes:
-                    self.stats.rejected += 1
-                    return False
-        old = self._size(path) if self._used is not None else 0
+    def _write(self, path: str, view: memoryview) -> None:
         parent = posixpath.dirname(path)
         target = path
         if self.rename_atomic:
@@ -103,57 +78,24 @@ class FsspecTier(Tier):
                 except (OSError, FileNotFoundError):
                     pass
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise TierFullError(f"no space left writing {self.url}/{key} ({n} B); free space on that storage") from exc
+                raise TierFullError(f"no space left writing {path} on {self.url} ({view.nbytes} B); free space on that storage") from exc
             raise
-        with self._lock:
-            if self._used is not None:
-                self._used += n - old
-            self.stats.bytes_in += n
-        return True
 
-    def delete(self, key: Hashable) -> bool:
-        path = self.path(key)
-        size = self._size(path)
-        try:
-            self.fs.rm_file(path)
-        except FileNotFoundError:
-            return False
-        with self._lock:
-            if self._used is not None:
-                self._used -= size
-            self.stats.evictions += 1
-        return True
+    def _unlink(self, path: str) -> None:
+        self.fs.rm_file(path)
 
-    def exists(self, key: Hashable) -> bool:
-        return bool(self.fs.isfile(self.path(key)))
-
-    def __contains__(self, key: object) -> bool:
-        try:
-            return self.exists(key)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            return False
-
-    def _find(self, top: str) -> Iterator[str]:
+    def _list(self, head: str) -> Iterator[str]:
+        top = posixpath.join(self.root, head) if head else self.root
         try:
             found = self.fs.find(top)
         except FileNotFoundError:
-            return iter(())
+            return
         strip = len(self.root.rstrip("/")) + 1
         rels = (p[strip:] if p.startswith(self.root) else p for p in (x.rstrip("/") for x in found))
-        return (r for r in sorted(rels) if r and not any(c.startswith(".") for c in r.split("/")))
+        yield from (r for r in sorted(rels) if r and not any(c.startswith(".") for c in r.split("/")))
 
-    def keys(self) -> Iterator[Hashable]:
-        return (relpath_to_key(r) for r in self._find(self.root))
-
-    def keys_with_prefix(self, prefix: str) -> Iterator[Hashable]:
-        head, _, _ = prefix.rpartition("/")
-        top = posixpath.join(self.root, head) if head else self.root
-        return (relpath_to_key(r) for r in self._find(top) if r.startswith(prefix))
-
-    @property
-    def nbytes(self) -> int:
-        with self._lock:
-            return self._usage()
+    def exists(self, key: Hashable) -> bool:
+        return bool(self.fs.isfile(self.path(key)))
 
     def __repr__(self) -> str:
         cap = "unbounded" if self.capacity_bytes is None else f"{self.capacity_bytes} B"
