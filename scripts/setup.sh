@@ -40,7 +40,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV" || die "python3 -m venv failed (Debian: apt-get install python3-venv)"
 fi
 V="$VENV/bin"
-PIP=("$V/python" -m pip --disable-pip-version-check -q)
+PIP_CMD=("$V/python" -m pip --disable-pip-version-check -q)
+# pip on this kind of machine warns about each package missing from a secondary on-disk index;
+# drop that noise, keep everything else and pip's exit status.
+pip_() { "${PIP_CMD[@]}" "$@" 2>&1 | sed '/is ignored: it is neither a file nor a directory/d'; return "${PIPESTATUS[0]}"; }
 
 # Fingerprint of what this script installs: if unchanged and the checks pass, nothing to do.
 FPR="$(cat "$ROOT/scripts/setup.sh" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-$PARALLEL"
@@ -62,35 +65,35 @@ fi
 # 3. torch: the pinned CPU wheel (a looser pin downloads gigabytes of CUDA wheels).
 if ! "$V/python" -c "import torch,sys; sys.exit(not torch.__version__.startswith('$TORCH_VERSION'))" 2>/dev/null; then
   log "installing torch==$TORCH_VERSION"
-  "${PIP[@]}" install "torch==$TORCH_VERSION" || die "pip install torch==$TORCH_VERSION failed"
+  pip_ install "torch==$TORCH_VERSION" || die "pip install torch==$TORCH_VERSION failed"
 fi
 
 # 4. Build tools for h5py and the wheels everything else comes as.
-"${PIP[@]}" install "setuptools>=77.0.1" wheel "cython>=3,<4" pkgconfig "numpy>=1.26" \
+pip_ install "setuptools>=77.0.1" wheel "cython>=3,<4" pkgconfig "numpy>=1.26" \
   || die "pip install of build tools failed"
 
 # 5. h5py against parallel HDF5 (or the serial wheel as a fallback).
 if [ "$PARALLEL" = 1 ]; then
-  "${PIP[@]}" install "mpi4py==4.1.2" || die "pip install mpi4py failed"
+  pip_ install "mpi4py==4.1.2" || die "pip install mpi4py failed"
   if ! "$V/python" -c "import h5py,sys; sys.exit(not (h5py.get_config().mpi and h5py.__version__=='$H5PY_VERSION'))" 2>/dev/null; then
     log "building h5py==$H5PY_VERSION from source against parallel HDF5 (about 2.5 min)"
     printf '[build_ext]\nparallel = %s\n' "$(nproc)" > "$VENV/h5py-build_ext.cfg"
-    env PATH="$V:$PATH" DIST_EXTRA_CONFIG="$VENV/h5py-build_ext.cfg" CC=mpicc HDF5_MPI=ON \
+    PATH="$V:$PATH" DIST_EXTRA_CONFIG="$VENV/h5py-build_ext.cfg" CC=mpicc HDF5_MPI=ON \
         HDF5_PKGCONFIG_NAME=hdf5-openmpi \
-        "${PIP[@]}" install --no-cache-dir --no-binary=h5py --no-build-isolation --no-deps \
+        pip_ install --no-cache-dir --no-binary=h5py --no-build-isolation --no-deps \
         --force-reinstall "h5py==$H5PY_VERSION" || die "building h5py against parallel HDF5 failed"
   fi
   "$V/python" -c "import h5py,sys; sys.exit(not h5py.get_config().mpi)" \
     || die "h5py.get_config().mpi is False after the build; remove $VENV and re-run"
   EXTRAS="mpi,s3,dali,test,bench"
 else
-  "${PIP[@]}" install "h5py==$H5PY_VERSION" || die "pip install h5py failed"
+  pip_ install "h5py==$H5PY_VERSION" || die "pip install h5py failed"
   EXTRAS="s3,dali,test,bench"
 fi
 
 # 6. SOLAR itself, editable, with extras; h5py is already satisfied so pip keeps the parallel build.
 log "installing solar[$EXTRAS] (editable)"
-"${PIP[@]}" install -e "$ROOT[$EXTRAS]" || die "pip install -e .[$EXTRAS] failed"
+pip_ install -e "$ROOT[$EXTRAS]" || die "pip install -e .[$EXTRAS] failed"
 if [ "$PARALLEL" = 1 ]; then
   "$V/python" -c "import h5py,sys; sys.exit(not h5py.get_config().mpi)" \
     || die "a dependency replaced the parallel h5py with the serial wheel; keep h5py==$H5PY_VERSION"
