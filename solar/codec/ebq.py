@@ -1,0 +1,246 @@
+"""``ebq``: error-bounded quantization + integer prediction + byte planes + CPU lossless stage.
+
+Pipeline (encoder, numpy, CPU)::
+
+    x --quantize/double-check--> q (int), exact outliers
+      --predict (interpolation or Lorenzo, on integers)--> residuals r
+      --zigzag, narrow to w bytes (rare large residuals escape)--> codes
+      --byte planes--> lz4 / zstd
+
+Decoder: lossless stage on the CPU per blob, then one sequence of torch ops per batch: join
+planes, un-zigzag, patch escapes, inverse prediction (level-by-level interpolation, or one prefix
+sum per axis), ``q * step + offset``, patch exact outliers.
+
+Payload of format version 1: ``codes | escapes | outliers``, each section compressed on its own.
+``escapes`` holds int64 position deltas then int64 residuals; ``outliers`` int64 position deltas
+then the verbatim values. The private header metadata is :data:`_META`.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from solar.errors import ConfigError, CorruptDataError
+
+from . import lossless as ll
+from . import predict as pr
+from .base import Codec, Parsed
+from .header import pack_header
+from .quantize import Quantized, quantize
+from .torch_ops import TORCH_DTYPES, dequantize, join_planes, patch_, unzigzag_
+
+__all__ = ["EBQCodec"]
+
+# predictor, lossless, code_bytes, qint_bytes, step, offset,
+# codes_clen, n_esc, esc_clen, n_out, out_clen
+_META = struct.Struct("<BBBBddQQQQQ")
+_WIDTHS = (1, 2, 4, 8)
+_FMAX = {4: float(np.finfo(np.float32).max), 8: float(np.finfo(np.float64).max)}
+_INT = {4: (np.int32, torch.int32), 8: (np.int64, torch.int64)}
+#: A residual width is used when at most this fraction of residuals must escape it.
+_ESCAPE_FRACTION = 1 / 64
+
+
+def _zigzag(r: np.ndarray) -> np.ndarray:
+    r = r.astype(np.int64, copy=False)
+    return ((r << 1) ^ (r >> 63)).view(np.uint64)
+
+
+def _choose_width(u: np.ndarray) -> int:
+    limit = u.size * _ESCAPE_FRACTION
+    for w in _WIDTHS[:-1]:
+        if np.count_nonzero(u >= (1 << (8 * w)) - 1) <= limit:
+            return w
+    return 8
+
+
+class EBQCodec(Codec):
+    """Error-bounded quantizer with a GPU-parallel (torch ops) decoder.
+
+    Args:
+        predictor: ``"auto"`` (try cubic interpolation and Lorenzo, keep the smaller blob),
+            ``"cubic"``, ``"linear"``, ``"lorenzo"``.
+        lossless: ``"zstd"`` (default when installed: best ratio), ``"lz4"`` (fastest), ``"none"``.
+        level: lossless compression level (zstd 1..22, default 3; decode speed barely changes).
+    """
+
+    codec_id = "ebq"
+    version = 1
+    decodes = frozenset({1})
+
+    def __init__(self, predictor: str = "auto", lossless: str | None = None, level: int | None = None):
+        if predictor != "auto" and predictor not in pr.PREDICTOR_IDS or predictor == "raw":
+            raise ConfigError(f"ebq predictor must be 'auto', 'cubic', 'linear' or 'lorenzo', got {predictor!r}")
+        lossless = lossless or ll.default_lossless()
+        if lossless not in ll.LOSSLESS_IDS:
+            raise ConfigError(f"ebq lossless must be one of {sorted(ll.LOSSLESS_IDS)}, got {lossless!r}")
+        if level is not None and not isinstance(level, int):
+            raise ConfigError(f"ebq level must be an int, got {level!r}")
+        self.predictor, self.lossless, self.level = predictor, lossless, level
+
+    def get_config(self):
+        return {"id": self.codec_id, "predictor": self.predictor, "lossless": self.lossless, "level": self.level}
+
+    # ------------------------------------------------------------------ encoder
+    def encode(self, array: np.ndarray, abs_error: float) -> bytes:
+        x = np.ascontiguousarray(array).reshape(-1) if array.ndim == 0 else np.ascontiguousarray(array)
+        qz = quantize(x, abs_error)
+        raw = self._pack_raw(array, abs_error)
+        if qz is None:
+            return raw
+        names = ["cubic", "lorenzo"] if self.predictor == "auto" else [self.predictor]
+        if self.predictor == "auto" and x.size < 64:
+            names = ["lorenzo"]
+        best = min((self._pack(array, abs_error, qz, name) for name in names), key=len)
+        return best if len(best) < len(raw) else raw
+
+    def _blob(self, array, abs_error, meta: bytes, sections: list[bytes]) -> bytes:
+        payload = b"".join(sections)
+        return pack_header(self.descriptor, array.dtype, tuple(array.shape), abs_error, meta, payload) + payload
+
+    def _pack_raw(self, array: np.ndarray, abs_error: float) -> bytes:
+        data = ll.compress(np.ascontiguousarray(array).tobytes(), self.lossless, self.level)
+        meta = _META.pack(0, ll.LOSSLESS_IDS[self.lossless], array.dtype.itemsize, 0, 0.0, 0.0,
+                          len(data), 0, 0, 0, 0)
+        return self._blob(array, abs_error, meta, [data])
+
+    def _pack(self, array: np.ndarray, abs_error: float, qz: Quantized, name: str) -> bytes:
+        q = qz.q.reshape((1,) + (qz.q.shape or (1,)))
+        if name == "lorenzo":
+            r = pr.lorenzo_residuals(q)
+        else:
+            r = pr.interp_residuals(q, cubic=name == "cubic")
+        u = _zigzag(r.reshape(-1))
+        w = _choose_width(u)
+        esc_pos = np.flatnonzero(u >= (1 << (8 * w)) - 1) if w < 8 else np.empty(0, np.int64)
+        esc_val = r.reshape(-1)[esc_pos].astype(np.int64)
+        codes = np.minimum(u, np.uint64((1 << (8 * w)) - 1)) if w < 8 else u
+        planes = np.ascontiguousarray(codes.astype(f"<u{w}").view(np.uint8).reshape(-1, w).T)
+        lvl = self.level
+        s_codes = ll.compress(planes, self.lossless, lvl)
+        s_esc = ll.compress(_deltas(esc_pos).tobytes() + esc_val.tobytes(), self.lossless, lvl) if esc_pos.size else b""
+        out_vals = array.reshape(-1)[qz.outliers]
+        s_out = ll.compress(_deltas(qz.outliers).tobytes() + out_vals.tobytes(), self.lossless, lvl) \
+            if qz.outliers.size else b""
+        qint = 4 if int(np.abs(qz.q).max(initial=0)) <= (1 << 26) else 8
+        meta = _META.pack(pr.PREDICTOR_IDS[name], ll.LOSSLESS_IDS[self.lossless], w, qint, qz.step, qz.offset,
+                          len(s_codes), esc_pos.size, len(s_esc), qz.outliers.size, len(s_out))
+        return self._blob(array, abs_error, meta, [s_codes, s_esc, s_out])
+
+    # ------------------------------------------------------------------ decoder
+    def _meta(self, blob: Parsed) -> tuple:
+        self.check_version(blob)
+        h, what = blob.header, blob.what
+        if len(h.meta) != _META.size:
+            raise CorruptDataError(f"{what}: ebq metadata is {len(h.meta)} bytes, expected {_META.size}")
+        m = _META.unpack(h.meta)
+        pred, lossless, w, qint, step, offset, c_len, n_esc, e_len, n_out, o_len = m
+        n = h.size
+        bad = None
+        if pred not in pr.PREDICTORS or lossless not in ll.LOSSLESS:
+            bad = f"unknown predictor {pred} or lossless stage {lossless}"
+        elif c_len + e_len + o_len != h.payload_len:
+            bad = "section lengths do not add up to the payload length"
+        elif pred == 0:
+            if w != h.dtype.itemsize or n_esc or n_out or e_len or o_len:
+                bad = "inconsistent lossless-mode metadata"
+        elif w not in _WIDTHS or qint not in _INT or (qint == 4 and w == 8):
+            bad = f"invalid code width {w} / integer width {qint}"
+        elif not (0 < step <= _FMAX[h.dtype.itemsize] and abs(offset) <= _FMAX[h.dtype.itemsize]):
+            bad = f"invalid step {step} / offset {offset}"
+        elif n_esc > n or n_out > n or (n_esc == 0) != (e_len == 0) or (n_out == 0) != (o_len == 0):
+            bad = f"impossible escape/outlier counts {n_esc}/{n_out} for {n} values"
+        if bad:
+            raise CorruptDataError(f"{what}: corrupted ebq header metadata ({bad})")
+        name = ll.LOSSLESS[lossless]  # sizes must be reachable before anything is allocated
+        ll.check_expansion(c_len, h.nbytes if pred == 0 else n * w, name, what)
+        ll.check_expansion(e_len, n_esc * 16, name, what)
+        ll.check_expansion(o_len, n_out * (8 + h.dtype.itemsize), name, what)
+        return m
+
+    def group_key(self, blob: Parsed):
+        m = self._meta(blob)
+        return (m[0], m[2], m[3])  # predictor, code width, integer width
+
+    def decode_group(self, blobs: Sequence[Parsed], device, out=None):
+        h0 = blobs[0].header
+        metas = [self._meta(b) for b in blobs]
+        pred, _, w, qint = metas[0][:4]
+        shape = h0.shape or (1,)
+        n, B = math.prod(shape), len(blobs)
+        tdtype = TORCH_DTYPES[h0.dtype.itemsize]
+        if pred == 0:
+            raw = np.empty((B, n), h0.dtype)
+            for i, (b, m) in enumerate(zip(blobs, metas)):
+                raw[i] = np.frombuffer(ll.decompress(b.payload, ll.LOSSLESS[m[1]], h0.nbytes, b.what), h0.dtype)
+            x = torch.from_numpy(raw).to(device).view((B,) + h0.shape)
+            return _into(out, x)
+        np_int, t_int = _INT[qint]
+        planes = np.empty((B, w, n), np.uint8)
+        esc_idx, esc_val, out_idx, out_val = [], [], [], []
+        steps = np.empty(B, h0.dtype)
+        offs = np.empty(B, h0.dtype)
+        for i, (b, m) in enumerate(zip(blobs, metas)):
+            _, lid, _, _, steps[i], offs[i], c_len, n_esc, e_len, n_out, o_len = m
+            name, p = ll.LOSSLESS[lid], b.payload
+            planes[i] = np.frombuffer(ll.decompress(p[:c_len], name, w * n, b.what), np.uint8).reshape(w, n)
+            if n_esc:
+                pos, val = _sparse(p[c_len:c_len + e_len], name, n_esc, np.dtype("<i8"), n, b.what)
+                if qint == 4 and (val.min() < -(1 << 31) or val.max() >= (1 << 31)):
+                    raise CorruptDataError(f"{b.what}: escape value out of range; corrupted payload")
+                esc_idx.append(pos + i * n)
+                esc_val.append(val.astype(np_int))
+            if n_out:
+                pos, val = _sparse(p[c_len + e_len:], name, n_out, h0.dtype, n, b.what)
+                out_idx.append(pos + i * n)
+                out_val.append(val)
+        dev = torch.device(device)
+        u = join_planes(torch.from_numpy(planes).to(dev, non_blocking=True), t_int)
+        r = unzigzag_(u).view(-1)
+        patch_(r, *_cat(esc_idx, esc_val, dev))
+        r = r.view((B,) + shape)
+        if pred == 3:
+            q = pr.lorenzo_reconstruct(r)
+        elif pred == 2:
+            q = pr.interp_reconstruct_(r)
+        else:
+            q = pr.interp_reconstruct_linear_(r)
+        bshape = (B,) + (1,) * len(shape)
+        x = dequantize(q, torch.from_numpy(steps).to(dev).view(bshape), torch.from_numpy(offs).to(dev).view(bshape),
+                       tdtype)
+        patch_(x.view(-1), *_cat(out_idx, out_val, dev))
+        return _into(out, x.view((B,) + h0.shape))
+
+
+def _deltas(pos: np.ndarray) -> np.ndarray:
+    return np.diff(pos.astype(np.int64), prepend=np.int64(0))
+
+
+def _sparse(section, lossless: str, count: int, vdtype: np.dtype, n: int, what: str):
+    """Positions (delta coded) and values of a sparse section, with every index checked."""
+    raw = ll.decompress(section, lossless, count * (8 + vdtype.itemsize), what)
+    d = np.frombuffer(raw, "<i8", count)
+    if d.min() < 0:
+        raise CorruptDataError(f"{what}: sparse positions are not sorted; corrupted payload")
+    pos = np.cumsum(d)
+    if pos[-1] >= n:
+        raise CorruptDataError(f"{what}: sparse position {int(pos[-1])} out of range for {n} values")
+    return pos, np.frombuffer(raw, vdtype, count, offset=8 * count)
+
+
+def _cat(idx: list, val: list, dev):
+    if not idx:
+        return None, None
+    return (torch.from_numpy(np.concatenate(idx)).to(dev), torch.from_numpy(np.concatenate(val)).to(dev))
+
+
+def _into(out, x):
+    if out is None:
+        return x
+    out.copy_(x.view(out.shape))
+    return out

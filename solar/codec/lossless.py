@@ -1,0 +1,92 @@
+"""The CPU lossless stage: ``none``, ``lz4`` (block format, fast) and ``zstd`` (better ratio).
+
+Everything after this stage runs in torch ops on the target device. Decompression always knows
+the exact output size from the (checksummed) header, and refuses sizes no real stream of the given
+compressed length could produce, so a forged header cannot make it allocate terabytes.
+"""
+
+from __future__ import annotations
+
+from solar.errors import ConfigError, CorruptDataError, MissingDependencyError
+
+__all__ = ["LOSSLESS", "compress", "decompress", "check_expansion", "default_lossless"]
+
+#: id in the blob -> name. Never renumber: ids are part of the on-disk format.
+LOSSLESS = {0: "none", 1: "lz4", 2: "zstd"}
+LOSSLESS_IDS = {v: k for k, v in LOSSLESS.items()}
+#: The largest expansion each format can produce (lz4: 255x; zstd: ~32768x for RLE blocks).
+_MAX_RATIO = {"none": 1, "lz4": 256, "zstd": 40000}
+_zstd_c: dict[int, object] = {}
+_zstd_d = None
+
+
+def _zstd():
+    try:
+        import zstandard
+    except ImportError as exc:  # pragma: no cover - zstandard ships in the test env
+        raise MissingDependencyError(
+            "the zstd lossless stage needs the 'zstandard' package: pip install 'solar-loader[zstd]'"
+        ) from exc
+    return zstandard
+
+
+def default_lossless() -> str:
+    """zstd when installed (SZ3-level ratios need an entropy coder), else lz4 (a core dependency)."""
+    try:
+        import zstandard  # noqa: F401
+    except ImportError:  # pragma: no cover
+        return "lz4"
+    return "zstd"
+
+
+def compress(data, name: str, level: int | None = None) -> bytes:
+    """Compress ``data`` (bytes-like) with the named stage."""
+    if name == "none":
+        return bytes(data)
+    if name == "lz4":
+        import lz4.block
+
+        return lz4.block.compress(data, store_size=False, mode="high_compression" if level else "default",
+                                  compression=level or 0)
+    if name == "zstd":
+        lvl = 3 if level is None else level
+        c = _zstd_c.get(lvl)
+        if c is None:
+            c = _zstd_c[lvl] = _zstd().ZstdCompressor(level=lvl, write_content_size=True)
+        return c.compress(data)
+    raise ConfigError(f"unknown lossless stage {name!r}; use one of {sorted(LOSSLESS_IDS)}")
+
+
+def check_expansion(clen: int, size: int, name: str, what: str = "codec blob") -> None:
+    """Refuse (before allocating) a ``size`` no ``clen``-byte section of stage ``name`` can produce."""
+    if size > _MAX_RATIO.get(name, 1) * clen + (65536 if name != "none" else 0):
+        raise CorruptDataError(
+            f"{what}: a {clen}-byte {name} section cannot expand to {size} bytes; corrupted header")
+
+
+def decompress(data, name: str, size: int, what: str = "codec blob"):
+    """Decompress ``data`` to exactly ``size`` bytes, or raise :class:`CorruptDataError`."""
+    global _zstd_d
+    check_expansion(len(data), size, name, what)
+    try:
+        if name == "none":
+            out = data
+        elif name == "lz4":
+            import lz4.block
+
+            out = lz4.block.decompress(data, uncompressed_size=size) if size else b""
+        elif name == "zstd":
+            if _zstd_d is None:
+                _zstd_d = _zstd().ZstdDecompressor()
+            out = _zstd_d.decompress(data, max_output_size=size) if size or len(data) else b""
+        else:
+            raise CorruptDataError(f"{what}: unknown lossless stage {name!r}")
+    except CorruptDataError:
+        raise
+    except MissingDependencyError:
+        raise
+    except Exception as exc:  # lz4.block.LZ4BlockError, zstandard.ZstdError, ...
+        raise CorruptDataError(f"{what}: {name} section does not decompress ({exc})") from None
+    if len(out) != size:
+        raise CorruptDataError(f"{what}: {name} section decompressed to {len(out)} bytes, expected {size}")
+    return out

@@ -1,0 +1,54 @@
+"""Decoder kernels in plain torch tensor ops (CPU and CUDA alike, no per-element Python loop).
+
+Every function works on a whole batch at once: codes of ``B`` blobs arrive as one ``(B, w, n)``
+uint8 tensor of byte planes, and each step below is one tensor op (or a handful) over the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["join_planes", "unzigzag_", "patch_", "dequantize", "TORCH_DTYPES"]
+
+TORCH_DTYPES = {4: torch.float32, 8: torch.float64}
+
+
+def join_planes(planes: torch.Tensor, itype: torch.dtype) -> torch.Tensor:
+    """``(B, w, n)`` little-endian byte planes -> ``(B, n)`` unsigned codes in ``itype``.
+
+    Planes (byte shuffle) compress better than interleaved bytes; joining them back is shifts
+    and ors, ``w - 1`` passes.
+    """
+    w = planes.shape[1]
+    u = planes[:, 0].to(itype)
+    for k in range(1, w):
+        u |= planes[:, k].to(itype) << (8 * k)
+    return u
+
+
+def unzigzag_(u: torch.Tensor) -> torch.Tensor:
+    """In place: zigzag code ``u`` (non-negative) -> signed ``(u >> 1) ^ -(u & 1)``."""
+    sign = u & 1
+    sign.neg_()
+    u >>= 1
+    u ^= sign
+    return u
+
+
+def patch_(flat: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor | None) -> torch.Tensor:
+    """In place: ``flat[index] = values`` (escapes / exact outliers); a no-op when empty."""
+    if index is not None and index.numel():
+        flat.index_put_((index,), values)
+    return flat
+
+
+def dequantize(q: torch.Tensor, step: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``fl(fl(float(q) * step) + offset)`` as separate ops, bit-identical to the encoder's check.
+
+    ``step``/``offset`` are ``(B, 1, ..., 1)`` tensors of ``dtype``; keeping the multiply and the
+    add in separate kernels rules out FMA contraction, which would change the rounding.
+    """
+    x = q.to(dtype)
+    x.mul_(step)
+    x.add_(offset)
+    return x

@@ -1,0 +1,131 @@
+"""solar.codec: API contract, the strict bound, golden fixtures, errors (conformance suite included)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import solar
+import solar.codec as sc
+from solar.errors import ConfigError, CorruptDataError
+from solar.testing.codecs import CodecTests, assert_within_bound
+
+FIXTURES = Path(__file__).parent / "fixtures" / "codec"
+
+# every registered codec runs the shipped conformance suite, with each of its main configurations
+CONFIGS = [{"id": "ebq", "predictor": p, "lossless": l}
+           for p, l in [("auto", "zstd"), ("cubic", "lz4"), ("linear", "zstd"), ("lorenzo", "none")]]
+CONFIGS += [{"id": name} for name in sc.registry.names() if name != "ebq"]
+
+
+@pytest.fixture(params=CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
+def codec_config(request):
+    return request.param
+
+
+class TestConformance(CodecTests):
+    @pytest.fixture(autouse=True)
+    def _codec(self, codec_config):
+        self.codec = codec_config
+
+
+def test_public_api_contract():
+    assert solar.codec is sc
+    x = np.random.default_rng(0).standard_normal((4, 5, 6)).astype(np.float32)
+    blob = sc.encode(x, rel_error=1e-2)
+    assert isinstance(blob, bytes)
+    info = sc.header_info(blob)
+    assert (info.descriptor, info.codec, info.version) == ("ebq/1", "ebq", 1)
+    assert info.shape == (4, 5, 6) and info.dtype == np.float32 and info.torch_dtype == torch.float32
+    assert info.abs_error == pytest.approx(1e-2 * float(x.max() - x.min()))
+    assert info.blob_len == len(blob) and info.nbytes == x.nbytes
+    y = sc.decode(blob, device="cpu")
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.float32 and y.shape == (4, 5, 6)
+    # torch tensors are accepted as input too
+    assert sc.header_info(sc.encode(torch.from_numpy(x), abs_error=0.5)).abs_error == 0.5
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({}, "exactly one"),
+    ({"abs_error": 1e-3, "rel_error": 1e-3}, "exactly one"),
+    ({"abs_error": -1.0}, ">= 0"),
+    ({"rel_error": float("nan")}, ">= 0"),
+    ({"abs_error": float("inf")}, ">= 0"),
+    ({"abs_error": "big"}, "number"),
+])
+def test_bad_bounds_raise_config_error(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        sc.encode(np.zeros(4, np.float32), **kwargs)
+
+
+def test_bad_inputs_raise_config_error():
+    with pytest.raises(ConfigError, match="float32 or float64"):
+        sc.encode(np.zeros(4, np.int32), abs_error=1)
+    with pytest.raises(ConfigError, match="4-D"):
+        sc.encode(np.zeros((1,) * 5, np.float32), abs_error=1)
+    with pytest.raises(ConfigError, match="predictor"):
+        sc.encode(np.zeros(4, np.float32), abs_error=1, codec={"id": "ebq", "predictor": "magic"})
+    with pytest.raises(ConfigError, match="lossless"):
+        sc.get_codec({"id": "ebq", "lossless": "gzip"})
+    with pytest.raises(LookupError, match="no codec named"):
+        sc.get_codec("nope")
+    with pytest.raises(ConfigError, match="out="):
+        sc.decode(sc.encode(np.zeros(4, np.float32), abs_error=1), out=torch.empty(5))
+    with pytest.raises(ConfigError, match="bytes-like"):
+        sc.decode_batch([123])
+
+
+def test_big_endian_and_non_contiguous_inputs():
+    x = np.arange(24, dtype=">f8").reshape(4, 6)[:, ::2]
+    y = sc.decode(sc.encode(x, abs_error=1e-9)).numpy()
+    assert_within_bound(x.astype("<f8"), y, 1e-9)
+
+
+def test_unknown_codec_in_blob_is_corrupt_data():
+    from solar.codec.header import pack_header
+
+    payload = b"xyz"
+    blob = pack_header("zzz/1", np.dtype("<f4"), (3,), 0.0, b"", payload) + payload
+    assert sc.header_info(blob).codec == "zzz"
+    with pytest.raises(CorruptDataError, match="does not know"):
+        sc.decode(blob)
+    future = pack_header("ebq/99", np.dtype("<f4"), (3,), 0.0, b"", payload) + payload
+    with pytest.raises(CorruptDataError, match="version 99"):
+        sc.decode(future)
+
+
+def test_bin_edges_exact_outliers_float32():
+    """Integer data with a 'round' bound puts values exactly on bin edges (research 4.1)."""
+    x = (np.arange(-500, 500, dtype=np.float32) * 0.5 + 0.25).reshape(10, 100)
+    for eb in (0.25, 0.125, 0.5):
+        blob = sc.encode(x, abs_error=eb)
+        assert_within_bound(x, sc.decode(blob).numpy(), eb)
+
+
+def test_golden_fixtures_still_decode():
+    """Every blob ever committed under tests/fixtures/codec must decode to its recorded values."""
+    index = json.loads((FIXTURES / "index.json").read_text())
+    assert len(index) >= 8
+    for entry in index:
+        blob = (FIXTURES / entry["blob"]).read_bytes()
+        info = sc.header_info(blob)
+        assert info.descriptor == entry["descriptor"]
+        original = np.load(FIXTURES / entry["original"])
+        y = sc.decode(blob).numpy()
+        assert_within_bound(original, y, entry["abs_error"])
+        assert y.tobytes().hex()[:64] == entry["decoded_prefix"]
+        assert len(y.tobytes()) == entry["decoded_nbytes"]
+
+
+@pytest.mark.gpu
+def test_cuda_decode_matches_cpu():
+    rng = np.random.default_rng(3)
+    xs = [np.cumsum(rng.standard_normal((16, 16, 16)), 0).astype(np.float32) for _ in range(4)]
+    blobs = [sc.encode(x, rel_error=1e-3) for x in xs]
+    cpu = sc.decode_batch(blobs)
+    gpu = sc.decode_batch(blobs, device="cuda")
+    assert gpu.device.type == "cuda" and torch.equal(gpu.cpu(), cpu)
