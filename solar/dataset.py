@@ -1,0 +1,275 @@
+"""``solar.H5Dataset``: a storage-backed map-style dataset whose batched fetch reads coalesced ranges.
+
+A sample is a tuple of tensors, one per field (a single tensor when ``fields`` is a string), like
+``TensorDataset``. Used with a plain ``torch.utils.data.DataLoader`` it works as any dataset
+(``__getitems__`` still coalesces each batch's reads); with :class:`solar.DataLoader` the loader
+drives :meth:`H5Dataset.fetch_stored` from its prefetch thread, with the rank's buffer, and
+hands the loaded bytes to ``__getitems__`` inside the batch it yields.
+
+NOTE [ Stored vs decoded ]
+    What moves from storage and what the buffer keeps is a field's *stored* representation:
+    a raw sample's row (its dtype and shape) or, for a compressed field, the codec blob of
+    ``solar-h5/1`` (``solar/layout.py``). Decoding is one per-batch step (:meth:`decode`, with
+    ``device=``) done where the batch is assembled (a DataLoader worker or the main process), so a
+    byte budget holds ratio-times more compressed samples and decoding can run on the GPU.
+
+NOTE [ Collective-safe reads ]
+    :meth:`fetch_stored` calls ``backend.read_ranges`` exactly once per field, in field order,
+    whatever it has to read (an empty range list when everything hit). On a collective backend
+    (parallel HDF5, ``collective = True``) every rank therefore makes the same calls in the same
+    order in every step, as MPI-IO requires.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from solar.cache import TierStats
+from solar.errors import CorruptDataError, InputError
+from solar.layout import FieldSpec, checksum_key, describe_fields, sample_checksum
+
+__all__ = ["H5Dataset", "StoredBatch", "StepBatch", "coalesce"]
+
+
+def coalesce(sorted_rows: np.ndarray) -> np.ndarray:
+    """``(k, 2)`` ``[start, stop)`` runs of a sorted, duplicate-free row array."""
+    rows = np.asarray(sorted_rows, dtype=np.int64)
+    if not len(rows):
+        return np.empty((0, 2), dtype=np.int64)
+    brk = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = rows[np.r_[0, brk]]
+    stops = rows[np.r_[brk - 1, len(rows) - 1]] + 1
+    return np.stack([starts, stops], axis=1)
+
+
+@dataclass
+class FetchStats(TierStats):
+    """Sample-level counters of one rank's fetches: ``hits``/``misses`` count samples (not
+    fields), ``kept`` samples put in the buffer, ``steps`` fetch calls."""
+
+    kept: int = 0
+    steps: int = 0
+
+
+@dataclass
+class StoredBatch:
+    """The stored bytes of one batch, in batch order.
+
+    ``fields[name]`` is a tensor ``(n, *sample_shape)`` for a raw field, or ``(blobs, offsets)``
+    (uint8 tensor of concatenated codec blobs, int64 tensor of ``n + 1`` offsets) for a
+    compressed field. Tensors pickle through DataLoader queues via shared memory.
+    """
+
+    n: int
+    fields: dict[str, Any] = field(default_factory=dict)
+    hits: int = 0
+
+
+class StepBatch(list):
+    """A rank's batch of sample indices carrying its already-loaded :class:`StoredBatch`.
+
+    It is a ``list`` so samplers, ``len()`` and user code treat it like torch's batch; the
+    ``stored`` attribute rides along to ``H5Dataset.__getitems__`` (in a worker or not).
+    """
+
+    stored: StoredBatch | None = None
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+class H5Dataset(Dataset):
+    """Samples of an HDF5 file (any file whose fields have a leading sample axis, or ``solar-h5/1``).
+
+    Args:
+        path: file path or URL (``file://``, ``http://``, ``s3://`` ... through the backend).
+        fields: field names; a tuple/list gives samples as tuples, a string gives one tensor.
+        backend: ``"auto"`` (``mpi-hdf5`` under mpirun, ``fsspec`` for URLs, else ``hdf5``), a
+            registry name, or a :class:`solar.io_backends.Backend` instance.
+        transform: optional per-sample callable applied to the sample (tuple or tensor).
+        device: where compressed fields are decoded (``"cpu"``, ``"cuda"`` ...).
+        verify: check stored xxh3 checksums of read samples when the file has them (default True).
+        backend_options: extra options for the backend.
+    """
+
+    def __init__(self, path: str | os.PathLike, fields: str | Sequence[str] | None = ("x", "y"), *,
+                 backend: Any = "auto", transform: Callable | None = None, device: str | torch.device = "cpu",
+                 verify: bool = True, backend_options: dict | None = None) -> None:
+        from solar.io_backends import open_backend
+
+        self.path = os.fspath(path) if not isinstance(path, str) else path
+        self._single = isinstance(fields, str)
+        self.backend = open_backend(self.path, backend, **(backend_options or {}))
+        self.num_samples, self.specs = describe_fields(self.backend, fields)
+        self.fields = tuple(s.name for s in self.specs)
+        self.transform = transform
+        self.device = torch.device(device)
+        self.verify = verify
+        self._offsets: dict[str, np.ndarray] = {}
+        self._checksums: dict[str, np.ndarray | None] = {}
+        keys = set(self.backend.keys())
+        self._has_checksum = {s.name: checksum_key(s.name) in keys for s in self.specs}
+        if any(s.kind == "codec" for s in self.specs):
+            import solar.codec  # noqa: F401  (fail early with a clear error if it is missing)
+        self.stats = FetchStats()
+
+    def __repr__(self) -> str:
+        return f"H5Dataset({self.path!r}, fields={self.fields}, samples={self.num_samples})"
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    # -- sizes --------------------------------------------------------------------------------
+    def _offsets_of(self, spec: FieldSpec) -> np.ndarray:
+        off = self._offsets.get(spec.name)
+        if off is None:
+            off = self._offsets[spec.name] = self.backend.read_all(spec.offsets_key).astype(np.int64)
+        return off
+
+    def sample_nbytes(self) -> np.ndarray:
+        """Stored bytes of every sample (all fields): what one buffer entry costs."""
+        total = np.zeros(self.num_samples, dtype=np.int64)
+        for s in self.specs:
+            if s.kind == "raw":
+                total += int(np.prod(s.sample_shape, dtype=np.int64)) * s.dtype.itemsize
+            else:
+                total += np.diff(self._offsets_of(s))
+        return total
+
+    # -- reading ------------------------------------------------------------------------------
+    def _check_index(self, idx: np.ndarray) -> None:
+        if len(idx) and (idx.min() < -self.num_samples or idx.max() >= self.num_samples):
+            bad = idx[(idx < -self.num_samples) | (idx >= self.num_samples)][0]
+            raise IndexError(f"{self.path}: sample index {int(bad)} out of range for {self.num_samples} samples")
+
+    def _read_field(self, spec: FieldSpec, rows: np.ndarray) -> list[np.ndarray] | np.ndarray:
+        """Read sorted unique ``rows`` of one field with one ``read_ranges`` call (maybe empty)."""
+        ranges = coalesce(rows)
+        if spec.kind == "raw":
+            data = self.backend.read_ranges(spec.data_key, ranges)
+        else:
+            off = self._offsets_of(spec)
+            byte_ranges = np.stack([off[ranges[:, 0]], off[ranges[:, 1]]], axis=1) if len(ranges) else ranges
+            flat = self.backend.read_ranges(spec.data_key, byte_ranges)
+            sizes = off[rows + 1] - off[rows]
+            data = np.split(flat, np.cumsum(sizes)[:-1]) if len(rows) else []
+        if self.verify and self._has_checksum[spec.name] and len(rows):
+            self._verify(spec, rows, data)
+        return data
+
+    def _verify(self, spec: FieldSpec, rows: np.ndarray, data) -> None:
+        sums = self._checksums.get(spec.name)
+        if sums is None:
+            sums = self._checksums[spec.name] = self.backend.read_all(checksum_key(spec.name))
+        for j, i in enumerate(rows.tolist()):
+            if sample_checksum(data[j]) != int(sums[i]):
+                raise CorruptDataError(
+                    f"{self.path}: field {spec.name!r} sample {i} fails its xxh3 checksum; the file is "
+                    "damaged: re-create it (solar ingest) or pass verify=False to read it anyway")
+
+    def fetch_stored(self, indices: Sequence[int], buffer=None, keep: Callable[[np.ndarray], np.ndarray] | None = None,
+                     shared: bool = False) -> StoredBatch:
+        """Load the stored bytes of ``indices`` (batch order; repeats allowed).
+
+        Hits come from ``buffer`` (a :class:`solar.cache.Tier` keyed by ``(field, index)``);
+        misses are sorted, coalesced into runs and read with one ``read_ranges`` call per field
+        (see NOTE [ Collective-safe reads ]). Misses for which ``keep(indices)`` is true are put
+        in ``buffer``. ``shared=True`` allocates raw outputs in shared memory (for workers).
+        """
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        self._check_index(idx)
+        idx = np.where(idx < 0, idx + self.num_samples, idx)
+        uniq, inv = np.unique(idx, return_inverse=True)
+        if buffer is not None:
+            first = self.specs[0].name
+            resident = np.fromiter(((first, int(i)) in buffer for i in uniq), dtype=bool, count=len(uniq))
+        else:
+            resident = np.zeros(len(uniq), dtype=bool)
+        miss = uniq[~resident]
+        kept = keep(miss) if (keep is not None and buffer is not None and len(miss)) else np.zeros(len(miss), bool)
+        out = StoredBatch(len(idx), hits=int(resident[inv].sum()))
+        mrank = np.full(len(uniq), -1, dtype=np.int64)
+        mrank[~resident] = np.arange(len(miss))
+        for spec in self.specs:
+            data = self._read_field(spec, miss)
+            hits = {int(u): buffer.get((spec.name, int(uniq[u]))) for u in np.flatnonzero(resident)}
+            if buffer is not None:
+                for j in np.flatnonzero(kept).tolist():
+                    buffer.put((spec.name, int(miss[j])), np.array(data[j], copy=True))
+            out.fields[spec.name] = self._assemble(spec, data, hits, mrank, inv, shared)
+        self.stats.hits += out.hits
+        self.stats.misses += len(idx) - out.hits
+        self.stats.kept += int(kept.sum())
+        self.stats.steps += 1
+        return out
+
+    def _assemble(self, spec: FieldSpec, data, hits: dict, mrank: np.ndarray, inv: np.ndarray, shared: bool):
+        """Lay read rows (``data``, sorted-miss order) and buffer hits out in batch order."""
+        if spec.kind == "raw":
+            t = torch.empty((len(inv), *spec.sample_shape), dtype=_torch_dtype(spec.dtype))
+            if shared:
+                t.share_memory_()
+            a = t.numpy()
+            src = mrank[inv]
+            m = src >= 0
+            if m.all():
+                np.take(data, src, axis=0, out=a)
+            else:
+                a[m] = data[src[m]]
+                for j in np.flatnonzero(~m).tolist():
+                    a[j] = hits[int(inv[j])]
+            return t
+        blobs = [data[mrank[u]] if mrank[u] >= 0 else hits[int(u)] for u in inv.tolist()]
+        offsets = np.zeros(len(blobs) + 1, dtype=np.int64)
+        np.cumsum([len(b) for b in blobs], out=offsets[1:])
+        flat = torch.empty(int(offsets[-1]), dtype=torch.uint8)
+        if shared:
+            flat.share_memory_()
+        if len(blobs):
+            np.concatenate(blobs, out=flat.numpy())
+        return flat, torch.from_numpy(offsets)
+
+    def decode(self, stored: StoredBatch) -> dict[str, torch.Tensor]:
+        """Per-batch decode: ``{field: tensor (n, *sample_shape)}`` on :attr:`device`."""
+        out: dict[str, torch.Tensor] = {}
+        for spec in self.specs:
+            val = stored.fields[spec.name]
+            if spec.kind == "raw":
+                out[spec.name] = val if self.device.type == "cpu" else val.to(self.device, non_blocking=True)
+            else:
+                from solar.codec import decode_batch
+
+                flat, off = val
+                fa, oa = flat.numpy(), off.numpy()
+                blobs = [fa[oa[i]:oa[i + 1]].tobytes() for i in range(stored.n)]
+                dec = decode_batch(blobs, device=self.device) if blobs else torch.empty(
+                    (0, *spec.sample_shape), dtype=_torch_dtype(spec.dtype))
+                out[spec.name] = dec if isinstance(dec, torch.Tensor) else torch.stack(list(dec))
+        return out
+
+    def _samples(self, tensors: dict[str, torch.Tensor], n: int) -> list:
+        cols = [tensors[f] for f in self.fields]
+        samples = [cols[0][i] if self._single else tuple(c[i] for c in cols) for i in range(n)]
+        if self.transform is not None:
+            samples = [self.transform(s) for s in samples]
+        return samples
+
+    # -- Dataset protocol ---------------------------------------------------------------------
+    def __getitems__(self, indices: Sequence[int]) -> list:
+        """A batch of samples; torch's fetcher calls this once per batch (one coalesced read)."""
+        stored = getattr(indices, "stored", None)
+        if stored is None:
+            stored = self.fetch_stored(indices)
+        return self._samples(self.decode(stored), stored.n)
+
+    def __getitem__(self, index: int):
+        if not isinstance(index, (int, np.integer)):
+            raise InputError(f"{self.path}: H5Dataset indices are integers, got {type(index).__name__}")
+        return self.__getitems__([int(index)])[0]

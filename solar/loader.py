@@ -1,0 +1,235 @@
+"""``solar.DataLoader``: ``torch.utils.data.DataLoader`` plus SOLAR's schedule, buffer and prefetch.
+
+A training script changes one import line. The constructor takes torch's signature with torch's
+defaults and validates through torch (same ``ValueError`` s); SOLAR's own options are
+keyword-only extras. On any dataset that is not storage-backed (anything without
+``fetch_stored``, e.g. a ``TensorDataset``) or with ``batch_size=None``, the loader *is* torch's
+loader: nothing is replaced. On a storage-backed dataset (:class:`solar.H5Dataset`) the batch
+sampler torch built is wrapped by :class:`solar.sampler.SolarBatchSampler` (see its NOTE
+[ Buffer and workers ]); torch's iterators, workers, collation and pinning run unchanged.
+
+NOTE [ Resume ]
+    ``state_dict()`` records how far the *consumer* got (batches returned by the iterator, not
+    batches the sampler or workers prefetched): in ``schedule`` mode the epoch and the global
+    position ``start + steps * P * b`` in DistributedSampler's order, plus N, P, b and the seed;
+    in ``passthrough`` mode the batches done and the RNG state the epoch's sampler drew from.
+    ``load_state_dict`` makes the next iteration continue from there. Positions are global, so a
+    run resumed with another world size (or per-rank batch) continues the same global order:
+    the remaining samples are the same, cut into the new global batches. After a resume the
+    buffers start empty (a new process), so the rank assignment inside a global batch may differ
+    from the uninterrupted run; each global batch's samples do not.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.utils.data as tud
+
+from solar.errors import ConfigError
+from solar.sampler import SolarBatchSampler, is_storage_backed
+
+__all__ = ["DataLoader"]
+
+STATE_VERSION = 1
+
+
+class _TrackedIter:
+    """Delegates to torch's iterator and counts the batches the consumer actually received."""
+
+    def __init__(self, it: Any, loader: "DataLoader") -> None:
+        self._it = it
+        self._loader = loader
+
+    def __iter__(self) -> "_TrackedIter":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self._loader._progress["done"] = True
+            raise
+        self._loader._progress["batches"] += 1
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._it)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._it, name)
+
+
+class _SkipOnce:
+    """An index sampler that skips its first ``skip`` items once (a resumed epoch), then passes through."""
+
+    def __init__(self, inner: Any, skip: int) -> None:
+        self.inner = inner
+        self.skip = skip
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        return itertools.islice(iter(self.inner), skip, None)
+
+
+class DataLoader(tud.DataLoader):
+    """Drop-in ``torch.utils.data.DataLoader``; see the module docstring.
+
+    Positional and keyword arguments are torch's, with torch's defaults and behaviour.
+
+    Keyword-only SOLAR options:
+        buffer: per-rank buffer for storage-backed datasets: samples (``int``), bytes
+            (``"2GiB"``) or a fraction of the dataset over all ranks (``0.5``); ``0`` disables it.
+            Default ``"1GiB"`` per rank (never more than the rank's share of the dataset).
+        prefetch: steps loaded ahead on the background I/O thread (default 2; 0 = inline).
+        distributed: when True and no sampler is given, shard with a ``DistributedSampler`` whose
+            rank and world size come from ``solar.dist.get_dist_info()`` (torch.distributed, then
+            mpi4py under mpirun, then ``RANK``/``WORLD_SIZE``, else 1), ``shuffle`` and ``seed``;
+            the epoch advances by itself on every iteration unless :meth:`set_epoch` is called.
+        seed: seed of that sampler (``distributed=True`` only).
+    """
+
+    def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
+                 batch_sampler=None, num_workers: int = 0, collate_fn=None, pin_memory: bool = False,
+                 drop_last: bool = False, timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
+                 generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 pin_memory_device: str = "", in_order: bool = True, buffer: Any = "1GiB", prefetch: int = 2,
+                 distributed: bool = False, seed: int = 0) -> None:
+        self._auto_epoch = False
+        if distributed:
+            if sampler is not None or batch_sampler is not None:
+                raise ConfigError("distributed=True builds the DistributedSampler itself; do not also pass "
+                                  "sampler= or batch_sampler= (pass sampler=DistributedSampler(...) alone instead)")
+            from solar.dist import get_dist_info
+
+            info = get_dist_info()
+            sampler = tud.DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank,
+                                             shuffle=bool(shuffle), seed=seed, drop_last=drop_last)
+            shuffle = None
+            self._auto_epoch = True
+        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory,
+                         drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                         pin_memory_device=pin_memory_device, in_order=in_order)
+        self._progress: dict[str, Any] = {"batches": 0, "done": False, "rng": None, "started": False}
+        self._epoch_set = False
+        self.solar_sampler: SolarBatchSampler | None = None
+        if self.batch_sampler is not None and is_storage_backed(dataset) and \
+                self._dataset_kind == tud.dataloader._DatasetKind.Map:
+            self.solar_sampler = SolarBatchSampler(self.batch_sampler, dataset, buffer=buffer, prefetch=prefetch,
+                                                   shared=num_workers > 0)
+            # torch forbids re-assigning batch_sampler after __init__ (its __setattr__ guard); this
+            # one replacement happens inside __init__ by design.
+            object.__setattr__(self, "batch_sampler", self.solar_sampler)
+        else:
+            from solar.sampler import parse_buffer
+
+            parse_buffer(buffer)  # bad options fail here too, not only on storage-backed datasets
+
+    # -- epochs ---------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Forward to the sampler's ``set_epoch`` (a ``DistributedSampler``'s epoch picks the order)."""
+        fn = getattr(self.sampler, "set_epoch", None)
+        if fn is None:
+            raise ConfigError(f"set_epoch: the sampler {type(self.sampler).__name__} has no epochs; "
+                              "pass sampler=DistributedSampler(...) or distributed=True")
+        fn(epoch)
+        self._epoch_set = True
+
+    # -- iteration ------------------------------------------------------------------------------
+    def __iter__(self):
+        if self._auto_epoch and self._progress["started"] and not self._epoch_set:
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+        self._epoch_set = False
+        resume = self._progress.pop("resume", None)
+        if self.solar_sampler is not None:
+            self.solar_sampler.set_resume(resume)
+        rng = self._rng_state()
+        if resume and resume.get("mode") == "passthrough" and resume.get("rng") is not None:
+            self._set_rng_state(resume["rng"])
+            rng = resume["rng"]
+        self._progress.update(batches=int(resume["batches"]) if resume and resume.get("mode") == "passthrough" else 0,
+                              done=False, rng=rng, started=True, epoch=getattr(self.sampler, "epoch", None),
+                              start=int(resume["position"]) if resume and resume.get("mode") == "schedule" else 0)
+        if resume and resume.get("mode") == "schedule" and resume["epoch"] != self._progress["epoch"]:
+            self._progress["start"] = 0
+        if resume and resume.get("mode") == "passthrough" and self.solar_sampler is None:
+            self._pending_skip = _SkipOnce(super()._index_sampler, int(resume["batches"]))
+        try:
+            return _TrackedIter(super().__iter__(), self)
+        finally:
+            self._pending_skip = None
+
+    @property
+    def _index_sampler(self):
+        # torch reads this when it builds an iterator; a resumed epoch on a plain dataset skips
+        # the batches already consumed here, before anything is loaded.
+        pending = self.__dict__.get("_pending_skip")
+        return pending if pending is not None else super()._index_sampler
+
+    def _rng_state(self) -> torch.Tensor:
+        return self.generator.get_state() if self.generator is not None else torch.get_rng_state()
+
+    def _set_rng_state(self, state: torch.Tensor) -> None:
+        if self.generator is not None:
+            self.generator.set_state(state)
+        else:
+            torch.set_rng_state(state)
+
+    # -- resume ---------------------------------------------------------------------------------
+    def _mode(self) -> str:
+        return self.solar_sampler.mode if self.solar_sampler is not None else (
+            "schedule" if isinstance(self.sampler, tud.DistributedSampler) and self.batch_size else "passthrough")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the consumer is; see NOTE [ Resume ]."""
+        p = self._progress
+        n = len(self.dataset) if hasattr(self.dataset, "__len__") else None
+        state: dict[str, Any] = {"version": STATE_VERSION, "mode": self._mode(), "num_samples": n,
+                                 "batch_size": self.batch_size}
+        if state["mode"] == "schedule":
+            s = self.sampler
+            G = s.num_replicas * self.batch_size
+            done = p["done"]
+            epoch = p.get("epoch", s.epoch) if p["started"] else s.epoch
+            position = 0 if not p["started"] else (p.get("start", 0) + p["batches"] * G)
+            state.update(epoch=int(epoch), position=int(position), world_size=s.num_replicas, seed=int(s.seed),
+                         shuffle=bool(s.shuffle), drop_last=bool(s.drop_last), global_batch=G, epoch_done=bool(done))
+        else:
+            state.update(batches=int(p["batches"]) if p["started"] else 0, epoch_done=bool(p["done"]),
+                         rng=p["rng"] if p["started"] else None)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` on the next iteration; raises ``ValueError`` if it does not fit."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ConfigError("load_state_dict: not a solar.DataLoader state (missing or unknown 'version'); "
+                              "pass what DataLoader.state_dict() returned")
+        n = len(self.dataset) if hasattr(self.dataset, "__len__") else None
+        if state.get("num_samples") != n:
+            raise ConfigError(f"load_state_dict: the state was saved with a dataset of {state.get('num_samples')} "
+                              f"samples but this loader's dataset has {n}; load it into a loader over the same dataset")
+        mode = self._mode()
+        if state["mode"] != mode:
+            raise ConfigError(f"load_state_dict: the state is from a '{state['mode']}' loader but this one is "
+                              f"'{mode}'; use the same kind of sampler (DistributedSampler or not) as when it was saved")
+        if mode == "schedule":
+            s = self.sampler
+            for key in ("seed", "shuffle", "drop_last"):
+                if state[key] != getattr(s, key):
+                    raise ConfigError(f"load_state_dict: the state's sampler {key}={state[key]!r} differs from this "
+                                      f"sampler's {key}={getattr(s, key)!r}; the global order would change. Build the "
+                                      f"DistributedSampler with {key}={state[key]!r}")
+            if state["epoch_done"]:
+                s.set_epoch(state["epoch"] + 1)
+                return
+            s.set_epoch(state["epoch"])
+            self._epoch_set = True
+        elif state["epoch_done"]:
+            return
+        self._progress["resume"] = dict(state)

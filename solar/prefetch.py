@@ -1,0 +1,45 @@
+"""Background prefetch: run a fetch function for the next steps on one thread, in order.
+
+One thread, not a pool: the fetches mutate the rank's buffer (hits, keeps) and, on a collective
+backend, make MPI calls that every rank must issue in the same order; a single FIFO thread keeps
+both in step order while I/O overlaps the training loop (h5py, throttled sleeps and network reads
+all release the GIL, and torch kernels release it too).
+"""
+
+from __future__ import annotations
+
+import collections
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator, TypeVar
+
+__all__ = ["prefetch"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2) -> Iterator[R]:
+    """Yield ``fn(item)`` for each item, computing up to ``depth`` items ahead on a background thread.
+
+    ``depth=0`` runs ``fn`` inline. Exceptions from ``fn`` are re-raised, with their type, when
+    their item is reached. Closing the generator early cancels what has not started and waits
+    for the running fetch, so no read outlives the epoch.
+    """
+    if depth <= 0:
+        for item in items:
+            yield fn(item)
+        return
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="solar-prefetch")
+    pending: collections.deque = collections.deque()
+    it = iter(items)
+    try:
+        for item in it:
+            pending.append(pool.submit(fn, item))
+            if len(pending) > depth:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for fut in pending:
+            fut.cancel()
+        pool.shutdown(wait=True)

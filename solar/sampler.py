@@ -1,0 +1,213 @@
+"""``SolarBatchSampler``: the batch sampler ``solar.DataLoader`` puts in place of torch's.
+
+It wraps the ``BatchSampler`` torch built from the user's arguments (so ``len()``, ``sampler``,
+``batch_size`` and ``drop_last`` stay torch's) and yields each step's indices as a
+:class:`~solar.dataset.StepBatch` whose stored bytes were already loaded by the prefetch thread.
+
+Two modes:
+
+``schedule``
+    The sampler is a ``DistributedSampler`` (stock ``__iter__``). The batches come from the SOLAR
+    plan (``solar/schedule.py``) for the sampler's ``num_replicas``/``rank``/``seed``/``shuffle``/
+    ``drop_last`` and its current ``epoch`` (so ``set_epoch`` is honoured): every global mini-batch
+    is DistributedSampler's, but its samples go to the rank that holds them.
+``passthrough``
+    Any other sampler (``shuffle=True/False``, custom samplers and batch samplers): torch's
+    batches, unchanged, with buffer hits for the samples this process owns and background
+    prefetch.
+
+NOTE [ Buffer and workers ]
+    The rank buffer, the storage reads and the prefetch thread all live in the main process, in
+    this object; DataLoader workers receive each step's loaded bytes inside the batch they are sent
+    (raw fields and codec blobs as tensors in shared memory: ``StepBatch.stored``) and do only the
+    per-sample work (decode, transform, collate). So the buffer is never copied into, or lost
+    with, worker processes, and worker count does not multiply its memory; h5py handles are opened
+    lazily in the process that reads (the backend checks the pid), which is this one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+from torch.utils.data import BatchSampler, DistributedSampler
+
+from solar.errors import ConfigError
+from solar.prefetch import prefetch as _prefetch
+from solar.schedule import PlanConfig, Planner, capacity_for_bytes, owner_of
+
+__all__ = ["SolarBatchSampler", "parse_buffer", "is_storage_backed"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def is_storage_backed(dataset: Any) -> bool:
+    """True for datasets SOLAR can drive (they implement ``fetch_stored``, like ``H5Dataset``)."""
+    return callable(getattr(dataset, "fetch_stored", None)) and callable(getattr(dataset, "sample_nbytes", None))
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """A parsed ``buffer=`` option: ``samples`` per rank, or ``nbytes`` per rank, or a ``fraction``
+    of the dataset summed over ranks."""
+
+    samples: int | None = None
+    nbytes: int | None = None
+    fraction: float | None = None
+
+
+def parse_buffer(value: Any) -> BufferSpec:
+    """``int`` samples per rank, ``"2GiB"``/``"500MB"`` bytes per rank, or a float fraction in (0, 1]
+    of the dataset held by all ranks together; ``0``/``None`` disables the buffer."""
+    if value is None:
+        return BufferSpec(samples=0)
+    if isinstance(value, bool):
+        raise ConfigError(f"buffer= takes samples, bytes or a fraction, got {value!r}")
+    if isinstance(value, (int, np.integer)):
+        if value < 0:
+            raise ConfigError(f"buffer={value} is negative; pass a number of samples per rank >= 0, "
+                              "a size like '2GiB', or a fraction of the dataset like 0.5")
+        return BufferSpec(samples=int(value))
+    if isinstance(value, float):
+        if not 0 <= value <= 1:
+            raise ConfigError(f"buffer={value} as a float is a fraction of the dataset and must be in [0, 1]; "
+                              "pass an int for samples per rank or a string like '2GiB' for bytes")
+        return BufferSpec(fraction=value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return BufferSpec(nbytes=int(float(m.group(1)) * _UNITS[m.group(2).lower()]))
+    raise ConfigError(f"buffer={value!r} is not understood; use samples per rank (int), bytes per rank "
+                      "('2GiB', '500MB') or a fraction of the dataset (0.5)")
+
+
+def _stock_distributed(sampler: Any) -> bool:
+    return isinstance(sampler, DistributedSampler) and type(sampler).__iter__ is DistributedSampler.__iter__
+
+
+class SolarBatchSampler(BatchSampler):
+    """Wraps torch's batch sampler; see the module docstring.
+
+    Args:
+        inner: the batch sampler torch built (or the user's ``batch_sampler``).
+        dataset: a storage-backed dataset (``H5Dataset``).
+        buffer: see :func:`parse_buffer`.
+        prefetch: steps loaded ahead on the background thread (0: inline).
+        shared: allocate loaded batches in shared memory (``num_workers > 0``).
+    """
+
+    def __init__(self, inner: Any, dataset: Any, *, buffer: Any = "1GiB", prefetch: int = 2,
+                 shared: bool = False) -> None:
+        # No BatchSampler.__init__: its checks already ran on `inner` (or it is a user object).
+        self.inner = inner
+        self.sampler = getattr(inner, "sampler", None)
+        self.batch_size = getattr(inner, "batch_size", None)
+        self.drop_last = getattr(inner, "drop_last", False)
+        self.dataset = dataset
+        self.buffer_spec = parse_buffer(buffer)
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"prefetch={prefetch!r}: pass the number of steps to load ahead (>= 0)")
+        self.prefetch = prefetch
+        self.shared = shared
+        self.buffer = None
+        self._planner: Planner | None = None
+        self._key: Any = None
+        self._capacity = 0
+        self._resume: dict | None = None
+        #: what the running (or last) iteration is: mode, epoch, start position, global batch ...
+        self.current: dict[str, Any] = {}
+        if self.mode == "schedule":
+            self.plan_config()  # nonsense (batch larger than the data, bad buffer ...) fails now
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    @property
+    def mode(self) -> str:
+        ok = type(self.inner) is BatchSampler and _stock_distributed(self.sampler)
+        return "schedule" if ok else "passthrough"
+
+    # -- configuration --------------------------------------------------------------------------
+    def _geometry(self) -> tuple[int, int, int]:
+        """(world size, rank, per-rank batch) of the current mode."""
+        if self.mode == "schedule":
+            return self.sampler.num_replicas, self.sampler.rank, self.batch_size
+        return 1, 0, self.batch_size or 1
+
+    def capacity(self, world_size: int, batch_size: int) -> int:
+        """Samples each rank's buffer may keep, from the ``buffer=`` option."""
+        spec, n = self.buffer_spec, len(self.dataset)
+        if spec.samples is not None:
+            return min(spec.samples, -(-n // world_size))
+        if spec.fraction is not None:
+            return int(spec.fraction * n // world_size)
+        return capacity_for_bytes(self.dataset.sample_nbytes(), spec.nbytes, world_size, batch_size)
+
+    def plan_config(self) -> PlanConfig:
+        """The schedule configuration of the next iteration (schedule mode)."""
+        s = self.sampler
+        P, _, b = self._geometry()
+        return PlanConfig(len(s.dataset), P, b, self.capacity(P, b), int(s.seed), bool(s.shuffle),
+                          bool(s.drop_last), bool(self.drop_last))
+
+    def _prepare(self) -> tuple[int, int]:
+        """Make the buffer (and planner) for the current geometry; reuse them while it holds."""
+        from solar.cache import MemoryTier
+
+        P, rank, b = self._geometry()
+        if self.mode == "schedule":
+            cfg = self.plan_config()
+            key = cfg
+        else:
+            cfg = None
+            key = ("passthrough", len(self.dataset), b)
+        if key != self._key:
+            self._key = key
+            self._capacity = cfg.capacity if cfg else self.capacity(1, b)
+            self._planner = Planner(cfg) if cfg else None
+            self.buffer = MemoryTier(self.buffer_spec.nbytes)
+        return P, rank
+
+    # -- resume ---------------------------------------------------------------------------------
+    def set_resume(self, state: dict | None) -> None:
+        """Start the next iteration where ``state`` (from the loader's ``state_dict``) left off."""
+        self._resume = state
+
+    # -- iteration ------------------------------------------------------------------------------
+    def _steps(self, resume: dict | None, P: int, rank: int) -> Iterator[list[int]]:
+        if self.mode == "schedule":
+            epoch = int(self.sampler.epoch)
+            start = 0
+            if resume and resume.get("mode") == "schedule" and resume["epoch"] == epoch:
+                start = int(resume["position"])
+            plan = self._planner.plan(epoch, start)
+            self.current = {"mode": "schedule", "epoch": epoch, "start": start, "global_batch": plan.global_batch,
+                            "world_size": P, "plan": plan}
+            for step in plan.rank_steps(rank):
+                yield step.tolist()
+            return
+        skip = int(resume["batches"]) if resume and resume.get("mode") == "passthrough" else 0
+        self.current = {"mode": "passthrough", "start": skip}
+        for k, batch in enumerate(self.inner):
+            if k >= skip:
+                yield list(batch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        from solar.dataset import StepBatch
+
+        resume, self._resume = self._resume, None
+        P, rank = self._prepare()
+        b, C = self._geometry()[2], self._capacity
+
+        def keep(miss: np.ndarray) -> np.ndarray:
+            return owner_of(miss, P, b, C) == rank
+
+        def fetch(indices: list[int]) -> StepBatch:
+            batch = StepBatch(indices)
+            batch.stored = self.dataset.fetch_stored(indices, buffer=self.buffer, keep=keep, shared=self.shared)
+            return batch
+
+        yield from _prefetch(self._steps(resume, P, rank), fetch, self.prefetch)

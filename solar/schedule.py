@@ -1,0 +1,444 @@
+"""The SOLAR schedule: which rank gets which sample of each global mini-batch, and what each rank keeps.
+
+A plan is a pure function of ``(N, P, b, C, seed, epoch, shuffle, drop_last)`` plus the buffers'
+contents when the run started (empty), so every rank computes the same plan without talking to
+the others (no MPI, no storage). Epochs are planned one at a time in O(N) time and memory; no
+E x N list exists anywhere.
+
+NOTE [ Global order ]
+    The global order of epoch ``e`` is exactly ``torch.utils.data.DistributedSampler``'s:
+    ``torch.randperm(N, generator=torch.Generator().manual_seed(seed + e))`` (or ``arange(N)`` with
+    ``shuffle=False``), padded by repeating its head up to ``ceil(N / P) * P`` (``drop_last=False``)
+    or truncated to ``floor(N / P) * P`` (``drop_last=True``). Rank r's k-th local batch in torch
+    holds global positions ``[k*G, (k+1)*G)`` with stride P (``G = P*b``), so global mini-batch k
+    is ``order[k*G:(k+1)*G]``. SOLAR keeps every global mini-batch and only changes *which rank*
+    gets which of its samples: the training semantics (the all-reduced gradient) do not change.
+
+NOTE [ Pinned residency: why the bound is reached ]
+    With a fresh permutation every epoch, any policy hits at most ``min(1, P*C/N)`` of the
+    accesses (every reuse crosses one epoch boundary, when at most ``P*C`` samples are resident).
+    The ``solar`` policy reaches it: sample ``i < P*C`` is *owned* by one rank, a pure function
+    of ``i`` (:func:`owner_of`); the owner keeps it from the first time it reads it, forever.
+    In every step each rank first takes its resident owned samples (hits), then its owned samples
+    not yet resident (read once, then kept), up to its ``b`` slots; everything else (including the
+    rare overflow when a rank owns more than ``b`` of a step's samples) fills the free slots in
+    sample-index order, so adjacent indices land on the same rank and coalesce into longer range
+    reads. Owners are laid out in blocks of ``b`` consecutive indices (``(i // b) % P``), so with
+    ``shuffle=False`` every step of the owned prefix is perfectly balanced and contiguous.
+    Residency never needs the future order, which is also why the dataset can decide hits online
+    ("is it in my buffer?") and keeps ("do I own it?") and always agree with the plan.
+
+Baselines for comparison (``policy="lru"`` and ``policy="fifo"``) are simulated step by step in
+Python; they exist for ``solar plan`` and ``bench/plan`` only.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from solar.errors import ConfigError
+
+__all__ = ["PlanConfig", "EpochPlan", "Planner", "global_order", "sampler_num_samples", "owner_of",
+           "capacity_for_bytes", "POLICIES"]
+
+POLICIES = ("solar", "lru", "fifo")
+
+
+def sampler_num_samples(n: int, world_size: int, drop_last: bool) -> int:
+    """Samples per rank per epoch, exactly as ``DistributedSampler.num_samples``."""
+    if drop_last and n % world_size:
+        return math.ceil((n - world_size) / world_size)
+    return math.ceil(n / world_size)
+
+
+def global_order(n: int, world_size: int, seed: int, epoch: int, shuffle: bool = True,
+                 drop_last: bool = False) -> np.ndarray:
+    """The padded/truncated global order of one epoch (int64), identical to DistributedSampler's.
+
+    See NOTE [ Global order ].
+    """
+    import torch
+
+    if shuffle:
+        g = torch.Generator()
+        g.manual_seed(int(seed) + int(epoch))
+        perm = torch.randperm(n, generator=g).numpy().astype(np.int64, copy=False)
+    else:
+        perm = np.arange(n, dtype=np.int64)
+    total = sampler_num_samples(n, world_size, drop_last) * world_size
+    if total <= n:
+        return perm[:total]
+    reps = math.ceil(total / n)
+    return np.tile(perm, reps)[:total]
+
+
+def owner_of(indices: np.ndarray, world_size: int, batch_size: int, capacity: int) -> np.ndarray:
+    """The rank that owns (keeps) each sample index, or -1: a pure function of the index.
+
+    Indices ``< P*C`` are owned: full rounds of ``b``-blocks go round-robin over ranks
+    (``(i // b) % P``); the remaining ``P * (C % b)`` indices are dealt out one by one
+    (``i % P``). Every rank owns exactly ``C`` samples. See NOTE [ Pinned residency ... ].
+    """
+    i = np.asarray(indices, dtype=np.int64)
+    P, b, C = world_size, batch_size, capacity
+    full = P * b * (C // b)
+    own = np.full(i.shape, -1, dtype=np.int64)
+    m1 = i < full
+    own[m1] = (i[m1] // b) % P
+    m2 = (i >= full) & (i < P * C)
+    own[m2] = (i[m2] - full) % P
+    return own
+
+
+def capacity_for_bytes(sizes: np.ndarray, budget: int, world_size: int, batch_size: int) -> int:
+    """Largest per-rank capacity ``C`` (samples) whose owned samples fit ``budget`` bytes on every rank.
+
+    ``sizes[i]`` is sample i's stored size (all fields). Raw fields have equal sizes; compressed
+    fields vary, and the owned set must fit on the rank that owns it.
+    """
+    sizes = np.asarray(sizes, dtype=np.int64)
+    n = len(sizes)
+
+    def fits(c: int) -> bool:
+        m = min(n, world_size * c)
+        per_rank = np.bincount(owner_of(np.arange(m), world_size, batch_size, c), weights=sizes[:m],
+                               minlength=world_size)
+        return bool(per_rank.max(initial=0) <= budget)
+
+    lo, hi = 0, -(-n // world_size)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """Everything a plan depends on.
+
+    Args:
+        num_samples: N, the dataset length.
+        world_size: P, number of ranks.
+        batch_size: b, samples per rank per step.
+        capacity: C, samples each rank's buffer may keep.
+        seed: the DistributedSampler seed (the order of epoch e uses ``seed + e``).
+        shuffle: DistributedSampler's ``shuffle``.
+        drop_last: DistributedSampler's ``drop_last`` (truncate instead of padding).
+        drop_last_batch: DataLoader's ``drop_last`` (drop each rank's last partial batch).
+        policy: ``"solar"`` (pinned residency + remap every step), or the baselines ``"lru"``
+            (per-rank LRU, remap to the holder every step) and ``"fifo"`` (SOLAR's released code:
+            per-rank FIFO, remap only in the first ``P*C // G`` steps of an epoch).
+    """
+
+    num_samples: int
+    world_size: int = 1
+    batch_size: int = 1
+    capacity: int = 0
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+    drop_last_batch: bool = False
+    policy: str = "solar"
+
+    def __post_init__(self) -> None:
+        N, P, b, C = self.num_samples, self.world_size, self.batch_size, self.capacity
+        if not isinstance(N, (int, np.integer)) or N <= 0:
+            raise ConfigError(f"num_samples must be a positive integer, got {N!r}")
+        if not isinstance(P, (int, np.integer)) or P <= 0:
+            raise ConfigError(f"world_size must be a positive integer, got {P!r}")
+        if not isinstance(b, (int, np.integer)) or b <= 0:
+            raise ConfigError(f"batch_size must be a positive integer, got {b!r}")
+        if not isinstance(C, (int, np.integer)) or C < 0:
+            raise ConfigError(f"buffer capacity must be >= 0 samples per rank, got {C!r}; "
+                              "pass 0 to disable the buffer")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.drop_last and N < P:
+            raise ConfigError(f"drop_last=True with {N} samples and world size {P} leaves no sample; "
+                              "use fewer ranks or drop_last=False")
+        if self.per_rank < b:
+            what = ("and drop_last=True would drop them all" if self.drop_last_batch else
+                    "so the batch is larger than the dataset and every step would be one partial batch")
+            raise ConfigError(f"each of {P} rank(s) gets {self.per_rank} samples per epoch (N={N}), fewer than "
+                              f"batch_size={b}, {what}; use batch_size <= {self.per_rank}")
+
+    @property
+    def per_rank(self) -> int:
+        return sampler_num_samples(self.num_samples, self.world_size, self.drop_last)
+
+    @property
+    def global_batch(self) -> int:
+        return self.world_size * self.batch_size
+
+    @property
+    def epoch_length(self) -> int:
+        """Positions of the global order an epoch consumes (after DataLoader's drop_last)."""
+        n = self.per_rank
+        if self.drop_last_batch:
+            n -= n % self.batch_size
+        return n * self.world_size
+
+    def steps_per_epoch(self) -> int:
+        n = self.per_rank
+        return n // self.batch_size if self.drop_last_batch else -(-n // self.batch_size)
+
+    @property
+    def bound(self) -> float:
+        """The physical hit-rate limit for fresh permutations: ``min(1, P*C/N)``."""
+        return min(1.0, self.world_size * self.capacity / self.num_samples)
+
+
+@dataclass
+class EpochPlan:
+    """One epoch's assignment, from global position ``start`` on (``start > 0`` after a resume).
+
+    Arrays are indexed by position ``p - start`` in the epoch's global order; steps are
+    consecutive runs of ``G`` positions from ``start``.
+    """
+
+    epoch: int
+    start: int
+    global_batch: int
+    world_size: int
+    samples: np.ndarray  # sample index per position
+    rank: np.ndarray  # assigned rank per position
+    hit: np.ndarray  # bool: served from that rank's buffer
+    keep: np.ndarray  # bool: read and kept in that rank's buffer
+    _by_rank: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_steps(self) -> int:
+        return -(-len(self.samples) // self.global_batch)
+
+    @property
+    def misses(self) -> int:
+        return int(len(self.hit) - self.hit.sum())
+
+    @property
+    def hit_rate(self) -> float:
+        return float(self.hit.mean()) if len(self.hit) else 0.0
+
+    def step_slice(self, k: int) -> slice:
+        return slice(k * self.global_batch, min((k + 1) * self.global_batch, len(self.samples)))
+
+    def rank_steps(self, rank: int) -> list[np.ndarray]:
+        """Rank ``rank``'s batches (sample indices, global-order order), one array per step."""
+        if not self.num_steps:
+            return []
+        if rank not in self._by_rank:
+            pos = np.flatnonzero(self.rank == rank)
+            bounds = np.searchsorted(pos, np.arange(1, self.num_steps) * self.global_batch)
+            self._by_rank[rank] = [self.samples[p] for p in np.split(pos, bounds)]
+        return self._by_rank[rank]
+
+    def read_calls(self) -> int:
+        """Coalesced range reads this epoch needs: runs of consecutive indices per (step, rank)."""
+        miss = np.flatnonzero(~self.hit)
+        if not len(miss):
+            return 0
+        key = (miss // self.global_batch) * self.world_size + self.rank[miss]
+        s = self.samples[miss]
+        o = np.lexsort((s, key))
+        key, s = key[o], s[o]
+        new = np.ones(len(s), dtype=bool)
+        new[1:] = (key[1:] != key[:-1]) | (s[1:] > s[:-1] + 1)
+        return int(new.sum())
+
+    def to_dump(self) -> dict:
+        """``{"epoch": e, "steps": [[[[index, hit], ...] per rank] per step]}`` for ``solar plan --dump``."""
+        steps = []
+        for k in range(self.num_steps):
+            sl = self.step_slice(k)
+            r, s, h = self.rank[sl], self.samples[sl], self.hit[sl]
+            steps.append([[[int(i), bool(x)] for i, x in zip(s[r == q], h[r == q])]
+                          for q in range(self.world_size)])
+        return {"epoch": self.epoch, "steps": steps}
+
+
+def _step_quota(n: int, G: int, P: int) -> np.ndarray:
+    """Per (step, rank) slot counts for ``n`` positions in steps of ``G``: ``b`` each, and the
+    last partial step split as evenly as possible (equal unless a resume changed the world size)."""
+    S = -(-n // G)
+    quota = np.full((S, P), G // P, dtype=np.int64)
+    last = n - (S - 1) * G
+    if S and last != G:
+        quota[-1] = last // P
+        quota[-1, : last % P] += 1
+    return quota
+
+
+def _assign_pinned(samples: np.ndarray, G: int, P: int, owner: np.ndarray, resident: np.ndarray):
+    """Vectorized assignment of one run of steps. See NOTE [ Pinned residency ... ]."""
+    n = len(samples)
+    step = np.arange(n, dtype=np.int64) // G
+    quota = _step_quota(n, G, P)
+    own = owner
+    rank = np.full(n, -1, dtype=np.int64)
+    hit = np.zeros(n, dtype=bool)
+    keep = np.zeros(n, dtype=bool)
+    cand = np.flatnonzero(own >= 0)
+    if len(cand):
+        res = resident[samples[cand]]
+        key = step[cand] * P + own[cand]
+        o = np.lexsort((~res, key))  # per (step, owner): resident first, then by position
+        cand, key, res = cand[o], key[o], res[o]
+        first = np.ones(len(key), dtype=bool)
+        first[1:] = key[1:] != key[:-1]
+        start = np.maximum.accumulate(np.where(first, np.arange(len(key)), 0))
+        ok = (np.arange(len(key)) - start) < quota.reshape(-1)[key]
+        acc = cand[ok]
+        rank[acc] = own[acc]
+        hit[acc] = res[ok]
+        keep[acc] = ~res[ok]
+        taken = np.bincount(key[ok], minlength=quota.size)
+    else:
+        taken = np.zeros(quota.size, dtype=np.int64)
+    free = quota.reshape(-1) - taken
+    left = np.flatnonzero(rank < 0)
+    left = left[np.lexsort((samples[left], step[left]))]  # index order within each step
+    rank[left] = np.repeat(np.tile(np.arange(P, dtype=np.int64), len(quota)), free)
+    return rank, hit, keep
+
+
+class Planner:
+    """Plans epochs one after the other from an empty buffer, carrying each rank's residency.
+
+    Args:
+        config: the :class:`PlanConfig`.
+
+    Plans are meant to be executed in the order they are made (any epochs, e.g. the same epoch
+    twice): each continues from the residency the previous ones left. A new planner starts
+    from empty buffers, which is what a freshly started or resumed process has.
+    """
+
+    def __init__(self, config: PlanConfig) -> None:
+        self.config = config
+        c = config
+        self._resident = np.zeros(c.num_samples, dtype=bool)  # solar policy: resident on owner
+        self._planned = 0  # plans made so far (the first is the fill epoch of the baselines)
+        if c.policy != "solar":
+            self._caches = [collections.OrderedDict() for _ in range(c.world_size)]
+            self._holder: dict[int, int] = {}
+
+    def owners(self, indices: np.ndarray) -> np.ndarray:
+        c = self.config
+        return owner_of(indices, c.world_size, c.batch_size, c.capacity)
+
+    def order(self, epoch: int) -> np.ndarray:
+        c = self.config
+        return global_order(c.num_samples, c.world_size, c.seed, epoch, c.shuffle, c.drop_last)[: c.epoch_length]
+
+    def plan(self, epoch: int, start: int = 0) -> EpochPlan:
+        """The plan of ``epoch`` from global position ``start``; updates the residency."""
+        c = self.config
+        if start < 0 or start > c.epoch_length:
+            raise ConfigError(f"resume position {start} is outside epoch {epoch} (0..{c.epoch_length})")
+        samples = self.order(epoch)[start:]
+        self._start = start
+        G, P = c.global_batch, c.world_size
+        if c.policy == "solar":
+            rank, hit, keep = self._plan_pinned(samples, G, P)
+        else:
+            rank, hit, keep = self._plan_baseline(samples, G, P, epoch)
+        self._planned += 1
+        return EpochPlan(epoch, start, G, P, samples, rank, hit, keep)
+
+    def truncate(self, plan: EpochPlan, steps_done: int) -> None:
+        """Undo the keeps of ``plan``'s steps from ``steps_done`` on (the epoch stopped early).
+
+        Pinned keeps are first loads, so undoing them restores the residency exactly; every rank
+        must call it with the same ``steps_done`` to keep the plans identical.
+        """
+        if self.config.policy != "solar":
+            return
+        lo = min(len(plan.samples), steps_done * plan.global_batch)
+        undo = plan.samples[lo:][plan.keep[lo:]]
+        self._resident[undo] = False
+
+    def reset(self) -> None:
+        """Forget residency (buffers emptied, e.g. a new process)."""
+        self._resident[:] = False
+        self._planned = 0
+        if self.config.policy != "solar":
+            self._caches = [collections.OrderedDict() for _ in range(self.config.world_size)]
+            self._holder = {}
+
+    def _plan_pinned(self, samples: np.ndarray, G: int, P: int):
+        c = self.config
+        own = self.owners(samples)
+        # Padding repeats the epoch's head at its tail (N % P != 0); those duplicates can be hits
+        # of samples kept earlier in the same epoch, so plan the steps holding them separately.
+        first_dup = c.num_samples - self._start
+        split = (first_dup // G) * G if 0 <= first_dup < len(samples) else len(samples)
+        parts = [(0, split), (split, len(samples))]
+        out = [np.empty(len(samples), dtype=np.int64), np.zeros(len(samples), bool), np.zeros(len(samples), bool)]
+        for lo, hi in parts:
+            if hi <= lo:
+                continue
+            r, h, k = _assign_pinned(samples[lo:hi], G, P, own[lo:hi], self._resident)
+            out[0][lo:hi], out[1][lo:hi], out[2][lo:hi] = r, h, k
+            self._resident[samples[lo:hi][k]] = True
+        return tuple(out)
+
+    def _plan_baseline(self, samples: np.ndarray, G: int, P: int, epoch: int):
+        """Step-by-step simulation of per-rank LRU / SOLAR-released FIFO (slow; for comparison)."""
+        c = self.config
+        caches, holder, C, b = self._caches, self._holder, c.capacity, c.batch_size
+        n = len(samples)
+        rank = np.empty(n, dtype=np.int64)
+        hit = np.zeros(n, dtype=bool)
+        first_epoch = self._planned == 0
+        remap_steps = (P * C) // G
+        for k, lo in enumerate(range(0, n, G)):
+            batch = samples[lo:lo + G].tolist()
+            q = len(batch) // P
+            quota = [q + (1 if r < len(batch) % P else 0) for r in range(P)]
+            remap = c.policy == "lru" or (not first_epoch and k < remap_steps)
+            if remap:
+                cnt = [0] * P
+                rest = []
+                for j, s in enumerate(batch):
+                    r = holder.get(s)
+                    if r is not None and cnt[r] < quota[r]:
+                        cnt[r] += 1
+                        rank[lo + j] = r
+                        hit[lo + j] = True
+                    else:
+                        rest.append((s, j))
+                rest.sort()
+                free = [r for r in range(P) for _ in range(quota[r] - cnt[r])]
+                for (s, j), r in zip(rest, free):
+                    rank[lo + j] = r
+            else:
+                for j, s in enumerate(batch):
+                    r = j % P
+                    rank[lo + j] = r
+                    hit[lo + j] = holder.get(s) == r
+            if c.policy == "lru":  # hits were served at the step's start: refresh them first
+                for j, s in enumerate(batch):
+                    if hit[lo + j]:
+                        caches[int(rank[lo + j])].move_to_end(s)
+            for j, s in enumerate(batch):
+                if hit[lo + j] or C == 0:
+                    continue
+                r = int(rank[lo + j])
+                cache = caches[r]
+                old = holder.get(s)
+                if old is not None and old != r:
+                    caches[old].pop(s, None)
+                cache[s] = True
+                cache.move_to_end(s)
+                holder[s] = r
+                while len(cache) > C:
+                    v, _ = cache.popitem(last=False)
+                    if holder.get(v) == r:
+                        del holder[v]
+        keep = ~hit if C else np.zeros(n, dtype=bool)
+        return rank, hit, keep

@@ -1,0 +1,291 @@
+"""solar.DataLoader as a drop-in torch DataLoader, and its SOLAR path on storage-backed data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+
+import solar
+from solar.testing.resume import batches_equal, check_save_load_state
+from solar.synthetic import write_ptycho_h5
+
+
+class Squares(tud.Dataset):
+    def __init__(self, n=23):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        info = tud.get_worker_info()
+        return {"x": torch.tensor([float(i), float(i) ** 2]), "i": i,
+                "worker": -1 if info is None else info.id, "seed": torch.initial_seed() % 1000}
+
+
+class Stream(tud.IterableDataset):
+    def __init__(self, n=17):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        lo, step = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(range(lo, self.n, step))
+
+
+class Boom(tud.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i == 5:
+            raise KeyError(f"sample {i} is bad")
+        return i
+
+
+def _init(worker_id):
+    np.random.seed(worker_id)
+
+
+def _collate(batch):
+    return [b["i"] * 10 for b in batch]
+
+
+CASES = {
+    "defaults": dict(),
+    "batch7": dict(batch_size=7),
+    "drop_last": dict(batch_size=7, drop_last=True),
+    "shuffle_gen": dict(batch_size=4, shuffle=True, generator="g"),
+    "no_batch": dict(batch_size=None),
+    "collate": dict(batch_size=5, collate_fn=_collate),
+    "sampler": dict(batch_size=3, sampler=[5, 1, 9, 2, 2]),
+    "batch_sampler": dict(batch_sampler=[[0, 1], [7, 3, 2]]),
+    "distributed": dict(batch_size=4, sampler="dist"),
+    "workers": dict(batch_size=4, shuffle=True, generator="g", num_workers=2, worker_init_fn=_init,
+                    persistent_workers=True, prefetch_factor=3, timeout=30, multiprocessing_context="fork"),
+    "pin": dict(batch_size=6, pin_memory=True),
+}
+
+
+def _build(cls, ds, kw):
+    kw = dict(kw)
+    if kw.get("generator") == "g":
+        kw["generator"] = torch.Generator().manual_seed(5)
+    if kw.get("sampler") == "dist":
+        kw["sampler"] = tud.DistributedSampler(ds, num_replicas=3, rank=1, seed=2)
+    return cls(ds, **kw)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_same_batches_as_torch_on_any_dataset(case):
+    kw = CASES[case]
+    if kw.get("pin_memory"):
+        pytest.importorskip("torch.cuda")
+    out = []
+    for cls in (tud.DataLoader, solar.DataLoader):
+        torch.manual_seed(0)
+        loader = _build(cls, Squares(), kw)
+        epochs = []
+        for e in range(2):
+            if kw.get("sampler") == "dist":
+                loader.sampler.set_epoch(e)
+            epochs.append(list(loader))
+        out.append((len(loader), epochs))
+    assert out[0][0] == out[1][0]
+    assert batches_equal(out[0][1], out[1][1])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterable_dataset_like_torch(workers):
+    a = list(tud.DataLoader(Stream(), batch_size=3, num_workers=workers))
+    b = list(solar.DataLoader(Stream(), batch_size=3, num_workers=workers))
+    assert batches_equal(a, b)
+    assert len(solar.DataLoader(Stream(), batch_size=3)) == len(tud.DataLoader(Stream(), batch_size=3))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(batch_size=2, batch_sampler=[[0]]),
+    dict(shuffle=True, sampler=[0, 1]),
+    dict(batch_size=None, drop_last=True),
+    dict(num_workers=-1),
+    dict(prefetch_factor=2),
+    dict(persistent_workers=True),
+    dict(timeout=-1),
+    dict(batch_size=0),
+    dict(multiprocessing_context="fork"),
+])
+def test_same_value_errors_as_torch(kw):
+    with pytest.raises(ValueError) as want:
+        list(tud.DataLoader(Squares(), **kw))
+    with pytest.raises(ValueError) as got:
+        list(solar.DataLoader(Squares(), **kw))
+    assert str(got.value) == str(want.value)
+
+
+def test_worker_exception_is_reraised_with_its_type():
+    with pytest.raises(KeyError, match="sample 5 is bad"):
+        list(solar.DataLoader(Boom(), batch_size=2, num_workers=2))
+
+
+def test_workers_get_torch_seeding_and_worker_info():
+    torch.manual_seed(3)
+    a = list(tud.DataLoader(Squares(8), batch_size=2, num_workers=2))
+    torch.manual_seed(3)
+    b = list(solar.DataLoader(Squares(8), batch_size=2, num_workers=2))
+    assert [x["worker"].tolist() for x in b] == [[0, 0], [1, 1], [0, 0], [1, 1]]
+    assert batches_equal(a, b)
+
+
+def test_attributes_stay_torchs():
+    s = tud.DistributedSampler(Squares(), num_replicas=2, rank=0)
+    loader = solar.DataLoader(Squares(), batch_size=4, sampler=s)
+    assert loader.sampler is s and loader.batch_size == 4 and loader.drop_last is False
+    with pytest.raises(ValueError, match="should not be set"):
+        loader.batch_size = 3
+
+
+# -- storage-backed: H5Dataset ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def h5path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("loader") / "ptycho.h5")
+    write_ptycho_h5(path, 96, 8, seed=1, progress=False)
+    return path
+
+
+def _rank_loaders(path, P, b, buffer, **kw):
+    out = []
+    for r in range(P):
+        ds = solar.H5Dataset(path)
+        s = tud.DistributedSampler(ds, num_replicas=P, rank=r, seed=4)
+        out.append(solar.DataLoader(ds, batch_size=b, sampler=s, buffer=buffer, **kw))
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_world_size_one_matches_torch_and_hits_from_epoch_two(h5path, workers):
+    ds = solar.H5Dataset(h5path)
+    ref_s = tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=4)
+    ref = tud.DataLoader(ds, batch_size=10, sampler=ref_s)
+    loader = _rank_loaders(h5path, 1, 10, 0.5, num_workers=workers)[0]
+    assert len(loader) == len(ref) == 10
+    for e in range(3):
+        ref_s.set_epoch(e)
+        loader.sampler.set_epoch(e)
+        assert batches_equal(list(ref), list(loader))
+    stats = loader.dataset.stats
+    assert stats.hits == 2 * 48  # epochs 2 and 3 hit the 48 samples the buffer keeps
+    assert stats.misses == 3 * 96 - 2 * 48
+    assert loader.solar_sampler.buffer.stats.hits == 2 * 48 * 2  # two fields
+
+
+def test_shuffle_without_sampler_matches_torch_and_uses_the_buffer(h5path):
+    ds = solar.H5Dataset(h5path)
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    ref = tud.DataLoader(ds, batch_size=7, shuffle=True, generator=g1)
+    loader = solar.DataLoader(solar.H5Dataset(h5path), batch_size=7, shuffle=True, generator=g2, buffer=24)
+    assert loader.solar_sampler.mode == "passthrough"
+    for _ in range(2):
+        assert batches_equal(list(ref), list(loader))
+    assert loader.dataset.stats.hits == 24
+
+
+def test_ranks_split_each_global_batch_and_read_fewer_calls(h5path):
+    P, b = 3, 4
+    loaders = _rank_loaders(h5path, P, b, 0.5)
+    for e in range(3):
+        per_rank = []
+        for loader in loaders:
+            loader.sampler.set_epoch(e)
+            per_rank.append([batch for batch in loader])
+        for k in range(len(per_rank[0])):
+            xs = torch.cat([per_rank[r][k][0] for r in range(P)])
+            assert all(len(per_rank[r][k][0]) == b for r in range(P))
+            order = solar.schedule.global_order(96, P, 4, e)[k * P * b:(k + 1) * P * b]
+            ref = solar.H5Dataset(h5path).__getitems__(sorted(order.tolist()))
+            want = torch.stack([s[0] for s in ref])
+            assert torch.equal(torch.sort(xs.flatten(1), dim=0)[0], torch.sort(want.flatten(1), dim=0)[0])
+    hits = sum(ld.dataset.stats.hits for ld in loaders)
+    assert hits == 2 * 48  # every rank hits its pinned samples from epoch 2
+    calls = sum(ld.dataset.backend.stats.read_calls for ld in loaders)
+    assert calls < 2 * (3 * 96 - hits)  # coalesced: fewer calls than samples x fields
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_save_load_state_mid_epoch_at_every_point(h5path, workers):
+    def make():
+        ds = solar.H5Dataset(h5path)
+        s = tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=2)
+        return solar.DataLoader(ds, batch_size=16, sampler=s, buffer=0.25, num_workers=workers)
+
+    assert check_save_load_state(make, midpoints=None if workers == 0 else [0, 3, 6]) >= 3
+
+
+def test_save_load_state_passthrough_random_order(h5path):
+    def make():
+        return solar.DataLoader(solar.H5Dataset(h5path), batch_size=20, shuffle=True, buffer=10)
+
+    assert check_save_load_state(make, set_epoch=False) == 6
+
+
+def test_save_load_state_on_a_plain_dataset():
+    def make():
+        return solar.DataLoader(Squares(), batch_size=5, shuffle=True)
+
+    assert check_save_load_state(make, set_epoch=False) == 6
+
+
+def test_resume_with_another_world_size_continues_the_global_order(h5path):
+    old = _rank_loaders(h5path, 2, 6, 0.5)
+    iters = [iter(ld) for ld in old]
+    for it in iters:
+        for _ in range(3):
+            next(it)
+    state = old[0].state_dict()
+    assert state["position"] == 3 * 12 and state["world_size"] == 2
+    new = _rank_loaders(h5path, 4, 3, 0.5)
+    for ld in new:
+        ld.load_state_dict(state)
+    got = [list(ld) for ld in new]
+    order = solar.schedule.global_order(96, 2, 4, 0)
+    for k in range(len(got[0])):
+        xs = torch.cat([got[r][k][0] for r in range(4)]).flatten(1)
+        want = torch.stack([solar.H5Dataset(h5path)[int(i)][0] for i in order[36 + 12 * k:48 + 12 * k]]).flatten(1)
+        assert torch.equal(torch.sort(xs, dim=0)[0], torch.sort(want, dim=0)[0])
+    assert (len(got[0]) - 1) * 12 + 12 == 96 - 36
+
+
+def test_bad_input_says_what_to_change(h5path, tmp_path):
+    ds = solar.H5Dataset(h5path)
+    with pytest.raises(ValueError, match="negative"):
+        solar.DataLoader(ds, batch_size=4, buffer=-1)
+    with pytest.raises(ValueError, match="not understood"):
+        solar.DataLoader(ds, batch_size=4, buffer="lots")
+    with pytest.raises(ValueError, match="larger than the dataset"):
+        solar.DataLoader(ds, batch_size=200, sampler=tud.DistributedSampler(ds, num_replicas=1, rank=0))
+    state = solar.DataLoader(ds, batch_size=4, sampler=tud.DistributedSampler(ds, num_replicas=1, rank=0)).state_dict()
+    other = str(tmp_path / "small.h5")
+    write_ptycho_h5(other, 40, 8, progress=False)
+    small = solar.H5Dataset(other)
+    loader = solar.DataLoader(small, batch_size=4, sampler=tud.DistributedSampler(small, num_replicas=1, rank=0))
+    with pytest.raises(ValueError, match="dataset of 96 samples"):
+        loader.load_state_dict(state)
+    with pytest.raises(ValueError, match="not a solar.DataLoader state"):
+        loader.load_state_dict({"epoch": 1})
+
+
+def test_distributed_option_takes_rank_from_the_environment(h5path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "2")
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"):
+        monkeypatch.delenv(var, raising=False)
+    loader = solar.DataLoader(solar.H5Dataset(h5path), batch_size=4, shuffle=True, distributed=True, seed=3)
+    assert loader.sampler.num_replicas == 4 and loader.sampler.rank == 2 and loader.solar_sampler.mode == "schedule"
+    a = [b[0].shape[0] for b in loader]
+    assert a == [4] * 6 and loader.sampler.epoch == 0
+    list(loader)
+    assert loader.sampler.epoch == 1  # advanced by itself

@@ -1,0 +1,155 @@
+"""Invariants of the SOLAR schedule (solar/schedule.py), checked against torch's DistributedSampler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DistributedSampler
+
+from solar.schedule import (PlanConfig, Planner, capacity_for_bytes, global_order, owner_of,
+                            sampler_num_samples)
+from solar.testing.plans import PlanViolation, check_dump
+
+
+def torch_global_batches(n, P, b, seed, epoch, shuffle, drop_last, drop_last_batch):
+    """Global mini-batches as torch forms them: rank r's k-th DataLoader batch of DistributedSampler."""
+    per = []
+    for r in range(P):
+        s = DistributedSampler(range(n), num_replicas=P, rank=r, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        s.set_epoch(epoch)
+        per.append(list(s))
+    m = len(per[0])
+    steps = m // b if drop_last_batch else -(-m // b)
+    return [sorted(x for r in range(P) for x in per[r][k * b:(k + 1) * b]) for k in range(steps)]
+
+
+configs = st.builds(
+    lambda n, P, b, frac, seed, shuffle, dl, dlb: (n, P, b, frac, seed, shuffle, dl, dlb),
+    st.integers(1, 160), st.integers(1, 6), st.integers(1, 9), st.floats(0, 1), st.integers(0, 2**31),
+    st.booleans(), st.booleans(), st.booleans())
+
+
+def make_config(n, P, b, frac, seed, shuffle, dl, dlb, policy="solar"):
+    if dl and n < P:
+        dl = False
+    per = sampler_num_samples(n, P, dl)
+    b = max(1, min(b, per))
+    C = int(frac * n / P)
+    return PlanConfig(n, P, b, C, seed, shuffle, dl, dlb, policy)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configs, st.sampled_from(["solar", "solar", "lru", "fifo"]))
+def test_plan_keeps_torch_global_batches_balances_ranks_and_only_claims_valid_hits(cfg, policy):
+    c = make_config(*cfg, policy=policy)
+    planner = Planner(c)
+    dump = {"epochs": []}
+    for e in range(3):
+        plan = planner.plan(e)
+        want = torch_global_batches(c.num_samples, c.world_size, c.batch_size, c.seed, e, c.shuffle, c.drop_last,
+                                    c.drop_last_batch)
+        batches = [plan.rank_steps(r) for r in range(c.world_size)]
+        assert plan.num_steps == len(want) == c.steps_per_epoch()
+        for k, g in enumerate(want):
+            sizes = {len(batches[r][k]) for r in range(c.world_size)}
+            assert len(sizes) == 1, f"step {k}: unequal per-rank sizes {sizes}"
+            if k < len(want) - 1:
+                assert sizes == {c.batch_size}
+            assert sorted(np.concatenate([batches[r][k] for r in range(c.world_size)]).tolist()) == g
+        dump["epochs"].append(plan.to_dump())
+    stats = check_dump(dump, c.capacity, c.batch_size)
+    assert stats["max_kept"] <= c.capacity
+    if c.capacity == 0:
+        assert stats["hits"] == 0
+
+
+def test_pinned_policy_reaches_the_bound_and_beats_the_baselines():
+    n, P, b = 8192, 8, 32
+    for frac in (0.1, 0.25, 0.5):
+        C = int(frac * n / P)
+        rates = {}
+        for policy in ("solar", "lru", "fifo"):
+            planner = Planner(PlanConfig(n, P, b, C, seed=7, policy=policy))
+            rates[policy] = np.mean([planner.plan(e).hit_rate for e in range(3)][1:])
+        bound = P * C / n
+        assert rates["solar"] >= 0.97 * bound, (frac, rates)
+        assert rates["solar"] > 1.5 * max(rates["lru"], rates["fifo"]), (frac, rates)
+
+
+def test_fill_epoch_has_no_hits_and_world_size_one_keeps_torch_order():
+    c = PlanConfig(100, 1, 10, 40, seed=3)
+    planner = Planner(c)
+    p0 = planner.plan(0)
+    assert p0.hit.sum() == 0 and p0.keep.sum() == 40
+    order = global_order(100, 1, 3, 1)
+    p1 = planner.plan(1)
+    assert np.concatenate(p1.rank_steps(0)).tolist() == order.tolist()
+    assert p1.hit.sum() == 40
+
+
+def test_global_order_is_distributed_samplers():
+    for n, P, dl in ((10, 3, False), (10, 3, True), (2, 5, False), (12, 4, True)):
+        order = global_order(n, P, seed=11, epoch=2, drop_last=dl)
+        for r in range(P):
+            s = DistributedSampler(range(n), num_replicas=P, rank=r, seed=11, drop_last=dl)
+            s.set_epoch(2)
+            assert order[r::P].tolist() == list(s)
+
+
+@given(st.integers(1, 64), st.integers(1, 9), st.integers(0, 50))
+def test_every_rank_owns_exactly_capacity_samples(P, b, C):
+    own = owner_of(np.arange(P * C + 17), P, b, C)
+    assert (own[P * C:] == -1).all()
+    assert np.bincount(own[own >= 0], minlength=P).tolist() == [C] * P
+
+
+def test_capacity_for_bytes_fits_every_rank():
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(10, 100, size=1000)
+    C = capacity_for_bytes(sizes, 5000, world_size=4, batch_size=8)
+    own = owner_of(np.arange(1000), 4, 8, C)
+    per = np.bincount(own[own >= 0], weights=sizes[own >= 0], minlength=4)
+    assert per.max() <= 5000
+    own2 = owner_of(np.arange(1000), 4, 8, C + 1)
+    assert np.bincount(own2[own2 >= 0], weights=sizes[own2 >= 0], minlength=4).max() > 5000
+    assert capacity_for_bytes(np.full(100, 10), 10**9, 4, 8) == 25
+
+
+def test_resume_position_continues_the_global_order_with_another_world_size():
+    n = 240
+    a = Planner(PlanConfig(n, 2, 6, 30, seed=1)).plan(4)
+    b = Planner(PlanConfig(n, 4, 3, 15, seed=1)).plan(4, start=5 * 12)
+    assert b.samples.tolist() == a.samples[60:].tolist()
+    for k in range(b.num_steps):
+        assert sorted(b.samples[b.step_slice(k)]) == sorted(a.samples[a.step_slice(k + 5)])
+
+
+def test_read_calls_count_coalesced_runs():
+    planner = Planner(PlanConfig(64, 1, 64, 0, shuffle=False))
+    assert planner.plan(0).read_calls() == 1  # one step, indices 0..63 contiguous
+
+
+def test_checker_rejects_invalid_hits_and_overfull_buffers():
+    with pytest.raises(PlanViolation, match="never accessed"):
+        check_dump({"epochs": [{"epoch": 0, "steps": [[[[1, True]]]]}]}, capacity=5)
+    dump = {"epochs": [{"epoch": 0, "steps": [[[[1, False], [2, False]]], [[[1, True], [2, True]]]]}]}
+    assert check_dump(dump, capacity=2)["hits"] == 2
+    with pytest.raises(PlanViolation, match="capacity 1"):
+        check_dump(dump, capacity=1)
+    with pytest.raises(PlanViolation, match="different batch sizes"):
+        check_dump({"epochs": [{"epoch": 0, "steps": [[[[1, False]], []]]}]}, capacity=1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"capacity": -1}, "buffer capacity"),
+    ({"batch_size": 200}, "larger than the dataset"),
+    ({"batch_size": 200, "drop_last_batch": True}, "drop them all"),
+    ({"world_size": 0}, "world_size"),
+    ({"policy": "belady"}, "policy"),
+])
+def test_nonsense_configs_raise_value_error(kwargs, match):
+    args = {"num_samples": 100, "world_size": 1, "batch_size": 10, "capacity": 10, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        PlanConfig(**args)
