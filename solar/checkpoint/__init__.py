@@ -1,1 +1,30 @@
-"""solar.checkpoint (see docs)."""
+"""Incremental, Merkle-indexed, content-addressed checkpoints of PyTorch state dicts.
+
+``CheckpointWriter(root).save(state_dict, step)`` returns a future; only chunks never stored
+before are written, and the manifest is committed last. ``load(root, step)`` restores any version
+directly from its manifest. ``solar-ckpt`` (also ``solar ckpt``) logs, diffs, verifies, restores,
+exports and garbage-collects. See ``docs/checkpoint.md``.
+"""
+
+from __future__ import annotations
+
+from .collect import GcReport, gc
+from .loader import Reader, list_versions, load
+from .manifest import Manifest
+from .store import CheckpointStore
+from .verify import VerifyReport, verify
+from .writer import CheckpointWriter, SaveResult
+
+__all__ = [
+    "CheckpointWriter",
+    "SaveResult",
+    "load",
+    "list_versions",
+    "gc",
+    "GcReport",
+    "verify",
+    "VerifyReport",
+    "Reader",
+    "CheckpointStore",
+    "Manifest",
+]

@@ -1,0 +1,64 @@
+"""Garbage collection: drop old versions and every chunk no kept version references.
+
+Order matters for crash safety: manifests go first, chunks after, so a ``gc`` killed half-way can
+leave unreferenced chunks behind (the next ``gc`` removes them) but never a manifest whose chunks
+are gone. A referenced chunk is never deleted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from solar.errors import ConfigError
+
+from .store import CheckpointStore, referenced
+
+__all__ = ["GcReport", "collect", "gc"]
+
+
+@dataclass
+class GcReport:
+    kept: list[int] = field(default_factory=list)
+    removed_versions: list[int] = field(default_factory=list)
+    removed_torn: list[int] = field(default_factory=list)
+    removed_chunks: int = 0
+    kept_chunks: int = 0
+
+
+def collect(store: CheckpointStore, keep_last: int | None = None, *, dry_run: bool = False) -> GcReport:
+    """Collect garbage in ``store``; the caller must hold the root's writer lock.
+
+    Args:
+        keep_last: keep the newest ``keep_last`` complete versions (``None``: keep every version and
+            only sweep chunks no version references, e.g. left by an interrupted save).
+        dry_run: report what would be removed without removing it.
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ConfigError(f"keep_last must be >= 1 (or None to keep every version), got {keep_last}")
+    manifests = store.valid_manifests(warn=False)
+    valid = {m.step for m in manifests}
+    keep = manifests if keep_last is None else manifests[-keep_last:]
+    report = GcReport(kept=[m.step for m in keep])
+    report.removed_versions = [m.step for m in manifests if m.step not in set(report.kept)]
+    report.removed_torn = [s for s in store.steps() if s not in valid]
+    live = referenced(keep)
+    report.kept_chunks = len(live)
+    if not dry_run:
+        for step in report.removed_versions + report.removed_torn:
+            store.delete_manifest(step)
+    for digest in list(store.chunk_digests()):
+        if digest not in live:
+            report.removed_chunks += 1
+            if not dry_run:
+                store.delete_chunk(digest)
+    return report
+
+
+def gc(root, keep_last: int | None = None, *, dry_run: bool = False) -> GcReport:
+    """Take the writer lock on ``root`` and :func:`collect` (fails if a writer is running there)."""
+    store = CheckpointStore(root)
+    lock = store.lock()
+    try:
+        return collect(store, keep_last, dry_run=dry_run)
+    finally:
+        lock.release()

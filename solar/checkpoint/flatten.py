@@ -1,0 +1,252 @@
+"""Flatten a state dict into a JSON skeleton plus a list of storage blobs, and back.
+
+A model + optimizer state dict is a tree of dicts, lists and tuples whose leaves are tensors or
+plain Python values. :func:`flatten` replaces each tensor by a reference and each distinct
+*storage* by one blob, so tensors that share memory (tied weights, views of one buffer, a tensor
+reinterpreted under another dtype) are stored once and come back sharing one storage, which
+``torch.save`` also preserves and safetensors refuses. A blob is the byte span of its storage that
+its views actually touch, so a small view of a huge buffer does not drag the whole buffer along.
+
+The skeleton is plain JSON (tagged objects for tuples, non-string dict keys, non-finite floats,
+dtypes, devices, bytes), so manifests can be read and diffed without unpickling anything; values
+JSON cannot express fall back to a base64 pickle, which is only unpickled by :func:`unflatten`.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from solar.errors import InputError
+
+__all__ = ["TensorRef", "BlobSource", "Flat", "flatten", "unflatten", "DTYPES", "dtype_name"]
+
+#: Alignment of a blob's start inside its storage: every element type's byte offset stays aligned.
+_ALIGN = 16
+
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+        *(getattr(torch, n) for n in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
+                                      "float8_e4m3fnuz", "float8_e5m2fnuz", "complex32") if hasattr(torch, n)),
+    )
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class TensorRef:
+    """Where one tensor of the state dict lives: a blob, a byte offset in it, and its geometry."""
+
+    name: str
+    blob: int
+    offset: int  # bytes from the blob's start to element [0, 0, ...]
+    dtype: str
+    shape: list[int]
+    stride: list[int]
+    device: str
+    parameter: bool = False
+    requires_grad: bool = False
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype].itemsize
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def contiguous_extent(self) -> tuple[int, int] | None:
+        """``(start, end)`` bytes in the blob if the tensor is C-contiguous there, else ``None``."""
+        expected, acc = [], 1
+        for size in reversed(self.shape):
+            expected.append(acc)
+            acc *= size
+        if all(s == 1 or st == e for s, st, e in zip(self.shape, self.stride, reversed(expected))):
+            return self.offset, self.offset + self.nbytes
+        return None
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class BlobSource:
+    """A byte span ``[start, end)`` of one storage; the bytes the writer copies, hashes and stores."""
+
+    storage: torch.UntypedStorage
+    start: int
+    end: int
+    device: str
+    tensors: list[int] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    def byte_view(self) -> torch.Tensor:
+        """A uint8 tensor over the span, on the storage's device (no copy)."""
+        t = torch.empty(0, dtype=torch.uint8, device=self.storage.device)
+        return t.set_(self.storage, self.start, (self.nbytes,), (1,))
+
+
+@dataclass
+class Flat:
+    skeleton: Any
+    tensors: list[TensorRef]
+    blobs: list[BlobSource]
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    item = t.element_size()
+    start = t.storage_offset() * item
+    if t.numel() == 0:
+        return start, start
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * item
+
+
+def _prepare(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.layout != torch.strided:
+        raise InputError(f"tensor {name!r} has layout {t.layout}; convert it with .to_dense() before saving")
+    if t.is_quantized or t.device.type == "meta":
+        raise InputError(f"tensor {name!r} is {'quantized' if t.is_quantized else 'on the meta device'} and has no bytes to save; dequantize or materialize it first")
+    if dtype_name(t.dtype) not in DTYPES:
+        raise InputError(f"tensor {name!r} has unsupported dtype {t.dtype}; cast it to a supported one ({', '.join(DTYPES)})")
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t.detach()
+
+
+def flatten(state: Any) -> Flat:
+    """Split ``state`` into a JSON skeleton, tensor references and the distinct storage spans.
+
+    Raises:
+        InputError: a tensor cannot be saved (sparse, quantized, meta, unsupported dtype).
+    """
+    tensors: list[TensorRef] = []
+    groups: dict[tuple, list[tuple[int, torch.Tensor, int, int]]] = {}
+    used_names: set[str] = set()
+
+    def unique(name: str) -> str:
+        base, n = name or "<root>", 1
+        while name in used_names or not name:
+            n += 1
+            name = f"{base}#{n}"
+        used_names.add(name)
+        return name
+
+    def enc(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            name = unique(path)
+            t = _prepare(obj, name)
+            storage = t.untyped_storage()
+            lo, hi = _extent(t)
+            ptr = storage.data_ptr()
+            key = (str(t.device), ptr) if ptr and storage.nbytes() else ("private", len(tensors))
+            idx = len(tensors)
+            tensors.append(TensorRef(name, -1, lo, dtype_name(t.dtype), list(t.shape), list(t.stride()), str(obj.device),
+                                     isinstance(obj, torch.nn.Parameter), bool(obj.requires_grad)))
+            groups.setdefault(key, []).append((idx, t, lo, hi))
+            return {"__tensor__": idx}
+        if obj is None or isinstance(obj, (bool, int, str)):
+            return obj
+        if isinstance(obj, float):
+            return obj if math.isfinite(obj) else {"__float__": repr(obj)}
+        if isinstance(obj, torch.dtype):
+            return {"__dtype__": dtype_name(obj)}
+        if isinstance(obj, torch.device):
+            return {"__device__": str(obj)}
+        if isinstance(obj, torch.Size):
+            return {"__size__": list(obj)}
+        if isinstance(obj, bytes):
+            return {"__bytes__": base64.b64encode(obj).decode()}
+        if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+            items = [enc(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(obj)]
+            return items if isinstance(obj, list) else {"__tuple__": items}
+        if isinstance(obj, dict) and type(obj) in (dict, OrderedDict):
+            tag = "__odict__" if type(obj) is OrderedDict else "__dict__"
+            pairs = [[enc(k, ""), enc(v, f"{path}.{k}" if path else str(k))] for k, v in obj.items()]
+            if tag == "__dict__" and all(isinstance(k, str) and not k.startswith("__") for k in obj):
+                return {k: v for (k, _), (_, v) in zip(obj.items(), pairs)}
+            return {tag: pairs}
+        return {"__pickle__": base64.b64encode(pickle.dumps(obj)).decode()}
+
+    skeleton = enc(state, "")
+    blobs: list[BlobSource] = []
+    for members in groups.values():
+        t0 = members[0][1]
+        lo = min(m[2] for m in members) // _ALIGN * _ALIGN
+        hi = max(m[3] for m in members)
+        blob = BlobSource(t0.untyped_storage(), lo, max(hi, lo), str(t0.device))
+        for idx, _t, start, _end in members:
+            tensors[idx].blob = len(blobs)
+            tensors[idx].offset = start - lo
+            blob.tensors.append(idx)
+        blobs.append(blob)
+    return Flat(skeleton, tensors, blobs)
+
+
+def materialize(refs: list[TensorRef], blob_buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Build the tensors as views over their blobs' (uint8) buffers, so shared storage stays shared."""
+    out = []
+    for ref in refs:
+        buf = blob_buffers[ref.blob]
+        dtype = DTYPES[ref.dtype]
+        t = torch.empty(0, dtype=dtype, device=buf.device)
+        t.set_(buf.untyped_storage(), (buf.storage_offset() + ref.offset) // dtype.itemsize, ref.shape, ref.stride)
+        if ref.parameter:
+            t = torch.nn.Parameter(t, requires_grad=ref.requires_grad)
+        elif ref.requires_grad and t.is_floating_point():
+            t.requires_grad_(True)
+        out.append(t)
+    return out
+
+
+def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """Rebuild the state dict from its skeleton and the materialized tensors."""
+
+    def dec(obj: Any) -> Any:
+        if isinstance(obj, list):
+            return [dec(v) for v in obj]
+        if not isinstance(obj, dict):
+            return obj
+        if len(obj) == 1:
+            (tag, val), = obj.items()
+            if tag == "__tensor__":
+                return tensors[val]
+            if tag == "__tuple__":
+                return tuple(dec(v) for v in val)
+            if tag in ("__dict__", "__odict__"):
+                pairs = ((dec(k), dec(v)) for k, v in val)
+                return OrderedDict(pairs) if tag == "__odict__" else dict(pairs)
+            if tag == "__float__":
+                return float(val)
+            if tag == "__dtype__":
+                return DTYPES[val]
+            if tag == "__device__":
+                return torch.device(val)
+            if tag == "__size__":
+                return torch.Size(val)
+            if tag == "__bytes__":
+                return base64.b64decode(val)
+            if tag == "__pickle__":
+                return pickle.loads(base64.b64decode(val))
+        return {k: dec(v) for k, v in obj.items()}
+
+    return dec(skeleton)

@@ -1,0 +1,269 @@
+"""The chunk store: content-addressed chunks and step-named manifests on one storage tier.
+
+Layout under a root (the same on a local disk, a parallel file system or an object store)::
+
+    chunks/<2 hex>/<32 hex>     one object per distinct chunk, named by its digest (immutable)
+    manifests/<step, 20 digits> one manifest per committed version, written last
+    .lock                       the writer lock (local roots: flock; remote roots: an exclusive object)
+
+The store reads and writes through a :class:`solar.cache.Tier` (a :class:`~solar.cache.disk.DiskTier`
+for local paths, an :class:`~solar.cache.fsspec_tier.FsspecTier` for URLs), so the checkpoint writer
+and the loader share one implementation of atomic writes and byte budgets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+import warnings
+from typing import Iterator
+
+import numpy as np
+
+from solar.cache.base import Tier
+from solar.errors import CheckpointError, CheckpointLockedError, CorruptDataError
+
+from .manifest import Manifest, decode, encode
+
+__all__ = ["CheckpointStore", "open_tier", "chunk_key", "manifest_key", "parse_ref", "referenced"]
+
+_MANIFESTS = "manifests/"
+_CHUNKS = "chunks/"
+
+
+def _local_dir(root: str) -> str | None:
+    if root.startswith("file://"):
+        return root[len("file://"):]
+    return None if "://" in root else root
+
+
+def open_tier(root: "str | os.PathLike | Tier", **storage_options) -> Tier:
+    """The tier a checkpoint root lives on: a disk tier for local paths, fsspec for URLs."""
+    if isinstance(root, Tier):
+        return root
+    root = os.fspath(root)
+    local = _local_dir(root)
+    if local is not None:
+        from solar.cache.disk import DiskTier
+
+        return DiskTier(local)
+    from solar.cache.fsspec_tier import FsspecTier
+
+    return FsspecTier(root, storage_options=storage_options or None)
+
+
+def chunk_key(digest: bytes) -> str:
+    h = digest.hex()
+    return f"{_CHUNKS}{h[:2]}/{h}"
+
+
+def manifest_key(step: int) -> str:
+    return f"{_MANIFESTS}{int(step):020d}"
+
+
+def parse_ref(ref: str) -> tuple[str, int | None]:
+    """Split ``ROOT@STEP`` into ``(root, step)``; ``ROOT`` alone gives ``(root, None)``."""
+    root, sep, step = ref.rpartition("@")
+    if sep and step.isdigit():
+        return root, int(step)
+    return ref, None
+
+
+class _Lock:
+    """Exclusive writer lock on a root: ``flock`` locally (released by the kernel if the holder
+    dies), an exclusive lock object elsewhere (must be removed by hand after a crash)."""
+
+    def __init__(self, store: "CheckpointStore") -> None:
+        self.store = store
+        self.fd: int | None = None
+        self.token: bytes | None = None
+
+    def acquire(self) -> None:
+        owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+        local = self.store.local_dir
+        if local is not None:
+            import fcntl
+
+            os.makedirs(local, exist_ok=True)
+            path = os.path.join(local, ".lock")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise CheckpointLockedError(
+                    f"checkpoint root {self.store.root} is locked by another writer ({holder}); close that "
+                    f"CheckpointWriter (or wait for it) before writing or running gc here"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(owner).encode(), 0)
+            self.fd = fd
+            return
+        tier = self.store.tier
+        if tier.exists("LOCK"):
+            holder = (tier.get("LOCK") or b"?").decode(errors="replace")
+            raise CheckpointLockedError(
+                f"checkpoint root {self.store.root} is locked by another writer ({holder}); if that writer "
+                f"crashed, delete {self.store.root}/LOCK, then retry"
+            )
+        owner["token"] = uuid.uuid4().hex
+        self.token = json.dumps(owner).encode()
+        tier.put("LOCK", self.token)
+        if tier.get("LOCK") != self.token:  # lost a race with another writer
+            raise CheckpointLockedError(f"checkpoint root {self.store.root} was locked concurrently by another writer")
+
+    def release(self) -> None:
+        if self.fd is not None:
+            import fcntl
+
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+        elif self.token is not None:
+            if self.store.tier.get("LOCK") == self.token:
+                self.store.tier.delete("LOCK")
+            self.token = None
+
+
+class CheckpointStore:
+    """Chunks and manifests of one checkpoint root.
+
+    Args:
+        root: local directory, fsspec URL, or a :class:`~solar.cache.Tier` instance.
+    """
+
+    def __init__(self, root: "str | os.PathLike | Tier", **storage_options) -> None:
+        self.tier = open_tier(root, **storage_options)
+        self.root = str(getattr(self.tier, "root", None) or getattr(self.tier, "url", None) or root)
+        self.local_dir = getattr(self.tier, "root", None) if type(self.tier).__name__ == "DiskTier" else None
+        self._manifest_cache: dict[int, tuple[int, Manifest]] = {}
+
+    # -- locking --
+    def lock(self) -> _Lock:
+        lk = _Lock(self)
+        lk.acquire()
+        return lk
+
+    # -- chunks --
+    def has_chunk(self, digest: bytes) -> bool:
+        return self.tier.exists(chunk_key(digest))
+
+    def put_chunk(self, digest: bytes, data) -> int:
+        """Store one chunk; return the bytes written.
+
+        Raises:
+            CheckpointError: the tier refused it (byte budget) or the device is full.
+        """
+        from solar.cache.base import TierFullError
+
+        view = memoryview(data).cast("B")
+        try:
+            ok = self.tier.put(chunk_key(digest), view)
+        except TierFullError as exc:
+            raise CheckpointError(f"cannot write checkpoint chunk {digest.hex()} to {self.root}: {exc}") from exc
+        if not ok:
+            raise CheckpointError(
+                f"checkpoint root {self.root} is over its byte budget ({self.tier.capacity_bytes} B) writing chunk "
+                f"{digest.hex()} ({view.nbytes} B); run `solar-ckpt gc {self.root} --keep-last K` or raise the budget"
+            )
+        return view.nbytes
+
+    def chunk_digests(self) -> Iterator[bytes]:
+        for key in self.tier.keys_with_prefix(_CHUNKS):
+            name = str(key).rpartition("/")[2]
+            try:
+                yield bytes.fromhex(name)
+            except ValueError:
+                continue
+
+    def delete_chunk(self, digest: bytes) -> bool:
+        return self.tier.delete(chunk_key(digest))
+
+    def read_chunk_into(self, digest: bytes, out: memoryview) -> int:
+        n = self.tier.read_into(chunk_key(digest), out)
+        if n is None:
+            raise CorruptDataError(f"chunk {digest.hex()} is missing from {self.root}")
+        return n
+
+    # -- manifests --
+    def steps(self) -> list[int]:
+        """Steps that have a manifest object (complete or not; see :meth:`versions`)."""
+        out = []
+        for key in self.tier.keys_with_prefix(_MANIFESTS):
+            name = str(key).rpartition("/")[2]
+            if name.isdigit():
+                out.append(int(name))
+        return sorted(out)
+
+    def put_manifest(self, m: Manifest) -> int:
+        """Commit ``m``: one atomic write, after every chunk it references is stored."""
+        from solar.cache.base import TierFullError
+
+        data = encode(m)
+        try:
+            ok = self.tier.put(manifest_key(m.step), data)
+        except TierFullError as exc:
+            raise CheckpointError(f"cannot commit step {m.step} to {self.root}: {exc}; earlier versions are intact") from exc
+        if not ok:
+            raise CheckpointError(f"checkpoint root {self.root} is over its byte budget committing step {m.step}; earlier versions are intact")
+        self._manifest_cache.pop(m.step, None)
+        return len(data)
+
+    def read_manifest(self, step: int) -> Manifest:
+        """The manifest of ``step``.
+
+        Raises:
+            CheckpointError: no such version (lists the ones there are).
+            CorruptDataError: the manifest is torn or altered.
+        """
+        data = self.tier.get(manifest_key(step))
+        if data is None:
+            raise CheckpointError(f"no checkpoint step {step} in {self.root}; versions: {self.versions() or 'none'}")
+        return decode(data, f"manifest of step {step} in {self.root}")
+
+    def delete_manifest(self, step: int) -> bool:
+        return self.tier.delete(manifest_key(step))
+
+    def valid_manifests(self, *, warn: bool = True) -> list[Manifest]:
+        """Manifests that decode and pass their checksum, oldest first; torn ones are skipped."""
+        out = []
+        for step in self.steps():
+            try:
+                out.append(self.read_manifest(step))
+            except CorruptDataError as exc:
+                if warn:
+                    warnings.warn(f"ignoring incomplete checkpoint: {exc}", stacklevel=2)
+        return out
+
+    def versions(self) -> list[int]:
+        return [m.step for m in self.valid_manifests(warn=False)]
+
+    def latest(self) -> Manifest | None:
+        """The newest complete version (torn manifests are skipped)."""
+        for step in reversed(self.steps()):
+            try:
+                return self.read_manifest(step)
+            except CorruptDataError:
+                continue
+        return None
+
+    def resolve(self, step: int | None) -> Manifest:
+        if step is None:
+            m = self.latest()
+            if m is None:
+                raise CheckpointError(f"no complete checkpoint in {self.root}; nothing to load")
+            return m
+        return self.read_manifest(step)
+
+
+def referenced(manifests: list[Manifest]) -> set[bytes]:
+    """Every chunk digest the given manifests reference."""
+    out: set[bytes] = set()
+    for m in manifests:
+        raw = np.ascontiguousarray(m.digests).tobytes()
+        out.update(raw[i:i + 16] for i in range(0, len(raw), 16))
+    return out

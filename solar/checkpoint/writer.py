@@ -1,0 +1,335 @@
+"""The incremental, asynchronous checkpoint writer.
+
+``save`` blocks only while the state is copied into a reused host staging buffer (pinned when the
+tensors live on a GPU); a background thread then hashes the copy chunk by chunk, builds one Merkle
+tree per blob, compares it top-down with the previous version's tree, writes only chunks the store
+has never held (content-addressed, so identical chunks across tensors and versions are stored once),
+and commits the manifest last by an atomic write. Memory stays bounded: there are ``max_in_flight``
+staging buffers (one by default), and a save waits for a free one.
+
+With ``staging=`` the version is first committed to a fast (node-local) root and then drained to
+the main root in the background: chunks first, the manifest last, so the main root only ever shows
+complete versions too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from solar.errors import CheckpointError, ConfigError
+
+from . import merkle
+from .chunking import DEFAULT_CHUNK_SIZE, chunk_spans, hash_chunks, hasher
+from .collect import collect
+from .flatten import BlobSource, Flat, flatten
+from .manifest import BlobEntry, Manifest
+from .store import CheckpointStore, chunk_key, referenced
+
+__all__ = ["CheckpointWriter", "SaveResult"]
+
+_ALIGN = 64
+
+
+@dataclass
+class SaveResult:
+    """What one save did; the value of the future ``save`` returns."""
+
+    step: int
+    logical_bytes: int
+    bytes_written: int
+    chunks_total: int
+    chunks_written: int
+    chunks_unchanged: int
+    manifest_bytes: int
+    stage_seconds: float
+    persist_seconds: float
+    root: str
+
+    @property
+    def dedup_ratio(self) -> float:
+        return self.logical_bytes / max(1, self.bytes_written + self.manifest_bytes)
+
+
+class _HostPool:
+    """``slots`` reusable host buffers; acquiring one blocks while all are in use (back-pressure)."""
+
+    def __init__(self, slots: int) -> None:
+        self._free: queue.Queue[int] = queue.Queue()
+        self._bufs: list[torch.Tensor | None] = [None] * slots
+        for i in range(slots):
+            self._free.put(i)
+
+    def acquire(self) -> int:
+        return self._free.get()
+
+    def release(self, slot: int) -> None:
+        self._free.put(slot)
+
+    def stage(self, slot: int, blobs: list[BlobSource]) -> list[np.ndarray]:
+        """Copy every blob into slot ``slot``'s buffer; return uint8 numpy views of the copies."""
+        offsets, total = [], 0
+        for b in blobs:
+            offsets.append(total)
+            total += -(-b.nbytes // _ALIGN) * _ALIGN
+        on_gpu = any(b.storage.device.type != "cpu" for b in blobs)
+        buf = self._bufs[slot]
+        if buf is None or buf.numel() < total or (on_gpu and not buf.is_pinned()):
+            self._bufs[slot] = None  # free the old buffer before allocating its replacement
+            buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=on_gpu and torch.cuda.is_available())
+            self._bufs[slot] = buf
+        arr = buf.numpy()
+        views = []
+        for b, off in zip(blobs, offsets):
+            dst = arr[off:off + b.nbytes]
+            src = b.byte_view()
+            if src.device.type == "cpu":
+                np.copyto(dst, src.numpy())  # memory-bandwidth bound, releases the GIL
+            else:
+                buf[off:off + b.nbytes].copy_(src, non_blocking=True)
+            views.append(dst)
+        if on_gpu:
+            torch.cuda.synchronize()
+        return views
+
+
+class _Sink:
+    """A store plus the digests known to be in it (so the writer never probes the store per chunk)."""
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self.store = store
+        self.lock = store.lock()
+        if hasattr(store.tier, "cleanup_temp"):
+            store.tier.cleanup_temp()  # temporaries of a killed writer; safe under the lock
+        self.known: set[bytes] = referenced(store.valid_manifests(warn=False))
+
+    def gc(self, keep_last: int | None) -> None:
+        if keep_last is not None:
+            collect(self.store, keep_last)
+            self.known = referenced(self.store.valid_manifests(warn=False))
+
+
+class CheckpointWriter:
+    """Writes incremental, content-addressed, Merkle-indexed checkpoints of state dicts.
+
+    Args:
+        root: local directory or fsspec URL of the checkpoint root (created if missing).
+        chunk_size: bytes per chunk (default 1 MiB): smaller finds sparser changes, larger keeps the
+            manifest and the number of objects small.
+        keep_last: after each commit keep only the newest ``keep_last`` versions (``None``: keep all).
+        hash: chunk hash, ``"xxh3_128"`` (default) or ``"blake3"`` (needs the blake3 package).
+        max_in_flight: saves whose staging copy may exist at once (1: a save waits for the previous
+            one to finish hashing and writing; memory is one copy of the state).
+        staging: optional fast root (node-local disk) to commit to first; versions are then drained
+            to ``root`` in the background.
+        io_threads: parallel chunk writes (remote stores and parallel file systems like several).
+
+    Raises:
+        CheckpointLockedError: another writer holds ``root`` (or ``staging``).
+    """
+
+    def __init__(
+        self,
+        root: "str | os.PathLike",
+        *,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        keep_last: int | None = None,
+        hash: str = "xxh3_128",
+        max_in_flight: int = 1,
+        staging: "str | os.PathLike | None" = None,
+        io_threads: int = 4,
+    ) -> None:
+        if chunk_size < 1024 or chunk_size > (1 << 30):
+            raise ConfigError(f"chunk_size must be between 1 KiB and 1 GiB, got {chunk_size}")
+        if keep_last is not None and keep_last < 1:
+            raise ConfigError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if max_in_flight < 1:
+            raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.chunk_size = int(chunk_size)
+        self.keep_last = keep_last
+        self.hash = hash
+        self._digest = hasher(hash)
+        self._main = _Sink(CheckpointStore(root))
+        try:
+            self._stage = _Sink(CheckpointStore(staging)) if staging is not None else None
+        except BaseException:
+            self._main.lock.release()
+            raise
+        self.root = self._main.store.root
+        first = self._stage or self._main
+        latest = first.store.latest()
+        self._prev_step = latest.step if latest else None
+        self._prev_trees: dict[str, list[np.ndarray]] = {}
+        if latest is not None:
+            for i, b in enumerate(latest.blobs):
+                names = latest.tensors_of_blob(i)
+                if names and latest.chunk_size == self.chunk_size:
+                    self._prev_trees[names[0]] = merkle.build(latest.blob_digests(i), self._digest)
+        self._pool = _HostPool(max_in_flight)
+        self._persist = ThreadPoolExecutor(1, thread_name_prefix="solar-ckpt-persist")
+        self._drain = ThreadPoolExecutor(1, thread_name_prefix="solar-ckpt-drain") if self._stage else None
+        self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="solar-ckpt-io")
+        self._futures: list[Future] = []
+        self._closed = False
+        self._mutex = threading.Lock()
+
+    # -- public API --
+    def save(self, state_dict: Any, step: int, *, blocking: bool = False, meta: dict | None = None) -> Future:
+        """Checkpoint ``state_dict`` as version ``step``; return a future of :class:`SaveResult`.
+
+        Blocks while the state is copied to host memory (and while all staging buffers are busy
+        with earlier saves); everything else runs in the background. ``blocking=True`` also waits
+        for the commit. The state may be modified as soon as this returns.
+        """
+        if self._closed:
+            raise CheckpointError(f"CheckpointWriter for {self.root} is closed")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        t0 = time.perf_counter()
+        flat = flatten(state_dict)
+        slot = self._pool.acquire()
+        try:
+            host = self._pool.stage(slot, flat.blobs)
+        except BaseException:
+            self._pool.release(slot)
+            raise
+        stage_seconds = time.perf_counter() - t0
+        fut = self._persist.submit(self._commit, flat, host, slot, step, meta or {}, stage_seconds)
+        if self._drain is not None:
+            fut = self._chain(fut)
+        with self._mutex:
+            self._futures = [f for f in self._futures if not f.done()] + [fut]
+        if blocking:
+            fut.result()
+        return fut
+
+    def wait(self) -> list[SaveResult]:
+        """Wait for every save in flight; raise the first failure (later ones are chained)."""
+        with self._mutex:
+            futures = list(self._futures)
+        wait_futures(futures)
+        results, errors = [], []
+        for f in futures:
+            (errors if f.exception() else results).append(f.exception() or f.result())
+        with self._mutex:
+            self._futures = [f for f in self._futures if f not in futures]
+        if errors:
+            raise errors[0]
+        return results
+
+    def close(self) -> None:
+        """Wait for pending saves, stop the threads and release the root lock."""
+        if self._closed:
+            return
+        try:
+            wait_futures(list(self._futures))
+        finally:
+            self._closed = True
+            for ex in (self._persist, self._drain, self._io):
+                if ex is not None:
+                    ex.shutdown(wait=True)
+            for sink in (self._main, self._stage):
+                if sink is not None:
+                    sink.lock.release()
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- background work --
+    def _commit(self, flat: Flat, host: list[np.ndarray], slot: int, step: int, meta: dict, stage_seconds: float) -> SaveResult:
+        t0 = time.perf_counter()
+        sink = self._stage or self._main
+        try:
+            m, written, nwritten, unchanged, new_trees, new_digests = self._write_chunks(sink, flat, host, step, meta)
+        finally:
+            self._pool.release(slot)
+        manifest_bytes = sink.store.put_manifest(m)
+        sink.known |= new_digests
+        self._prev_trees, self._prev_step = new_trees, step
+        sink.gc(self.keep_last)
+        return SaveResult(step, m.logical_bytes, written, m.nchunks, nwritten, unchanged, manifest_bytes,
+                          stage_seconds, time.perf_counter() - t0, sink.store.root)
+
+    def _write_chunks(self, sink: _Sink, flat: Flat, host: list[np.ndarray], step: int, meta: dict):
+        cs, digest = self.chunk_size, self._digest
+        entries, all_digests, new_trees, roots = [], [], {}, []
+        pending: dict[bytes, Future] = {}
+        unchanged = 0
+        first = 0
+        for i, (blob, arr) in enumerate(zip(flat.blobs, host)):
+            leaves = hash_chunks(arr, cs, digest)
+            levels = merkle.build(leaves, digest)
+            name = flat.tensors[blob.tensors[0]].name if blob.tensors else f"<blob {i}>"
+            changed = merkle.diff(self._prev_trees.get(name), levels)
+            unchanged += len(leaves) - len(changed)
+            view = memoryview(arr)
+            spans = chunk_spans(blob.nbytes, cs)
+            for j in changed.tolist():
+                d = leaves[j].tobytes()
+                if d in sink.known or d in pending:
+                    continue
+                a, e = spans[j]
+                pending[d] = self._io.submit(sink.store.put_chunk, d, view[a:e])
+            root = merkle.root(levels)
+            roots.append(root)
+            entries.append(BlobEntry(blob.nbytes, first, len(leaves), root.hex(), blob.device))
+            all_digests.append(leaves)
+            new_trees[name] = levels
+            first += len(leaves)
+        wait_futures(list(pending.values()))
+        written = sum(f.result() for f in pending.values())  # raises the first write error
+        skeleton_digest = digest(json.dumps(flat.skeleton, sort_keys=True).encode())
+        m = Manifest(
+            step=step, hash=self.hash, chunk_size=cs, skeleton=flat.skeleton, tensors=flat.tensors, blobs=entries,
+            digests=np.concatenate(all_digests) if all_digests else np.zeros((0, 16), np.uint8),
+            root=merkle.combine([skeleton_digest, *roots], digest).hex(), created=time.time(), parent=self._prev_step,
+            meta=meta,
+        )
+        m.stats = {"logical_bytes": m.logical_bytes, "bytes_written": written, "chunks_total": m.nchunks,
+                   "chunks_written": len(pending), "chunks_unchanged": unchanged}
+        return m, written, len(pending), unchanged, new_trees, set(pending)
+
+    def _chain(self, local: Future) -> Future:
+        """A future for the drain to the main root that starts once the local commit is done."""
+        out: Future = Future()
+
+        def drain() -> None:
+            try:
+                res = local.result()
+                res.bytes_written = self._drain_version(res.step)
+                res.root = self.root
+                out.set_result(res)
+            except BaseException as exc:  # delivered through the future
+                out.set_exception(exc)
+
+        local.add_done_callback(lambda _f: self._drain.submit(drain))
+        return out
+
+    def _drain_version(self, step: int) -> int:
+        src, dst = self._stage.store, self._main
+        m = src.read_manifest(step)
+        todo = {bytes(r) for r in m.digests} - dst.known
+
+        def copy(d: bytes) -> int:
+            data = src.tier.get(chunk_key(d))
+            if data is None:
+                raise CheckpointError(f"chunk {d.hex()} vanished from staging root {src.root} before it was drained")
+            return dst.store.put_chunk(d, data)
+
+        written = sum(self._io.map(copy, sorted(todo)))
+        dst.store.put_manifest(m)
+        dst.known |= todo
+        dst.gc(self.keep_last)
+        return written

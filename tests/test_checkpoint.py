@@ -1,0 +1,413 @@
+"""Checkpoint writer and loader: round trips, increments, dedup, commit protocol, locks, gc, corruption."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+from collections import OrderedDict
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from solar.cache.disk import DiskTier
+from solar.checkpoint import CheckpointWriter, gc, list_versions, load, verify
+from solar.checkpoint import merkle
+from solar.checkpoint.chunking import hash_chunks, hasher
+from solar.checkpoint.manifest import decode, encode
+from solar.checkpoint.store import CheckpointStore, chunk_key, manifest_key
+from solar.errors import CheckpointError, CheckpointLockedError, ConfigError, CorruptDataError, InputError
+
+KB = 1024
+
+
+def bits(t: torch.Tensor) -> bytes:
+    """Bit pattern of a tensor (NaN payloads and -0.0 included)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_same(a, b, path="state"):
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), path
+        assert bits(a) == bits(b), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}.{i}")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), path
+    else:
+        assert a == b, path
+
+
+def rich_state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 48, generator=g)
+    buf = torch.arange(1000, dtype=torch.float32)
+    dtypes = [torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32, torch.uint8,
+              torch.bool, torch.complex64, torch.complex128]
+    dtypes += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64") if hasattr(torch, n)]
+    typed = {str(d): (torch.randn(5, 3, generator=g) * 10).to(d) for d in dtypes}
+    special = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-45])
+    return {
+        "model": OrderedDict(
+            [("w", w), ("w_tied", w), ("w_t", w.t()), ("rows", w[3:9]), ("col", w[:, 5]), ("p", torch.nn.Parameter(torch.ones(4))),
+             ("buf_lo", buf[:100]), ("buf_hi", buf[900:]), ("as_int", buf[10:20].view(torch.int32)),
+             ("scalar", torch.tensor(3.5)), ("empty", torch.zeros(0, 7)), ("special", special)]
+        ),
+        "typed": typed,
+        "optim": {"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.zeros(64, 48)}, 1: {}},
+                  "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "params": [0, 1], "foreach": None}]},
+        "meta": {"epoch": 3, "name": "run-1", "nan": float("nan"), "inf": float("inf"), "dtype": torch.bfloat16,
+                 "size": torch.Size([2, 3]), "device": torch.device("cpu"), "blob": b"\x00\xff", "__weird__": 1,
+                 (1, 2): "tuple key", "frac": Fraction(1, 3)},
+        "list": [torch.ones(2), [torch.zeros(1), "x"], ()],
+    }
+
+
+def test_roundtrip_bit_exact_with_sharing(tmp_path):
+    state = rich_state()
+    with CheckpointWriter(tmp_path / "ck", chunk_size=4 * KB) as w:
+        res = w.save(state, 1).result()
+    out = load(tmp_path / "ck")
+    assert_same(state, out)
+    m = out["model"]
+    # one storage for the tied weight, its transpose and its slices; another for buf and its int32 view
+    ptr = m["w"].untyped_storage().data_ptr()
+    assert all(m[k].untyped_storage().data_ptr() == ptr for k in ("w_tied", "w_t", "rows", "col"))
+    assert m["buf_lo"].untyped_storage().data_ptr() == m["as_int"].untyped_storage().data_ptr()
+    m["w"][0, 0] = 42.0
+    assert m["w_tied"][0, 0] == 42.0 and m["w_t"][0, 0] == 42.0
+    assert isinstance(m["p"], torch.nn.Parameter)
+    # the tied weight is stored once; buf[100:900] is never touched by any view and is not stored
+    logical = sum(b.nbytes for b in CheckpointStore(tmp_path / "ck").read_manifest(1).blobs)
+    assert logical < sum(t.numel() * t.element_size() for t in (state["model"]["w"], state["optim"]["state"][0]["exp_avg"])) + 50 * KB
+    assert res.chunks_written < res.chunks_total  # exp_avg is zeros: one chunk for all of it
+
+
+def test_increments_write_only_changed_chunks(tmp_path):
+    t = torch.randn(256 * KB)  # 1 MiB of float32 = 64 chunks of 16 KiB
+    state = {"t": t, "frozen": torch.randn(64 * KB)}
+    with CheckpointWriter(tmp_path, chunk_size=16 * KB) as w:
+        first = w.save(state, 0).result()
+        assert first.bytes_written == 1024 * KB + 256 * KB
+        same = w.save(state, 1).result()
+        assert same.bytes_written == 0 and same.chunks_unchanged == same.chunks_total
+        t[5] += 1.0
+        t[200_000] += 1.0
+        sparse = w.save(state, 2).result()
+        assert sparse.bytes_written == 2 * 16 * KB and sparse.chunks_written == 2
+        step2 = t.clone()
+        t.add_(1.0)
+        dense = w.save(state, 3).result()
+        assert dense.bytes_written == 1024 * KB
+        t.copy_(step2)  # back to step 2's bytes: every chunk is already stored
+        back = w.save(state, 4).result()
+        assert back.bytes_written == 0 and back.chunks_unchanged == 16  # only "frozen" is in place
+    for step in range(5):
+        assert load(tmp_path, step)["frozen"].equal(state["frozen"])
+    assert bits(load(tmp_path, 4)["t"]) == bits(t)
+
+
+def test_identical_chunks_across_tensors_are_stored_once(tmp_path):
+    a = torch.randn(8 * KB)
+    with CheckpointWriter(tmp_path, chunk_size=4 * KB) as w:
+        res = w.save({"a": a, "b": a.clone(), "c": torch.cat([a, a])}, 0).result()
+    assert res.bytes_written == a.numel() * 4
+    assert len(list(CheckpointStore(tmp_path).chunk_digests())) == 8
+
+
+def test_state_is_copied_before_save_returns(tmp_path):
+    t = torch.randn(512 * KB)
+    before = t.clone()
+    with CheckpointWriter(tmp_path, chunk_size=64 * KB) as w:
+        fut = w.save({"t": t}, 0)
+        t.zero_()  # the training step goes on while hashing and writing run in the background
+        fut.result()
+    assert bits(load(tmp_path)["t"]) == bits(before)
+
+
+def test_one_staging_buffer_and_back_pressure(tmp_path):
+    with CheckpointWriter(tmp_path, chunk_size=4 * KB, keep_last=2) as w:
+        futures = [w.save({"x": torch.full((4 * KB,), float(i))}, i) for i in range(6)]
+        assert [f.result().step for f in futures] == list(range(6))
+        assert sum(b is not None for b in w._pool._bufs) == 1
+    assert list_versions(tmp_path) == [4, 5]
+    assert load(tmp_path, 4)["x"][0] == 4.0
+
+
+def test_blocking_save_and_wait(tmp_path):
+    w = CheckpointWriter(tmp_path, chunk_size=4 * KB)
+    fut = w.save({"x": torch.ones(10)}, 3, blocking=True)
+    assert fut.done()
+    w.save({"x": torch.ones(10) * 2}, 4)
+    assert [r.step for r in w.wait()] == [4]
+    w.close()
+    with pytest.raises(CheckpointError, match="closed"):
+        w.save({}, 5)
+
+
+def test_any_version_loads_directly(tmp_path):
+    x = torch.zeros(64 * KB)
+    with CheckpointWriter(tmp_path, chunk_size=4 * KB) as w:
+        for step in range(6):
+            x[step * 1000] = step + 1
+            w.save({"x": x}, step * 10)
+    store = CheckpointStore(tmp_path)
+    for step in range(6):
+        m = store.read_manifest(step * 10)
+        assert m.parent == (None if step == 0 else (step - 1) * 10)
+        got = load(tmp_path, step * 10)["x"]
+        assert [float(got[i * 1000]) for i in range(6)] == [i + 1.0 if i <= step else 0.0 for i in range(6)]
+
+
+def test_writers_on_one_root_are_locked_out(tmp_path):
+    with CheckpointWriter(tmp_path):
+        with pytest.raises(CheckpointLockedError, match="locked by another writer"):
+            CheckpointWriter(tmp_path)
+        with pytest.raises(CheckpointLockedError):
+            gc(tmp_path, keep_last=1)
+        # also from another process (flock is per open file description)
+        code = f"from solar.checkpoint import CheckpointWriter\ntry:\n CheckpointWriter({str(tmp_path)!r})\nexcept Exception as e:\n print(type(e).__name__)"
+        out = subprocess.run([os.sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == "CheckpointLockedError", out.stderr
+    CheckpointWriter(tmp_path).close()  # released on close
+
+
+def test_fsspec_root_lock_and_roundtrip():
+    root = "memory://solar-ckpt-test/root"
+    state = {"a": torch.randn(10 * KB), "b": [1, 2]}
+    with CheckpointWriter(root, chunk_size=4 * KB) as w:
+        with pytest.raises(CheckpointLockedError, match="LOCK"):
+            CheckpointWriter(root)
+        w.save(state, 1)
+        state["a"][0] = 1.0
+        assert w.save(state, 2).result().chunks_written == 1
+    assert list_versions(root) == [1, 2]
+    assert_same(load(root, 2), state)
+    assert verify(root).ok
+
+
+def test_staging_root_drains_to_main_root(tmp_path):
+    x = torch.randn(32 * KB)
+    with CheckpointWriter(tmp_path / "shared", staging=tmp_path / "local", chunk_size=4 * KB, keep_last=2) as w:
+        r1 = w.save({"x": x}, 1).result()
+        x[0] += 1
+        r2 = w.save({"x": x}, 2).result()
+        w.save({"x": x}, 3)
+    assert r1.root == r2.root == str(tmp_path / "shared")
+    assert r2.bytes_written == 4 * KB
+    assert list_versions(tmp_path / "shared") == [2, 3] == list_versions(tmp_path / "local")
+    assert bits(load(tmp_path / "shared", 3)["x"]) == bits(x)
+    assert verify(tmp_path / "shared").ok
+
+
+def test_gc_keeps_every_referenced_chunk(tmp_path):
+    x = torch.randn(16 * KB)
+    with CheckpointWriter(tmp_path, chunk_size=4 * KB) as w:
+        for step in range(5):
+            x[step * 4000] += 1
+            w.save({"x": x, "const": torch.ones(4 * KB)}, step)
+    before = len(list(CheckpointStore(tmp_path).chunk_digests()))
+    rep = gc(tmp_path, keep_last=2)
+    assert rep.kept == [3, 4] and rep.removed_versions == [0, 1, 2]
+    assert rep.removed_chunks == before - rep.kept_chunks > 0
+    assert verify(tmp_path).ok and list_versions(tmp_path) == [3, 4]
+    assert load(tmp_path, 3)["x"][3 * 4000] == x[3 * 4000]
+    with pytest.raises(ConfigError):
+        gc(tmp_path, keep_last=0)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 3)), min_size=1, max_size=6), st.integers(1, 3))
+def test_gc_never_removes_a_referenced_chunk(tmp_path_factory, edits, keep):
+    root = tmp_path_factory.mktemp("gc")
+    x = torch.zeros(8 * KB // 4 * 4)
+    expected = {}
+    with CheckpointWriter(root, chunk_size=1 * KB) as w:
+        for step, (pos, val) in enumerate(edits):
+            x[pos * 256] = val
+            expected[step] = x.clone()
+            w.save({"x": x}, step)
+    gc(root, keep_last=keep)
+    kept = list_versions(root)
+    assert kept == sorted(expected)[-keep:]
+    for step in kept:
+        assert bits(load(root, step)["x"]) == bits(expected[step])
+
+
+def _one_version(tmp_path, chunk=4 * KB):
+    state = {"weight": torch.randn(16 * KB), "bias": torch.randn(100)}
+    with CheckpointWriter(tmp_path, chunk_size=chunk) as w:
+        w.save(state, 7)
+    return state, CheckpointStore(tmp_path)
+
+
+def test_flipped_byte_is_found_by_verify_and_refused_by_load(tmp_path):
+    _state, store = _one_version(tmp_path)
+    m = store.read_manifest(7)
+    digest = m.blob_digests(0)[2].tobytes()
+    path = store.tier.path(chunk_key(digest))
+    data = bytearray(open(path, "rb").read())
+    data[100] ^= 0x01
+    with open(path, "wb") as f:
+        f.write(data)
+    rep = verify(tmp_path)
+    assert not rep.ok and rep.problems[0]["chunk"] == digest.hex()
+    assert rep.problems[0]["tensors"] == ["weight"]
+    with pytest.raises(CorruptDataError, match=f"{digest.hex()}.*weight"):
+        load(tmp_path)
+    assert load(tmp_path, verify=False)["weight"].numel() == 16 * KB  # explicitly unchecked read still works
+
+
+def test_missing_chunk_is_an_error(tmp_path):
+    _state, store = _one_version(tmp_path)
+    digest = store.read_manifest(7).blob_digests(1)[0].tobytes()
+    store.delete_chunk(digest)
+    with pytest.raises(CorruptDataError, match="bias"):
+        load(tmp_path)
+    assert verify(tmp_path).problems[0]["detail"] == "missing"
+
+
+def test_torn_manifest_is_ignored(tmp_path):
+    state, store = _one_version(tmp_path)
+    good = store.tier.get(manifest_key(7))
+    for cut in (0, 10, len(good) // 2, len(good) - 1):
+        with open(os.path.join(tmp_path, "manifests", f"{8:020d}"), "wb") as f:
+            f.write(good[:cut])
+        assert list_versions(tmp_path) == [7]
+        assert_same(load(tmp_path), state)
+        rep = verify(tmp_path)
+        assert rep.ok and [p["step"] for p in rep.incomplete] == [8]
+    with pytest.raises(CorruptDataError):
+        load(tmp_path, 8)
+    assert gc(tmp_path).removed_torn == [8]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_manifest_rejects_any_truncation_or_flip(data):
+    m = decode(encode_example())
+    raw = encode(m)
+    cut = data.draw(st.integers(0, len(raw) - 1))
+    with pytest.raises(CorruptDataError):
+        decode(raw[:cut])
+    pos = data.draw(st.integers(0, len(raw) - 1))
+    flipped = bytearray(raw)
+    flipped[pos] ^= 1 << data.draw(st.integers(0, 7))
+    with pytest.raises(CorruptDataError):
+        decode(bytes(flipped))
+
+
+_EXAMPLE: list = []
+
+
+def encode_example() -> bytes:
+    if not _EXAMPLE:
+        import tempfile
+
+        root = tempfile.mkdtemp()
+        with CheckpointWriter(root, chunk_size=1 * KB) as w:
+            w.save({"a": torch.arange(3000), "b": {"c": 1.5}}, 1)
+        _EXAMPLE.append(CheckpointStore(root).tier.get(manifest_key(1)))
+    return _EXAMPLE[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 300), st.lists(st.integers(0, 299), max_size=10))
+def test_merkle_diff_finds_exactly_the_changed_leaves(n, changes):
+    d = hasher("xxh3_128")
+    leaves = np.random.default_rng(n).integers(0, 256, (n, 16), dtype=np.uint8)
+    new = leaves.copy()
+    changed = sorted({c for c in changes if c < n})
+    new[changed, 0] ^= 0xFF
+    got = merkle.diff(merkle.build(leaves, d), merkle.build(new, d))
+    assert got.tolist() == changed
+    assert merkle.diff(None, merkle.build(new, d)).tolist() == list(range(n))
+
+
+def test_hash_chunks_matches_reference():
+    import xxhash
+
+    buf = np.random.default_rng(1).integers(0, 256, 10_000, dtype=np.uint8)
+    got = hash_chunks(buf, 4096, hasher("xxh3_128"))
+    want = [xxhash.xxh3_128_digest(buf[a:a + 4096].tobytes()) for a in range(0, 10_000, 4096)]
+    assert [r.tobytes() for r in got] == want
+
+
+def test_bad_inputs_get_clear_errors(tmp_path):
+    with CheckpointWriter(tmp_path) as w:
+        with pytest.raises(InputError, match="'s'.*to_dense"):
+            w.save({"s": torch.eye(3).to_sparse()}, 1)
+        with pytest.raises(InputError, match="meta"):
+            w.save({"m": torch.empty(3, device="meta")}, 1)
+        with pytest.raises(ConfigError, match="step"):
+            w.save({}, -1)
+    with pytest.raises(ConfigError, match="chunk_size"):
+        CheckpointWriter(tmp_path / "x", chunk_size=10)
+    with pytest.raises(ConfigError, match="hash"):
+        CheckpointWriter(tmp_path / "y", hash="md5")
+    with pytest.raises(CheckpointError, match="no checkpoint step 5"):
+        load(tmp_path, 5)
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        load(tmp_path / "empty")
+
+
+def test_budget_exceeded_is_a_clear_error_and_keeps_earlier_versions(tmp_path):
+    tier = DiskTier(tmp_path / "small", capacity_bytes=300 * KB)
+    x = torch.randn(32 * KB)  # 128 KiB
+    with CheckpointWriter(tier, chunk_size=16 * KB) as w:
+        w.save({"x": x}, 1).result()
+        with pytest.raises(CheckpointError, match="byte budget"):
+            w.save({"x": torch.randn(64 * KB)}, 2).result()
+    assert list_versions(tier) == [1]
+    assert bits(load(tier)["x"]) == bits(x)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({res.stderr.decode().strip()}); the byte-budget test covers ENOSPC")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_is_a_clear_error_and_keeps_earlier_versions(tiny_tmpfs):
+    x = torch.randn(64 * KB)  # 256 KiB
+    with CheckpointWriter(tiny_tmpfs / "ck", chunk_size=64 * KB) as w:
+        w.save({"x": x}, 1).result()
+        with pytest.raises(CheckpointError, match="no space left"):
+            w.save({"x": torch.randn(512 * KB)}, 2).result()
+    assert list_versions(tiny_tmpfs / "ck") == [1]
+    assert bits(load(tiny_tmpfs / "ck")["x"]) == bits(x)
+    assert verify(tiny_tmpfs / "ck").ok
+
+
+def test_map_location(tmp_path):
+    with CheckpointWriter(tmp_path) as w:
+        w.save({"x": torch.ones(3)}, 1)
+    assert load(tmp_path, map_location={"cpu": "cpu"})["x"].device.type == "cpu"
+    assert load(tmp_path, map_location=lambda saved: "cpu")["x"].device.type == "cpu"
+
+
+@pytest.mark.gpu
+def test_cuda_state_roundtrip_through_pinned_pool(tmp_path):
+    x = torch.randn(1000, device="cuda")
+    with CheckpointWriter(tmp_path, chunk_size=4 * KB) as w:
+        w.save({"x": x}, 1).result()
+        assert w._pool._bufs[0].is_pinned()
+    out = load(tmp_path)["x"]
+    assert out.device == x.device and torch.equal(out, x)
+    assert load(tmp_path, map_location="cpu")["x"].device.type == "cpu"
