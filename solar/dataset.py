@@ -69,6 +69,7 @@ class StoredBatch:
     n: int
     fields: dict[str, Any] = field(default_factory=dict)
     hits: int = 0
+    indices: list[int] = field(default_factory=list)  # for error messages
 
 
 class StepBatch(list):
@@ -125,6 +126,10 @@ class H5Dataset(Dataset):
 
     def __len__(self) -> int:
         return self.num_samples
+
+    def close(self) -> None:
+        """Close this process's storage handles (collective on parallel HDF5: call it on every rank)."""
+        self.backend.close()
 
     # -- sizes --------------------------------------------------------------------------------
     def _offsets_of(self, spec: FieldSpec) -> np.ndarray:
@@ -194,7 +199,7 @@ class H5Dataset(Dataset):
             resident = np.zeros(len(uniq), dtype=bool)
         miss = uniq[~resident]
         kept = keep(miss) if (keep is not None and buffer is not None and len(miss)) else np.zeros(len(miss), bool)
-        out = StoredBatch(len(idx), hits=int(resident[inv].sum()))
+        out = StoredBatch(len(idx), hits=int(resident[inv].sum()), indices=idx.tolist())
         mrank = np.full(len(uniq), -1, dtype=np.int64)
         mrank[~resident] = np.arange(len(miss))
         for spec in self.specs:
@@ -249,7 +254,8 @@ class H5Dataset(Dataset):
                 flat, off = val
                 fa, oa = flat.numpy(), off.numpy()
                 blobs = [fa[oa[i]:oa[i + 1]].tobytes() for i in range(stored.n)]
-                dec = decode_batch(blobs, device=self.device) if blobs else torch.empty(
+                names = [f"{i} of {self.path}:{spec.name}" for i in stored.indices] if stored.indices else None
+                dec = decode_batch(blobs, device=self.device, names=names) if blobs else torch.empty(
                     (0, *spec.sample_shape), dtype=_torch_dtype(spec.dtype))
                 out[spec.name] = dec if isinstance(dec, torch.Tensor) else torch.stack(list(dec))
         return out

@@ -1,0 +1,152 @@
+"""solar.H5Dataset: coalesced reads, buffer hits, compressed fields, checksums, bad input."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import h5py
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+
+import solar
+from solar.cache import MemoryTier
+from solar.dataset import coalesce
+from solar.layout import FORMAT, checksum_key, sample_checksum
+
+
+@pytest.fixture(scope="module")
+def raw_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ds") / "raw.h5")
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        f["x"] = rng.standard_normal((50, 3, 4)).astype("f4")
+        f["y"] = np.arange(50, dtype="i8")
+    return path
+
+
+def write_compressed(path, x, y, abs_error=1e-3, checksums=True):
+    """A solar-h5/1 file with compressed field x (codec blobs) and raw field y, written by hand."""
+    blobs = [solar.codec.encode(s, abs_error=abs_error) for s in x]
+    off = np.zeros(len(blobs) + 1, dtype=np.int64)
+    np.cumsum([len(b) for b in blobs], out=off[1:])
+    with h5py.File(path, "w") as f:
+        f.attrs.update(solar_format=FORMAT, num_samples=len(x), fields=json.dumps(["x", "y"]), complete=True)
+        g = f.create_group("x")
+        g["data"] = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+        g["offsets"] = off
+        g.attrs.update(codec=solar.codec.header_info(blobs[0]).descriptor, codec_config="{}",
+                       sample_shape=list(x.shape[1:]), dtype=str(x.dtype), abs_error=abs_error)
+        f["y"] = y
+        if checksums:
+            f[checksum_key("x")] = np.array([sample_checksum(b) for b in blobs], dtype=np.uint64)
+            f[checksum_key("y")] = np.array([sample_checksum(r) for r in y], dtype=np.uint64)
+    return blobs
+
+
+def test_coalesce_runs():
+    assert coalesce(np.array([1, 2, 3, 7, 9, 10])).tolist() == [[1, 4], [7, 8], [9, 11]]
+    assert coalesce(np.array([], dtype=np.int64)).shape == (0, 2)
+
+
+def test_samples_match_h5py_and_batches_read_coalesced_ranges(raw_path):
+    ds = solar.H5Dataset(raw_path)
+    with h5py.File(raw_path) as f:
+        x, y = f["x"][:], f["y"][:]
+    assert len(ds) == 50 and torch.equal(ds[7][0], torch.from_numpy(x[7])) and int(ds[-1][1]) == 49
+    ds.backend.stats.reset()
+    batch = ds.__getitems__([21, 5, 6, 7, 20, 6])
+    assert [int(s[1]) for s in batch] == [21, 5, 6, 7, 20, 6]
+    assert ds.backend.stats.read_calls == 2 * 2  # runs 5..7 and 20..21, per field
+    loaded = list(tud.DataLoader(ds, batch_size=8))
+    assert torch.equal(torch.cat([b[0] for b in loaded]), torch.from_numpy(x))
+    assert torch.equal(torch.cat([b[1] for b in loaded]), torch.from_numpy(y))
+
+
+def test_single_field_gives_tensors_and_transform_runs(raw_path):
+    ds = solar.H5Dataset(raw_path, fields="y", transform=lambda t: t * 2)
+    assert isinstance(ds[3], torch.Tensor) and int(ds[3]) == 6
+
+
+def test_buffer_hits_and_keeps(raw_path):
+    ds = solar.H5Dataset(raw_path)
+    buf = MemoryTier()
+    ds.fetch_stored([1, 2, 3], buffer=buf, keep=lambda m: m < 3)
+    assert ds.stats.kept == 2 and ("x", 1) in buf and ("x", 3) not in buf
+    ds.backend.stats.reset()
+    out = ds.fetch_stored([3, 1, 2], buffer=buf, keep=lambda m: m < 0)
+    assert out.hits == 2 and ds.backend.stats.rows_read == 2  # only sample 3, once per field
+    with h5py.File(raw_path) as f:
+        assert np.array_equal(out.fields["x"].numpy(), f["x"][:][[3, 1, 2]])
+
+
+def test_every_rank_calls_read_ranges_once_per_field_even_when_all_hit(raw_path):
+    ds = solar.H5Dataset(raw_path)
+    calls = []
+    real = ds.backend.read_ranges
+    ds.backend.read_ranges = lambda key, ranges, out=None: calls.append((key, len(ranges))) or real(key, ranges, out)
+    buf = MemoryTier()
+    ds.fetch_stored([4, 5], buffer=buf, keep=lambda m: m >= 0)
+    ds.fetch_stored([5, 4], buffer=buf)
+    assert calls == [("x", 1), ("y", 1), ("x", 0), ("y", 0)]
+
+
+def test_pickles_without_handles(raw_path):
+    ds = solar.H5Dataset(raw_path)
+    ds[0]
+    clone = pickle.loads(pickle.dumps(ds))
+    assert torch.equal(clone[4][0], ds[4][0])
+
+
+def test_compressed_field_decodes_within_bound_and_buffer_holds_blobs(tmp_path):
+    rng = np.random.default_rng(1)
+    x = np.cumsum(rng.standard_normal((40, 16, 16)), axis=2).astype("f4")
+    y = np.arange(40, dtype="f4")
+    path = str(tmp_path / "c.h5")
+    blobs = write_compressed(path, x, y)
+    ds = solar.H5Dataset(path)
+    assert [s.kind for s in ds.specs] == ["codec", "raw"]
+    sizes = ds.sample_nbytes()
+    assert sizes[3] == len(blobs[3]) + 4
+    batches = list(solar.DataLoader(ds, batch_size=8, shuffle=False, buffer="1MiB"))
+    got = torch.cat([b[0] for b in batches]).numpy()
+    assert np.abs(got - x).max() <= 1e-3 * (1 + 1e-6)
+    assert torch.equal(torch.cat([b[1] for b in batches]), torch.from_numpy(y))
+    loader = solar.DataLoader(solar.H5Dataset(path), batch_size=8, num_workers=2,
+                              sampler=tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=1), buffer=0.5)
+    for e in range(2):
+        loader.sampler.set_epoch(e)
+        out = list(loader)
+    assert loader.dataset.stats.hits == 20
+    buf = loader.solar_sampler.buffer
+    key = next(k for k in buf.keys() if k[0] == "x")
+    assert bytes(buf.get(key)) == blobs[key[1]]  # the buffer keeps the stored blob, not the decoded array
+    assert len(out) == 5
+
+
+def test_corrupt_sample_raises_with_file_field_and_index(tmp_path):
+    x = np.ones((6, 2, 2), "f4")
+    path = str(tmp_path / "bad.h5")
+    with h5py.File(path, "w") as f:
+        f["x"] = x
+        f[checksum_key("x")] = np.array([sample_checksum(r) for r in x], dtype=np.uint64)
+        f["x"][4] = np.zeros((2, 2), "f4")
+    ds = solar.H5Dataset(path, fields=["x"])
+    ds.__getitems__([0, 1])
+    with pytest.raises(solar.CorruptDataError, match=r"bad.h5: field 'x' sample 4"):
+        ds.__getitems__([3, 4])
+    assert torch.equal(solar.H5Dataset(path, fields=["x"], verify=False)[4][0], torch.zeros(2, 2))
+
+
+def test_bad_input(raw_path, tmp_path):
+    ds = solar.H5Dataset(raw_path)
+    with pytest.raises(IndexError, match="sample index 50 out of range for 50"):
+        ds[50]
+    with pytest.raises(ValueError, match="no field 'z'"):
+        solar.H5Dataset(raw_path, fields=("x", "z"))
+    with pytest.raises(FileNotFoundError, match="no such HDF5 file"):
+        solar.H5Dataset(str(tmp_path / "missing.h5"))
+    with pytest.raises(ValueError, match="integers"):
+        ds["a"]
