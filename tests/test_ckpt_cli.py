@@ -1,0 +1,171 @@
+"""``solar-ckpt`` / ``solar ckpt``: log, diff (SOLAR, .pt, .safetensors), show, verify, restore, export, gc."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from solar.checkpoint import CheckpointWriter, list_versions, load
+from solar.checkpoint.cli import main
+from solar.checkpoint.store import CheckpointStore, chunk_key
+
+KB = 1024
+BIN = os.path.dirname(sys.executable)
+
+
+@pytest.fixture
+def root(tmp_path):
+    """Three versions: a sparse change (one chunk of 'w') then a new tensor and a dtype change."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g)  # 64 KiB = 16 chunks of 4 KiB
+    state = {"model": {"w": w, "b": torch.zeros(16)}, "optim": {"step": 1, "lr": 0.1}}
+    with CheckpointWriter(tmp_path / "ck", chunk_size=4 * KB) as wr:
+        wr.save(state, 10)
+        w[0, :3] += 1.0
+        state["optim"]["step"] = 2
+        wr.save(state, 20)
+        state["model"]["extra"] = torch.ones(5)
+        state["model"]["b"] = torch.zeros(16, dtype=torch.float64)
+        wr.save(state, 30)
+    return tmp_path / "ck", state
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_log_json_and_table(root, capsys):
+    path, _ = root
+    code, out, _ = run_cli(capsys, "log", path, "--json")
+    data = json.loads(out)
+    assert code == 0 and [v["step"] for v in data["versions"]] == [10, 20, 30]
+    assert data["versions"][1]["bytes_written"] == 4 * KB and data["versions"][1]["chunks_written"] == 1
+    assert data["versions"][1]["dedup_ratio"] > 10
+    code, out, _ = run_cli(capsys, "log", path)
+    assert "step" in out and "de-duplication" in out and "4.0 KiB" in out
+
+
+def test_diff_manifest_only(root, capsys):
+    path, _ = root
+    code, out, _ = run_cli(capsys, "diff", f"{path}@10", f"{path}@20", "--json")
+    rep = json.loads(out)
+    assert code == 0 and not rep["identical"]
+    assert [c["name"] for c in rep["changed"]] == ["model.w"]
+    assert rep["changed"][0]["chunks"] == 1 and rep["changed"][0]["bytes"] == 4 * KB
+    code, out, _ = run_cli(capsys, "diff", f"{path}@20", f"{path}@30", "--json")
+    rep = json.loads(out)
+    assert rep["added"] == ["model.extra"]
+    assert rep["changed"][0]["name"] == "model.b" and rep["changed"][0]["dtype"] == ["float32", "float64"]
+    code, out, _ = run_cli(capsys, "diff", f"{path}@10", f"{path}@10", "--exit-code")
+    assert code == 0 and "identical" in out
+    code, out, _ = run_cli(capsys, "diff", f"{path}@10", f"{path}@20", "--exit-code")
+    assert code == 1 and "model.w" in out and "1/16" in out
+
+
+def test_diff_values_with_tolerances(root, capsys):
+    path, _ = root
+    code, out, _ = run_cli(capsys, "diff", f"{path}@10", f"{path}@20", "--values", "--json")
+    (chg,) = json.loads(out)["changed"]
+    assert chg["changed_elements"] == 3 and chg["max_abs"] == pytest.approx(1.0, abs=1e-6)
+    code, out, _ = run_cli(capsys, "diff", f"{path}@10", f"{path}@20", "--values", "--atol", "1.5", "--json")
+    assert json.loads(out)["identical"]
+    code, out, _ = run_cli(capsys, "diff", f"{path}@10", f"{path}@20", "--values")
+    assert "max|Δ|" in out and "3/16384" in out
+
+
+def test_diff_plain_pt_and_safetensors_files(root, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    path, state = root
+    torch.save(state["model"], tmp_path / "model.pt")
+    save_file({k: v.clone() for k, v in state["model"].items()}, tmp_path / "model.safetensors")
+    # a full checkpoint against a bare model file: matched under the 'model.' prefix, identical
+    code, out, _ = run_cli(capsys, "diff", f"{path}@30", tmp_path / "model.safetensors", "--json")
+    rep = json.loads(out)
+    assert rep["identical"] and rep["prefix"] == ["model.", ""] and rep["unchanged"] == 3
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "model.pt", tmp_path / "model.safetensors", "--values", "--json")
+    assert json.loads(out)["identical"]
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "model.pt", f"{path}@10", "--json")
+    rep = json.loads(out)
+    assert {c["name"] for c in rep["changed"]} == {"w", "b"} and rep["removed"] == ["extra"]
+    code, _out, err = run_cli(capsys, "diff", tmp_path / "missing.pt", f"{path}@10")
+    assert code == 2 and "missing.pt" in err
+
+
+def test_show(root, capsys):
+    path, _ = root
+    code, out, _ = run_cli(capsys, "show", f"{path}@30")
+    assert code == 0 and "model.extra" in out and "float64" in out and "optim.step" in out
+    code, out, _ = run_cli(capsys, "show", f"{path}@20", "--json")
+    data = json.loads(out)
+    assert data["step"] == 20 and data["values"]["optim.step"] == "2"
+
+
+def test_verify_finds_and_names_corruption(root, capsys):
+    path, _ = root
+    code, out, _ = run_cli(capsys, "verify", path)
+    assert code == 0 and "OK" in out
+    store = CheckpointStore(path)
+    digest = store.read_manifest(20).blob_digests(0)[0].tobytes()  # first chunk of model.w at step 20
+    fname = store.tier.path(chunk_key(digest))
+    data = bytearray(open(fname, "rb").read())
+    data[7] ^= 0x80
+    open(fname, "wb").write(bytes(data))
+    code, out, _ = run_cli(capsys, "verify", f"{path}@20", "--json")
+    rep = json.loads(out)
+    assert code == 1 and rep["problems"][0]["chunk"] == digest.hex() and rep["problems"][0]["tensors"] == ["model.w"]
+    code, out, _ = run_cli(capsys, "verify", f"{path}@10")
+    assert code == 0  # step 10 does not use that chunk
+    code, out, _ = run_cli(capsys, "verify", path)
+    assert code == 1 and f"CORRUPT chunk {digest.hex()}" in out and "model.w" in out
+
+
+def test_restore_and_export(root, tmp_path, capsys):
+    from safetensors import safe_open
+
+    path, state = root
+    code, out, _ = run_cli(capsys, "restore", f"{path}@30", "-o", tmp_path / "r.pt")
+    assert code == 0
+    restored = torch.load(tmp_path / "r.pt", weights_only=True)
+    assert torch.equal(restored["model"]["w"], state["model"]["w"]) and restored["optim"] == state["optim"]
+    code, out, _ = run_cli(capsys, "export", f"{path}@30", "-o", tmp_path / "r.safetensors")
+    assert code == 0
+    with safe_open(tmp_path / "r.safetensors", "pt") as f:
+        assert sorted(f.keys()) == ["model.b", "model.extra", "model.w"]
+        assert torch.equal(f.get_tensor("model.w"), state["model"]["w"])
+        assert json.loads(f.metadata()["solar_skeleton"])["optim"] == {"step": 2, "lr": 0.1}
+    code, out, _ = run_cli(capsys, "restore", f"{path}@10", "-o", tmp_path / "r10.safetensors")
+    assert code == 0 and (tmp_path / "r10.safetensors").exists()
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_gc(root, capsys):
+    path, _ = root
+    code, out, _ = run_cli(capsys, "gc", path, "--keep-last", "1", "--dry-run", "--json")
+    assert code == 0 and json.loads(out)["removed_versions"] == [10, 20] and list_versions(path) == [10, 20, 30]
+    code, out, _ = run_cli(capsys, "gc", path, "--keep-last", "1")
+    assert code == 0 and list_versions(path) == [30]
+    assert load(path)["model"]["extra"].sum() == 5
+    code, _out, err = run_cli(capsys, "gc", path, "--keep-last", "0")
+    assert code == 2 and "keep_last" in err
+
+
+def test_errors_exit_2(tmp_path, capsys):
+    code, _out, err = run_cli(capsys, "show", f"{tmp_path}@3")
+    assert code == 2 and "no checkpoint step 3" in err
+
+
+def test_console_scripts(root):
+    path, _ = root
+    out = subprocess.run([os.path.join(BIN, "solar-ckpt"), "log", str(path), "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert [v["step"] for v in json.loads(out.stdout)["versions"]] == [10, 20, 30]
+    out = subprocess.run([os.path.join(BIN, "solar"), "ckpt", "diff", f"{path}@10", f"{path}@20"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "model.w" in out.stdout, out.stderr
