@@ -1,0 +1,146 @@
+"""``solar plan``: compute a SOLAR schedule and report its hit rate against the bound.
+
+The plan is what every rank of a real run computes (``solar/schedule.py``); this command runs it
+for any (N, E, P, b, C, seed) without data, prints per-epoch hit rates, misses and coalesced read
+calls, optionally dumps every step's assignment so anyone can verify it
+(``solar.testing.plans.check_dump``) and plots hit rate per epoch against the bound and the
+baselines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from solar.schedule import POLICIES
+
+#: A dump holds one [index, hit] pair per access; above this many accesses it is refused.
+MAX_DUMP_ACCESSES = 2_000_000
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--samples", type=int, required=True, help="N, samples in the dataset")
+    parser.add_argument("--epochs", type=int, default=3, help="E, epochs to plan (default 3)")
+    parser.add_argument("--world-size", type=int, default=1, help="P, number of ranks (default 1)")
+    parser.add_argument("--batch-size", type=int, required=True, help="b, samples per rank per step")
+    parser.add_argument("--buffer", type=int, required=True, help="C, samples each rank's buffer keeps")
+    parser.add_argument("--seed", type=int, default=0, help="DistributedSampler seed (default 0)")
+    parser.add_argument("--policy", choices=POLICIES, default="solar",
+                        help="solar (pinned + remap), or the baselines lru (per-rank LRU) and fifo (SOLAR's released code)")
+    parser.add_argument("--drop-last", action="store_true",
+                        help="drop_last for both DistributedSampler (truncate) and DataLoader (no partial batch)")
+    parser.add_argument("--no-shuffle", action="store_true", help="shuffle=False (same order every epoch)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--dump", metavar="FILE", help="write every step's assignment as JSON (small problems)")
+    parser.add_argument("--plot", metavar="FILE.png", help="plot hit rate per epoch vs the bound and the baselines")
+
+
+def _config(args: argparse.Namespace, policy: str):
+    from solar.schedule import PlanConfig
+
+    return PlanConfig(args.samples, args.world_size, args.batch_size, args.buffer, args.seed,
+                      shuffle=not args.no_shuffle, drop_last=args.drop_last, drop_last_batch=args.drop_last,
+                      policy=policy)
+
+
+def _balanced(plan) -> bool:
+    import numpy as np
+
+    P, G = plan.world_size, plan.global_batch
+    if not len(plan.rank):
+        return True
+    counts = np.bincount((np.arange(len(plan.rank)) // G) * P + plan.rank, minlength=plan.num_steps * P)
+    counts = counts.reshape(plan.num_steps, P)
+    return bool((counts[:-1] == G // P).all() and (counts[-1] == counts[-1, 0]).all())
+
+
+def simulate(args: argparse.Namespace, policy: str, dump: list | None = None) -> dict:
+    """Plan ``args.epochs`` epochs with ``policy``; the JSON report (and the dump, if a list is given)."""
+    from solar.schedule import Planner
+
+    cfg = _config(args, policy)
+    planner = Planner(cfg)
+    epochs, balanced, seconds = [], True, []
+    for e in range(args.epochs):
+        t0 = time.perf_counter()
+        plan = planner.plan(e)
+        seconds.append(time.perf_counter() - t0)
+        balanced &= _balanced(plan)
+        epochs.append({"epoch": e, "hit_rate": plan.hit_rate, "misses": plan.misses, "read_calls": plan.read_calls()})
+        if dump is not None:
+            dump.append(plan.to_dump())
+    later = [x["hit_rate"] for x in epochs[1:]]
+    return {"hit_rate": sum(later) / len(later) if later else 0.0, "bound": cfg.bound, "balanced": balanced,
+            "policy": policy, "samples": cfg.num_samples, "world_size": cfg.world_size, "batch_size": cfg.batch_size,
+            "buffer": cfg.capacity, "seed": cfg.seed, "plan_seconds_per_epoch": max(seconds) if seconds else 0.0,
+            "epochs": epochs}
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def plot(path: str, reports: dict[str, dict]) -> None:
+    """Hit rate per epoch of each policy in ``reports``, against the bound (a PNG at ``path``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, rep in reports.items():
+        xs = [e["epoch"] for e in rep["epochs"]]
+        ax.plot(xs, [e["hit_rate"] for e in rep["epochs"]], marker="o", label=name)
+    bound = next(iter(reports.values()))["bound"]
+    ax.axhline(bound, color="k", ls="--", label=f"bound min(1, PC/N) = {bound:.3f}")
+    rep = next(iter(reports.values()))
+    ax.set(xlabel="epoch", ylabel="hit rate", ylim=(0, min(1.05, max(bound * 1.3, 0.05))),
+           title=f"N={rep['samples']} P={rep['world_size']} b={rep['batch_size']} C={rep['buffer']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = f"{path}.tmp{os.getpid()}.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def run(args: argparse.Namespace) -> int:
+    from solar.errors import ConfigError
+
+    if args.epochs < 1:
+        raise SystemExit("solar plan: --epochs must be >= 1")
+    if args.dump and args.samples * args.epochs > MAX_DUMP_ACCESSES:
+        print(f"solar plan: --dump writes one entry per access; {args.samples} x {args.epochs} epochs is more "
+              f"than {MAX_DUMP_ACCESSES}; use fewer samples or epochs", file=sys.stderr)
+        return 2
+    dump: list | None = [] if args.dump else None
+    try:
+        report = simulate(args, args.policy, dump)
+    except ConfigError as exc:
+        print(f"solar plan: {exc}", file=sys.stderr)
+        return 2
+    if args.dump:
+        _write_atomic(args.dump, json.dumps({"epochs": dump}, separators=(",", ":")))
+    if args.plot:
+        reports = {args.policy: report}
+        for other in POLICIES:
+            if other != args.policy:
+                reports[other] = simulate(args, other)
+        plot(args.plot, reports)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"policy {report['policy']}: N={args.samples} P={args.world_size} b={args.batch_size} C={args.buffer} "
+          f"seed={args.seed}  (planning: {report['plan_seconds_per_epoch']:.3f} s/epoch)")
+    print(f"{'epoch':>5} {'hit rate':>9} {'misses':>9} {'read calls':>10}")
+    for e in report["epochs"]:
+        print(f"{e['epoch']:>5} {e['hit_rate']:>9.4f} {e['misses']:>9} {e['read_calls']:>10}")
+    print(f"hit rate (epochs >= 2): {report['hit_rate']:.4f}   bound min(1, PC/N): {report['bound']:.4f}   "
+          f"balanced: {report['balanced']}")
+    return 0
