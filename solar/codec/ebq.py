@@ -11,9 +11,18 @@ Decoder: lossless stage on the CPU per blob, then one sequence of torch ops per 
 planes, un-zigzag, patch escapes, inverse prediction (level-by-level interpolation, or one prefix
 sum per axis), ``q * step + offset``, patch exact outliers.
 
-Payload of format version 1: ``codes | escapes | outliers``, each section compressed on its own.
-``escapes`` holds int64 position deltas then int64 residuals; ``outliers`` int64 position deltas
-then the verbatim values. The private header metadata is :data:`_META`.
+Payload: ``codes | escapes | outliers``, each section compressed on its own. ``escapes`` holds
+int64 position deltas then int64 residuals; ``outliers`` int64 position deltas then the verbatim
+values. The private header metadata is :data:`_METAS` (per format version).
+
+Format versions (all still decode; golden fixtures in ``tests/fixtures/codec``):
+
+* ``ebq/1``: residuals in natural (C) order, zigzag codes in 1/2/4/8-byte planes, one
+  interpolation kind (linear or cubic) for every level.
+* ``ebq/2``: interpolation residuals in *stream order* (anchor, then level by level and axis by
+  axis, each pass's block contiguous: homogeneous statistics for the entropy stage and contiguous
+  reads for the decoder), linear or cubic chosen per level, and 1-byte codes stored as int8 two's
+  complement (escape -128) so the decoder widens them with a single conversion.
 """
 
 from __future__ import annotations
@@ -36,14 +45,49 @@ from .torch_ops import TORCH_DTYPES, dequantize, join_planes, patch_, unzigzag_
 
 __all__ = ["EBQCodec"]
 
-# predictor, lossless, code_bytes, qint_bytes, step, offset,
-# codes_clen, n_esc, esc_clen, n_out, out_clen
-_META = struct.Struct("<BBBBddQQQQQ")
+# Private metadata per format version. v1: predictor, lossless, code_bytes, qint_bytes, step,
+# offset, codes_clen, n_esc, esc_clen, n_out, out_clen. v2 adds ``cubic_levels`` (bit l = cubic
+# interpolation on level l) after offset.
+_METAS = {1: struct.Struct("<BBBBddQQQQQ"), 2: struct.Struct("<BBBBddQQQQQQ")}
+_META = _METAS[1]
 _WIDTHS = (1, 2, 4, 8)
 _FMAX = {4: float(np.finfo(np.float32).max), 8: float(np.finfo(np.float64).max)}
 _INT = {4: (np.int32, torch.int32), 8: (np.int64, torch.int64)}
 #: A residual width is used when at most this fraction of residuals must escape it.
 _ESCAPE_FRACTION = 1 / 64
+
+
+def _codes(r: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """Residuals -> (width, code bytes, escape positions) in the ebq/2 code format.
+
+    Width 1: int8 two's complement, -128 = escape. Wider: zigzag codes as little-endian byte
+    planes (the high planes of small residuals are all zero and compress to nothing), all-ones =
+    escape. Width 8 never escapes.
+    """
+    if r.size == 0 or (np.count_nonzero((r < -127) | (r > 127)) <= r.size * _ESCAPE_FRACTION):
+        esc = np.flatnonzero((r < -127) | (r > 127))
+        c = r.astype(np.int8)
+        c[esc] = -128
+        return 1, c, esc
+    u = _zigzag(r)
+    w = _choose_width(u)
+    esc = np.flatnonzero(u >= (1 << (8 * w)) - 1) if w < 8 else np.empty(0, np.int64)
+    codes = np.minimum(u, np.uint64((1 << (8 * w)) - 1)) if w < 8 else u
+    return w, np.ascontiguousarray(codes.astype(f"<u{w}").view(np.uint8).reshape(-1, w).T), esc
+
+
+def _best_levels(q: np.ndarray) -> int:
+    """Per level, cubic or linear interpolation: whichever gives cheaper residuals (log-magnitude proxy)."""
+    cost: dict[int, list[float]] = {}
+    for st in pr.interp_plan(tuple(q.shape[1:])):
+        V = q[st.sel]
+        E = np.ascontiguousarray(pr._take(V, st.axis, 0, (st.m + 1) // 2, 2, 0))
+        O = pr._3d(np.ascontiguousarray(pr._take(V, st.axis, 0, st.m // 2, 2, 1)), st.axis).astype(np.int64)
+        c = cost.setdefault(st.level, [0.0, 0.0])
+        for i, cubic in enumerate((False, True)):
+            res = O - pr.predict_odd(E, st.axis, st.m, cubic)[:, :st.m // 2]
+            c[i] += float(np.log2(1.0 + 2.0 * np.abs(res)).sum())
+    return sum(1 << lv for lv, (lin, cub) in cost.items() if cub < lin)
 
 
 def _zigzag(r: np.ndarray) -> np.ndarray:
@@ -70,8 +114,8 @@ class EBQCodec(Codec):
     """
 
     codec_id = "ebq"
-    version = 1
-    decodes = frozenset({1})
+    version = 2
+    decodes = frozenset({1, 2})
 
     def __init__(self, predictor: str = "auto", lossless: str | None = None, level: int | None = None):
         if predictor != "auto" and predictor not in pr.PREDICTOR_IDS or predictor == "raw":
@@ -105,44 +149,50 @@ class EBQCodec(Codec):
 
     def _pack_raw(self, array: np.ndarray, abs_error: float) -> bytes:
         data = ll.compress(np.ascontiguousarray(array).tobytes(), self.lossless, self.level)
-        meta = _META.pack(0, ll.LOSSLESS_IDS[self.lossless], array.dtype.itemsize, 0, 0.0, 0.0,
-                          len(data), 0, 0, 0, 0)
+        meta = _METAS[2].pack(0, ll.LOSSLESS_IDS[self.lossless], array.dtype.itemsize, 0, 0.0, 0.0, 0,
+                              len(data), 0, 0, 0, 0)
         return self._blob(array, abs_error, meta, [data])
 
     def _pack(self, array: np.ndarray, abs_error: float, qz: Quantized, name: str) -> bytes:
         q = qz.q.reshape((1,) + (qz.q.shape or (1,)))
+        mask = 0
         if name == "lorenzo":
-            r = pr.lorenzo_residuals(q)
+            r = pr.lorenzo_residuals(q).reshape(-1)
         else:
-            r = pr.interp_residuals(q, cubic=name == "cubic")
-        u = _zigzag(r.reshape(-1))
-        w = _choose_width(u)
-        esc_pos = np.flatnonzero(u >= (1 << (8 * w)) - 1) if w < 8 else np.empty(0, np.int64)
-        esc_val = r.reshape(-1)[esc_pos].astype(np.int64)
-        codes = np.minimum(u, np.uint64((1 << (8 * w)) - 1)) if w < 8 else u
-        planes = np.ascontiguousarray(codes.astype(f"<u{w}").view(np.uint8).reshape(-1, w).T)
+            mask = {"cubic": -1, "linear": 0}.get(name)
+            if mask is None:
+                mask = _best_levels(q)
+            mask &= (1 << 64) - 1
+            r = pr.interp_stream(q, mask).reshape(-1)
+        w, codes, esc_pos = _codes(r)
+        esc_val = r[esc_pos].astype(np.int64)
         lvl = self.level
-        s_codes = ll.compress(planes, self.lossless, lvl)
+        s_codes = ll.compress(codes, self.lossless, lvl)
         s_esc = ll.compress(_deltas(esc_pos).tobytes() + esc_val.tobytes(), self.lossless, lvl) if esc_pos.size else b""
         out_vals = array.reshape(-1)[qz.outliers]
         s_out = ll.compress(_deltas(qz.outliers).tobytes() + out_vals.tobytes(), self.lossless, lvl) \
             if qz.outliers.size else b""
         qint = 4 if int(np.abs(qz.q).max(initial=0)) <= (1 << 26) else 8
-        meta = _META.pack(pr.PREDICTOR_IDS[name], ll.LOSSLESS_IDS[self.lossless], w, qint, qz.step, qz.offset,
-                          len(s_codes), esc_pos.size, len(s_esc), qz.outliers.size, len(s_out))
+        pid = pr.PREDICTOR_IDS["lorenzo" if name == "lorenzo" else "interp"]
+        meta = _METAS[2].pack(pid, ll.LOSSLESS_IDS[self.lossless], w, qint, qz.step, qz.offset, mask,
+                              len(s_codes), esc_pos.size, len(s_esc), qz.outliers.size, len(s_out))
         return self._blob(array, abs_error, meta, [s_codes, s_esc, s_out])
 
     # ------------------------------------------------------------------ decoder
     def _meta(self, blob: Parsed) -> tuple:
+        """Validated metadata as the v2 tuple (v1 blobs: ``cubic_levels`` from the predictor id)."""
         self.check_version(blob)
         h, what = blob.header, blob.what
-        if len(h.meta) != _META.size:
-            raise CorruptDataError(f"{what}: ebq metadata is {len(h.meta)} bytes, expected {_META.size}")
-        m = _META.unpack(h.meta)
-        pred, lossless, w, qint, step, offset, c_len, n_esc, e_len, n_out, o_len = m
+        fmt = _METAS[h.version]
+        if len(h.meta) != fmt.size:
+            raise CorruptDataError(f"{what}: ebq metadata is {len(h.meta)} bytes, expected {fmt.size}")
+        m = fmt.unpack(h.meta)
+        if h.version == 1:
+            m = m[:6] + ((1 << 64) - 1 if m[0] == 2 else 0,) + m[6:]
+        pred, lossless, w, qint, step, offset, _, c_len, n_esc, e_len, n_out, o_len = m
         n = h.size
         bad = None
-        if pred not in pr.PREDICTORS or lossless not in ll.LOSSLESS:
+        if pred not in pr.PREDICTORS or lossless not in ll.LOSSLESS or (pred in (1, 2, 4)) and (pred == 4) != (h.version >= 2):
             bad = f"unknown predictor {pred} or lossless stage {lossless}"
         elif c_len + e_len + o_len != h.payload_len:
             bad = "section lengths do not add up to the payload length"
@@ -165,28 +215,27 @@ class EBQCodec(Codec):
 
     def group_key(self, blob: Parsed):
         m = self._meta(blob)
-        return (m[0], m[2], m[3])  # predictor, code width, integer width
+        return (m[0], m[2], m[3], m[6])  # predictor, code width, integer width, cubic levels
 
     def decode_group(self, blobs: Sequence[Parsed], device, out=None):
         h0 = blobs[0].header
         metas = [self._meta(b) for b in blobs]
-        pred, _, w, qint = metas[0][:4]
+        pred, _, w, qint, _, _, mask = metas[0][:7]
         shape = h0.shape or (1,)
         n, B = math.prod(shape), len(blobs)
-        tdtype = TORCH_DTYPES[h0.dtype.itemsize]
+        dev = torch.device(device)
         if pred == 0:
             raw = np.empty((B, n), h0.dtype)
             for i, (b, m) in enumerate(zip(blobs, metas)):
                 raw[i] = np.frombuffer(ll.decompress(b.payload, ll.LOSSLESS[m[1]], h0.nbytes, b.what), h0.dtype)
-            x = torch.from_numpy(raw).to(device).view((B,) + h0.shape)
-            return _into(out, x)
+            return _into(out, torch.from_numpy(raw).to(dev).view((B,) + h0.shape))
         np_int, t_int = _INT[qint]
         planes = np.empty((B, w, n), np.uint8)
         esc_idx, esc_val, out_idx, out_val = [], [], [], []
         steps = np.empty(B, h0.dtype)
         offs = np.empty(B, h0.dtype)
         for i, (b, m) in enumerate(zip(blobs, metas)):
-            _, lid, _, _, steps[i], offs[i], c_len, n_esc, e_len, n_out, o_len = m
+            _, lid, _, _, steps[i], offs[i], _, c_len, n_esc, e_len, n_out, o_len = m
             name, p = ll.LOSSLESS[lid], b.payload
             planes[i] = np.frombuffer(ll.decompress(p[:c_len], name, w * n, b.what), np.uint8).reshape(w, n)
             if n_esc:
@@ -199,20 +248,22 @@ class EBQCodec(Codec):
                 pos, val = _sparse(p[c_len + e_len:], name, n_out, h0.dtype, n, b.what)
                 out_idx.append(pos + i * n)
                 out_val.append(val)
-        dev = torch.device(device)
-        u = join_planes(torch.from_numpy(planes).to(dev, non_blocking=True), t_int)
-        r = unzigzag_(u).view(-1)
-        patch_(r, *_cat(esc_idx, esc_val, dev))
-        r = r.view((B,) + shape)
-        if pred == 3:
-            q = pr.lorenzo_reconstruct(r)
-        elif pred == 2:
-            q = pr.interp_reconstruct_(r)
+        # ---- from here on: one sequence of tensor ops for the whole group, on `device`
+        t = torch.from_numpy(planes).to(dev, non_blocking=True)
+        if w == 1 and h0.version >= 2:
+            r = t.view(torch.int8).view(B, n).to(t_int)
         else:
-            q = pr.interp_reconstruct_linear_(r)
+            r = unzigzag_(join_planes(t, t_int))
+        patch_(r.view(-1), *_cat(esc_idx, esc_val, dev))
+        if pred == 3:
+            q = pr.lorenzo_reconstruct(r.view((B,) + shape))
+        else:
+            if h0.version == 1:
+                r = pr.natural_to_stream(r, shape)
+            q = pr.interp_decode(r, shape, mask)
         bshape = (B,) + (1,) * len(shape)
-        x = dequantize(q, torch.from_numpy(steps).to(dev).view(bshape), torch.from_numpy(offs).to(dev).view(bshape),
-                       tdtype)
+        offset = None if not offs.any() else torch.from_numpy(offs).to(dev).view(bshape)
+        x = dequantize(q, torch.from_numpy(steps).to(dev).view(bshape), offset, TORCH_DTYPES[h0.dtype.itemsize])
         patch_(x.view(-1), *_cat(out_idx, out_val, dev))
         return _into(out, x.view((B,) + h0.shape))
 

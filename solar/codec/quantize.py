@@ -104,7 +104,8 @@ def quantize(x: np.ndarray, eb: float) -> Quantized | None:
         offset = 0.0
     else:
         lo, hi = float(xf.min()), float(xf.max())
-        offset = float(ft(lo / 2 + hi / 2))
+        # offset 0 unless |x| / step would not fit: the decoder then skips the add entirely
+        offset = 0.0 if max(abs(lo), abs(hi)) / step < QMAX[dtype] / 2 else float(ft(lo / 2 + hi / 2))
     qmax = QMAX[dtype]
     itype = np.int32 if dtype.itemsize == 4 else np.int64
     with np.errstate(over="ignore", invalid="ignore"):

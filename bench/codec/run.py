@@ -1,0 +1,279 @@
+"""Codec benchmark: solar.codec side by side with SZ3 (pysz), ZFP (zfpy), hdf5plugin's SZ3 filter
+and lz4/zstd on the raw bytes, on synthetic smooth and turbulent 3-D fields and on real data that
+matplotlib ships.
+
+Run: ``.venv/bin/python bench/codec/run.py [--rel 1e-3 1e-2 1e-4] [--n 128] [--out results.json]``
+
+Everything runs in one process, single-threaded (``torch.set_num_threads(1)``, SZ3 without
+OpenMP), with the compressors interleaved and the best of ``--reps`` timings kept, so ratios of
+speeds are meaningful even on a shared machine. Prints, per field and compressor: ratio, max
+error / bound, PSNR, encode and decode MB/s (of original bytes, 1 MB = 1e6 B); then the targets:
+geometric-mean ratio vs SZ3 at each bound and CPU decode speed vs pysz. With a CUDA device it also
+prints the GPU decode GB/s of ``solar.codec.decode_batch``. Writes everything as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fields import all_fields  # noqa: E402
+
+import solar.codec as sc  # noqa: E402
+
+
+# --------------------------------------------------------------------------- compressors
+class Compressor:
+    """``compress(x, eb) -> bytes``; ``decompress(blob, like) -> np.ndarray``; lossless ignore eb."""
+
+    name = "?"
+    lossless = False
+
+    def available(self) -> bool:
+        return True
+
+
+class Solar(Compressor):
+    def __init__(self, lossless="zstd", predictor="auto"):
+        self.cfg = {"id": "ebq", "lossless": lossless, "predictor": predictor}
+        self.name = f"solar ebq ({lossless}{'' if predictor == 'auto' else ', ' + predictor})"
+
+    def compress(self, x, eb):
+        return sc.encode(x, abs_error=eb, codec=self.cfg)
+
+    def decompress(self, blob, like):
+        return sc.decode(blob).numpy()
+
+
+class PySZ(Compressor):
+    name = "SZ3 (pysz)"
+
+    def available(self):
+        try:
+            import pysz  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def compress(self, x, eb):
+        from pysz import sz, szConfig, szErrorBoundMode
+
+        conf = szConfig()
+        conf.errorBoundMode = szErrorBoundMode.ABS
+        conf.absErrorBound = eb
+        conf.openmp = False
+        return bytes(sz.compress(x, conf)[0])
+
+    def decompress(self, blob, like):
+        from pysz import sz
+
+        return sz.decompress(np.frombuffer(blob, np.uint8), like.dtype, like.shape)[0]
+
+
+class ZFP(Compressor):
+    name = "ZFP accuracy (zfpy)"
+
+    def available(self):
+        try:
+            import zfpy  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def compress(self, x, eb):
+        import zfpy
+
+        return zfpy.compress_numpy(x, tolerance=eb)
+
+    def decompress(self, blob, like):
+        import zfpy
+
+        return zfpy.decompress_numpy(blob)
+
+
+class H5SZ3(Compressor):
+    """hdf5plugin's SZ3 filter through h5py: one chunk = the field, chunk cache off, in memory."""
+
+    name = "SZ3 (hdf5plugin)"
+
+    def available(self):
+        try:
+            import h5py  # noqa: F401
+            import hdf5plugin  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def compress(self, x, eb):
+        import h5py
+        import hdf5plugin
+
+        bio = io.BytesIO()
+        with h5py.File(bio, "w") as f:
+            f.create_dataset("x", data=x, chunks=x.shape, compression=hdf5plugin.SZ3(absolute=eb))
+        return bio.getvalue()
+
+    def compressed_size(self, blob):
+        import h5py
+
+        with h5py.File(io.BytesIO(blob), "r") as f:
+            return f["x"].id.get_storage_size()
+
+    def decompress(self, blob, like):
+        import h5py
+
+        with h5py.File(io.BytesIO(blob), "r", rdcc_nbytes=0) as f:
+            return f["x"][...]
+
+
+class RawLossless(Compressor):
+    lossless = True
+
+    def __init__(self, kind):
+        self.kind, self.name = kind, f"{kind} (lossless, raw bytes)"
+
+    def compress(self, x, eb):
+        if self.kind == "lz4":
+            import lz4.block
+
+            return lz4.block.compress(x.tobytes(), store_size=False)
+        import zstandard
+
+        return zstandard.ZstdCompressor(level=3).compress(x.tobytes())
+
+    def decompress(self, blob, like):
+        if self.kind == "lz4":
+            import lz4.block
+
+            raw = lz4.block.decompress(blob, uncompressed_size=like.nbytes)
+        else:
+            import zstandard
+
+            raw = zstandard.ZstdDecompressor().decompress(blob)
+        return np.frombuffer(raw, like.dtype).reshape(like.shape)
+
+
+# --------------------------------------------------------------------------- measuring
+def _best(fn, reps: int, budget: float = 1.0) -> tuple[object, float]:
+    best, out, t_end = math.inf, None, time.perf_counter() + budget
+    for i in range(reps):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+        if i >= 2 and time.perf_counter() > t_end:
+            break
+    return out, best
+
+
+def psnr(x: np.ndarray, y: np.ndarray) -> float:
+    rng = float(x.max()) - float(x.min())
+    mse = float(np.mean((x.astype(np.float64) - y.astype(np.float64)) ** 2))
+    return math.inf if mse == 0 else 20 * math.log10(rng) - 10 * math.log10(mse)
+
+
+def measure(comp: Compressor, x: np.ndarray, eb: float, reps: int) -> dict:
+    blob, t_enc = _best(lambda: comp.compress(x, eb), max(1, reps // 2))
+    y, t_dec = _best(lambda: comp.decompress(blob, x), reps)
+    size = comp.compressed_size(blob) if hasattr(comp, "compressed_size") else len(blob)
+    err = float(np.max(np.abs(x.astype(np.float64) - np.asarray(y, np.float64).reshape(x.shape))))
+    return {"ratio": x.nbytes / size, "max_err_over_bound": err / eb if eb else 0.0, "psnr": psnr(x, y),
+            "enc_MBps": x.nbytes / t_enc / 1e6, "dec_MBps": x.nbytes / t_dec / 1e6, "bound_ok": err <= eb}
+
+
+def gpu_decode(x: np.ndarray, eb: float, batch: int = 16, reps: int = 10) -> float | None:
+    """GB/s of decode_batch on CUDA (original bytes), or None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    blobs = [sc.encode(x, abs_error=eb)] * batch
+    sc.decode_batch(blobs, device="cuda")
+    torch.cuda.synchronize()
+
+    def run():
+        sc.decode_batch(blobs, device="cuda")
+        torch.cuda.synchronize()
+
+    _, t = _best(run, reps)
+    return x.nbytes * batch / t / 1e9
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rel", type=float, nargs="+", default=[1e-3, 1e-2, 1e-4])
+    ap.add_argument("--n", type=int, default=128, help="side of the synthetic 3-D fields")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--fields", nargs="*", help="subset of field names")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+
+    comps = [c for c in [Solar("zstd"), Solar("lz4"), PySZ(), H5SZ3(), ZFP(), RawLossless("lz4"),
+                         RawLossless("zstd")] if c.available()]
+    fields = all_fields(args.n)
+    if args.fields:
+        fields = {k: v for k, v in fields.items() if k in args.fields}
+    rows = []
+    for fname, x in fields.items():
+        for rel in args.rel:
+            eb = rel * (float(x.max()) - float(x.min()))
+            print(f"\n## {fname} {x.shape} rel {rel:g} (abs {eb:.4g})")
+            print(f"{'compressor':34s} {'ratio':>8s} {'err/eb':>7s} {'PSNR':>6s} {'enc MB/s':>9s} {'dec MB/s':>9s}")
+            for comp in comps:
+                if comp.lossless and rel != args.rel[0]:
+                    continue
+                r = measure(comp, x, eb, args.reps)
+                r.update(field=fname, shape=list(x.shape), rel=rel, compressor=comp.name)
+                if comp.name.startswith("solar ebq (zstd"):
+                    r["gpu_dec_GBps"] = gpu_decode(x, eb)
+                rows.append(r)
+                gpu = f"  GPU {r['gpu_dec_GBps']:.1f} GB/s" if r.get("gpu_dec_GBps") else ""
+                print(f"{comp.name:34s} {r['ratio']:8.2f} {r['max_err_over_bound']:7.4f} {r['psnr']:6.1f} "
+                      f"{r['enc_MBps']:9.0f} {r['dec_MBps']:9.0f}{gpu}")
+    summary = summarize(rows, args.rel)
+    Path(args.out).write_text(json.dumps({
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "note": "shared 2-core machine; best-of-reps timings"},
+        "rows": rows, "summary": summary}, indent=1))
+    print(f"\nwrote {args.out}")
+    return 0 if all(r["bound_ok"] for r in rows) else 1
+
+
+def summarize(rows: list[dict], rels) -> dict:
+    """Geometric means of solar / SZ3 (pysz): ratio and CPU decode speed, per bound."""
+    out = {}
+    print("\n## targets: solar ebq (zstd) vs SZ3 (pysz), geometric mean over fields")
+    for rel in rels:
+        pairs = {}
+        for r in rows:
+            if r["rel"] == rel and r["compressor"] in ("solar ebq (zstd)", "SZ3 (pysz)"):
+                pairs.setdefault(r["field"], {})[r["compressor"]] = r
+        pairs = {f: p for f, p in pairs.items() if len(p) == 2}
+        if not pairs:
+            continue
+
+        def gm(key):
+            vals = [p["solar ebq (zstd)"][key] / p["SZ3 (pysz)"][key] for p in pairs.values()]
+            return math.exp(sum(map(math.log, vals)) / len(vals))
+
+        out[str(rel)] = {"ratio_vs_sz3": gm("ratio"), "cpu_decode_speed_vs_pysz": gm("dec_MBps"),
+                         "bound_held": all(r["bound_ok"] for r in rows if r["rel"] == rel)}
+        s = out[str(rel)]
+        print(f"rel {rel:g}: ratio {s['ratio_vs_sz3']:.3f}x SZ3 (target >= 1.0), single-thread decode "
+              f"{s['cpu_decode_speed_vs_pysz']:.2f}x pysz (target >= 3), bound held: {s['bound_held']}")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
