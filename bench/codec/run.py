@@ -41,9 +41,12 @@ class Compressor:
 
     name = "?"
     lossless = False
+    requires: tuple[str, ...] = ()
 
     def available(self) -> bool:
-        return True
+        import importlib.util
+
+        return all(importlib.util.find_spec(m) is not None for m in self.requires)
 
 
 class Solar(Compressor):
@@ -60,13 +63,7 @@ class Solar(Compressor):
 
 class PySZ(Compressor):
     name = "SZ3 (pysz)"
-
-    def available(self):
-        try:
-            import pysz  # noqa: F401
-        except ImportError:
-            return False
-        return True
+    requires = ("pysz",)
 
     def compress(self, x, eb):
         from pysz import sz, szConfig, szErrorBoundMode
@@ -85,13 +82,7 @@ class PySZ(Compressor):
 
 class ZFP(Compressor):
     name = "ZFP accuracy (zfpy)"
-
-    def available(self):
-        try:
-            import zfpy  # noqa: F401
-        except ImportError:
-            return False
-        return True
+    requires = ("zfpy",)
 
     def compress(self, x, eb):
         import zfpy
@@ -108,14 +99,7 @@ class H5SZ3(Compressor):
     """hdf5plugin's SZ3 filter through h5py: one chunk = the field, chunk cache off, in memory."""
 
     name = "SZ3 (hdf5plugin)"
-
-    def available(self):
-        try:
-            import h5py  # noqa: F401
-            import hdf5plugin  # noqa: F401
-        except ImportError:
-            return False
-        return True
+    requires = ("h5py", "hdf5plugin")
 
     def compress(self, x, eb):
         import h5py
