@@ -136,6 +136,21 @@ def test_state_is_copied_before_save_returns(tmp_path):
     assert bits(load(tmp_path)["t"]) == bits(before)
 
 
+def test_lazy_save_copies_in_the_background(tmp_path):
+    t = torch.randn(512 * KB)
+    before = t.clone()
+    with CheckpointWriter(tmp_path, chunk_size=64 * KB) as w:
+        fut = w.save({"t": t}, 0, lazy=True)
+        w.wait_staged()  # what a training loop calls right before optimizer.step()
+        assert fut.staged.done()
+        t.zero_()
+        assert fut.result().chunks_written == 32
+        fut2 = w.save({"t": t}, 1, lazy=True, blocking=True)
+        assert fut2.staged.done() and fut2.result().chunks_written == 1  # all-zero chunks dedup to one
+    assert bits(load(tmp_path, 0)["t"]) == bits(before)
+    assert not load(tmp_path, 1)["t"].any()
+
+
 def test_one_staging_buffer_and_back_pressure(tmp_path):
     with CheckpointWriter(tmp_path, chunk_size=4 * KB, keep_last=2) as w:
         futures = [w.save({"x": torch.full((4 * KB,), float(i))}, i) for i in range(6)]

@@ -179,16 +179,27 @@ class CheckpointWriter:
         self._drain = ThreadPoolExecutor(1, thread_name_prefix="solar-ckpt-drain") if self._stage else None
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="solar-ckpt-io")
         self._futures: list[Future] = []
+        self._staged: list[Future] = []
         self._closed = False
         self._mutex = threading.Lock()
 
     # -- public API --
-    def save(self, state_dict: Any, step: int, *, blocking: bool = False, meta: dict | None = None) -> Future:
+    def save(self, state_dict: Any, step: int, *, blocking: bool = False, lazy: bool = False,
+             meta: dict | None = None) -> Future:
         """Checkpoint ``state_dict`` as version ``step``; return a future of :class:`SaveResult`.
 
         Blocks while the state is copied to host memory (and while all staging buffers are busy
         with earlier saves); everything else runs in the background. ``blocking=True`` also waits
         for the commit. The state may be modified as soon as this returns.
+
+        ``lazy=True`` returns before the copy, too (DataStates-LLM's "lazy" snapshot): the copy
+        runs in the background while the forward and backward passes, which do not modify the
+        weights, go on. The caller must then call :meth:`wait_staged` (or ``future.staged.result()``)
+        before anything modifies the state, typically right before ``optimizer.step()``.
+
+        Raises:
+            InputError: a tensor cannot be saved (sparse, meta ...).
+            ConfigError: bad ``step``.
         """
         if self._closed:
             raise CheckpointError(f"CheckpointWriter for {self.root} is closed")
@@ -196,21 +207,45 @@ class CheckpointWriter:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
         flat = flatten(state_dict)
-        slot = self._pool.acquire()
-        try:
-            host = self._pool.stage(slot, flat.blobs)
-        except BaseException:
-            self._pool.release(slot)
-            raise
-        stage_seconds = time.perf_counter() - t0
-        fut = self._persist.submit(self._commit, flat, host, slot, step, meta or {}, stage_seconds)
+        staged: Future = Future()
+        if lazy:
+            fut = self._persist.submit(self._stage_and_commit, flat, staged, step, meta or {})
+        else:
+            host, slot = self._stage_copy(flat, staged)
+            fut = self._persist.submit(self._commit, flat, host, slot, step, meta or {}, time.perf_counter() - t0)
         if self._drain is not None:
             fut = self._chain(fut)
+        fut.staged = staged  # type: ignore[attr-defined]
+        with self._mutex:
+            self._staged = [f for f in self._staged if not f.done()] + [staged]
         with self._mutex:
             self._futures = [f for f in self._futures if not f.done()] + [fut]
         if blocking:
             fut.result()
         return fut
+
+    def _stage_copy(self, flat: Flat, staged: Future) -> tuple[list[np.ndarray], int]:
+        slot = self._pool.acquire()
+        try:
+            host = self._pool.stage(slot, flat.blobs)
+        except BaseException as exc:
+            self._pool.release(slot)
+            staged.set_exception(exc)
+            raise
+        staged.set_result(None)
+        return host, slot
+
+    def _stage_and_commit(self, flat: Flat, staged: Future, step: int, meta: dict) -> SaveResult:
+        t0 = time.perf_counter()
+        host, slot = self._stage_copy(flat, staged)
+        return self._commit(flat, host, slot, step, meta, time.perf_counter() - t0)
+
+    def wait_staged(self) -> None:
+        """Wait until every lazy save has copied the state; after this it may be modified."""
+        with self._mutex:
+            staged = list(self._staged)
+        for f in staged:
+            f.result()
 
     def wait(self) -> list[SaveResult]:
         """Wait for every save in flight; raise the first failure (later ones are chained)."""
