@@ -212,6 +212,17 @@ def test_fsspec_root_lock_and_roundtrip():
     assert verify(root).ok
 
 
+def test_memory_tier_root_does_not_alias_the_staging_buffer():
+    from solar.cache import MemoryTier
+
+    tier = MemoryTier()
+    with CheckpointWriter(tier, chunk_size=4 * KB) as w:
+        w.save({"x": torch.ones(4 * KB)}, 1)
+        w.save({"x": torch.full((4 * KB,), 2.0)}, 2)  # reuses the staging buffer
+    assert list_versions(tier) == [1, 2]
+    assert load(tier, 1)["x"].eq(1).all() and load(tier, 2)["x"].eq(2).all()
+
+
 def test_staging_root_drains_to_main_root(tmp_path):
     x = torch.randn(32 * KB)
     with CheckpointWriter(tmp_path / "shared", staging=tmp_path / "local", chunk_size=4 * KB, keep_last=2) as w:

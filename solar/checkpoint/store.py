@@ -161,6 +161,8 @@ class CheckpointStore:
         from solar.cache.base import TierFullError
 
         view = memoryview(data).cast("B")
+        if not self.tier.persistent:
+            view = memoryview(bytes(view))  # a memory tier keeps the object: never the reused staging buffer
         try:
             ok = self.tier.put(chunk_key(digest), view)
         except TierFullError as exc:
