@@ -86,7 +86,8 @@ class DataLoader(tud.DataLoader):
         buffer: per-rank buffer for storage-backed datasets: samples (``int``), bytes
             (``"2GiB"``) or a fraction of the dataset over all ranks (``0.5``); ``0`` disables it.
             Default ``"1GiB"`` per rank (never more than the rank's share of the dataset).
-        prefetch: steps loaded ahead on the background I/O thread (default 2; 0 = inline).
+        prefetch: steps read together in one coalesced pass on the background I/O thread, one
+            pass ahead of the training loop (default 8, capped at 256 MB; 0 = each step inline).
         distributed: when True and no sampler is given, shard with a ``DistributedSampler`` whose
             rank and world size come from ``solar.dist.get_dist_info()`` (torch.distributed, then
             mpi4py under mpirun, then ``RANK``/``WORLD_SIZE``, else 1), ``shuffle`` and ``seed``;
@@ -98,7 +99,7 @@ class DataLoader(tud.DataLoader):
                  batch_sampler=None, num_workers: int = 0, collate_fn=None, pin_memory: bool = False,
                  drop_last: bool = False, timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
                  generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
-                 pin_memory_device: str = "", in_order: bool = True, buffer: Any = "1GiB", prefetch: int = 2,
+                 pin_memory_device: str = "", in_order: bool = True, buffer: Any = "1GiB", prefetch: int = 8,
                  distributed: bool = False, seed: int = 0) -> None:
         self._auto_epoch = False
         if distributed:

@@ -27,6 +27,7 @@ NOTE [ Buffer and workers ]
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -39,6 +40,9 @@ from solar.prefetch import prefetch as _prefetch
 from solar.schedule import PlanConfig, Planner, capacity_for_bytes, owner_of
 
 __all__ = ["SolarBatchSampler", "parse_buffer", "is_storage_backed"]
+
+#: Upper bound of the stored bytes one prefetch pass reads (two passes are in flight at most).
+GROUP_BYTES = 256 << 20
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -95,11 +99,12 @@ class SolarBatchSampler(BatchSampler):
         inner: the batch sampler torch built (or the user's ``batch_sampler``).
         dataset: a storage-backed dataset (``H5Dataset``).
         buffer: see :func:`parse_buffer`.
-        prefetch: steps loaded ahead on the background thread (0: inline).
+        prefetch: steps read together in one pass on the background thread, one pass ahead of
+            the consumer (0: read each step inline when it is asked for).
         shared: allocate loaded batches in shared memory (``num_workers > 0``).
     """
 
-    def __init__(self, inner: Any, dataset: Any, *, buffer: Any = "1GiB", prefetch: int = 2,
+    def __init__(self, inner: Any, dataset: Any, *, buffer: Any = "1GiB", prefetch: int = 8,
                  shared: bool = False) -> None:
         # No BatchSampler.__init__: its checks already ran on `inner` (or it is a user object).
         self.inner = inner
@@ -205,9 +210,22 @@ class SolarBatchSampler(BatchSampler):
         def keep(miss: np.ndarray) -> np.ndarray:
             return owner_of(miss, P, b, C) == rank
 
-        def fetch(indices: list[int]) -> StepBatch:
-            batch = StepBatch(indices)
-            batch.stored = self.dataset.fetch_stored(indices, buffer=self.buffer, keep=keep, shared=self.shared)
-            return batch
+        def fetch(group: list[list[int]]) -> list[StepBatch]:
+            stored = self.dataset.fetch_steps(group, buffer=self.buffer, keep=keep, shared=self.shared)
+            out = [StepBatch(indices) for indices in group]
+            for batch, st in zip(out, stored):
+                batch.stored = st
+            return out
 
-        yield from _prefetch(self._steps(resume, P, rank), fetch, self.prefetch)
+        steps = self._steps(resume, P, rank)
+        size = self.group_size(b)
+        groups = iter(lambda: list(itertools.islice(steps, size)), [])
+        for group in _prefetch(groups, fetch, 1 if self.prefetch else 0):
+            yield from group
+
+    def group_size(self, batch_size: int) -> int:
+        """Steps read in one pass: ``prefetch``, but at most ``GROUP_BYTES`` of stored data."""
+        if not self.prefetch:
+            return 1
+        per_step = max(1, int(batch_size * self.dataset.sample_nbytes().mean()))
+        return max(1, min(self.prefetch, GROUP_BYTES // per_step))

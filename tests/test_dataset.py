@@ -52,17 +52,31 @@ def test_coalesce_runs():
 
 
 def test_samples_match_h5py_and_batches_read_coalesced_ranges(raw_path):
-    ds = solar.H5Dataset(raw_path)
+    ds = solar.H5Dataset(raw_path, sieve_bytes=0)
     with h5py.File(raw_path) as f:
         x, y = f["x"][:], f["y"][:]
     assert len(ds) == 50 and torch.equal(ds[7][0], torch.from_numpy(x[7])) and int(ds[-1][1]) == 49
-    ds.backend.stats.reset()
+    calls0 = ds.stats.read_calls
     batch = ds.__getitems__([21, 5, 6, 7, 20, 6])
     assert [int(s[1]) for s in batch] == [21, 5, 6, 7, 20, 6]
-    assert ds.backend.stats.read_calls == 2 * 2  # runs 5..7 and 20..21, per field
+    assert ds.stats.read_calls - calls0 == 2 * 2  # runs 5..7 and 20..21, per field
     loaded = list(tud.DataLoader(ds, batch_size=8))
     assert torch.equal(torch.cat([b[0] for b in loaded]), torch.from_numpy(x))
     assert torch.equal(torch.cat([b[1] for b in loaded]), torch.from_numpy(y))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_sieving_reads_through_small_gaps_and_threads_split_requests(raw_path, threads):
+    rows = [0, 2, 3, 30, 31, 49]
+    exact = solar.H5Dataset(raw_path, sieve_bytes=0, io_threads=threads)
+    sieved = solar.H5Dataset(raw_path, sieve_bytes=3 * 48, io_threads=threads)  # x rows are 48 B
+    a, b = exact.fetch_stored(rows), sieved.fetch_stored(rows)
+    assert exact.stats.read_calls == 4 + 4 and sieved.stats.read_calls == 3 + 2  # y rows are 8 B
+    assert sieved.stats.bytes_in > exact.stats.bytes_in
+    for f in ("x", "y"):
+        assert torch.equal(a.fields[f], b.fields[f])
+    with h5py.File(raw_path) as f:
+        assert np.array_equal(a.fields["x"].numpy(), f["x"][:][rows])
 
 
 def test_single_field_gives_tensors_and_transform_runs(raw_path):
@@ -75,15 +89,15 @@ def test_buffer_hits_and_keeps(raw_path):
     buf = MemoryTier()
     ds.fetch_stored([1, 2, 3], buffer=buf, keep=lambda m: m < 3)
     assert ds.stats.kept == 2 and ("x", 1) in buf and ("x", 3) not in buf
-    ds.backend.stats.reset()
+    bytes0 = ds.stats.bytes_in
     out = ds.fetch_stored([3, 1, 2], buffer=buf, keep=lambda m: m < 0)
-    assert out.hits == 2 and ds.backend.stats.rows_read == 2  # only sample 3, once per field
+    assert out.hits == 2 and ds.stats.bytes_in - bytes0 == 48 + 8  # only sample 3, once per field
     with h5py.File(raw_path) as f:
         assert np.array_equal(out.fields["x"].numpy(), f["x"][:][[3, 1, 2]])
 
 
 def test_every_rank_calls_read_ranges_once_per_field_even_when_all_hit(raw_path):
-    ds = solar.H5Dataset(raw_path)
+    ds = solar.H5Dataset(raw_path, io_threads=1)
     calls = []
     real = ds.backend.read_ranges
     ds.backend.read_ranges = lambda key, ranges, out=None: calls.append((key, len(ranges))) or real(key, ranges, out)

@@ -211,7 +211,7 @@ def test_ranks_split_each_global_batch_and_read_fewer_calls(h5path):
             assert torch.equal(torch.sort(xs.flatten(1), dim=0)[0], torch.sort(want.flatten(1), dim=0)[0])
     hits = sum(ld.dataset.stats.hits for ld in loaders)
     assert hits == 2 * 48  # every rank hits its pinned samples from epoch 2
-    calls = sum(ld.dataset.backend.stats.read_calls for ld in loaders)
+    calls = sum(ld.dataset.stats.read_calls for ld in loaders)
     assert calls < 2 * (3 * 96 - hits)  # coalesced: fewer calls than samples x fields
 
 
