@@ -85,7 +85,8 @@ def _best_levels(q: np.ndarray) -> int:
         O = pr._3d(np.ascontiguousarray(pr._take(V, st.axis, 0, st.m // 2, 2, 1)), st.axis).astype(np.int64)
         c = cost.setdefault(st.level, [0.0, 0.0])
         for i, cubic in enumerate((False, True)):
-            res = O - pr.predict_odd(E, st.axis, st.m, cubic)[:, :st.m // 2]
+            P, sign = pr.predict_odd(E, st.axis, st.m, cubic)
+            res = O - sign * P[:, :st.m // 2]
             c[i] += float(np.log2(1.0 + 2.0 * np.abs(res)).sum())
     return sum(1 << lv for lv, (lin, cub) in cost.items() if cub < lin)
 
@@ -250,17 +251,23 @@ class EBQCodec(Codec):
                 out_val.append(val)
         # ---- from here on: one sequence of tensor ops for the whole group, on `device`
         t = torch.from_numpy(planes).to(dev, non_blocking=True)
-        if w == 1 and h0.version >= 2:
-            r = t.view(torch.int8).view(B, n).to(t_int)
+        if w == 1 and h0.version >= 2 and pred == 4:
+            # int8 codes go straight into the predictor (widened inside its adds); escapes are
+            # corrections (true residual - marker) applied pass by pass
+            escapes = None
+            if esc_idx:
+                escapes = (np.concatenate(esc_idx), np.concatenate(esc_val).astype(np.int64) + 128)
+            q = pr.interp_decode(t.view(torch.int8).view(B, n), shape, mask, t_int, escapes)
         else:
-            r = unzigzag_(join_planes(t, t_int))
-        patch_(r.view(-1), *_cat(esc_idx, esc_val, dev))
-        if pred == 3:
-            q = pr.lorenzo_reconstruct(r.view((B,) + shape))
-        else:
-            if h0.version == 1:
-                r = pr.natural_to_stream(r, shape)
-            q = pr.interp_decode(r, shape, mask)
+            if w == 1 and h0.version >= 2:
+                r = t.view(torch.int8).view(B, n).to(t_int)
+            else:
+                r = unzigzag_(join_planes(t, t_int))
+            patch_(r.view(-1), *_cat(esc_idx, esc_val, dev))
+            if pred == 3:
+                q = pr.lorenzo_reconstruct(r.view((B,) + shape))
+            else:
+                q = pr.interp_decode(pr.natural_to_stream(r, shape) if h0.version == 1 else r, shape, mask)
         bshape = (B,) + (1,) * len(shape)
         offset = None if not offs.any() else torch.from_numpy(offs).to(dev).view(bshape)
         x = dequantize(q, torch.from_numpy(steps).to(dev).view(bshape), offset, TORCH_DTYPES[h0.dtype.itemsize])

@@ -6,9 +6,11 @@ uint8 tensor of byte planes, and each step below is one tensor op (or a handful)
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
-__all__ = ["join_planes", "unzigzag_", "patch_", "dequantize", "TORCH_DTYPES"]
+__all__ = ["join_planes", "unzigzag_", "patch_", "dequantize", "scratch", "TORCH_DTYPES"]
 
 TORCH_DTYPES = {4: torch.float32, 8: torch.float64}
 
@@ -49,8 +51,35 @@ def dequantize(q: torch.Tensor, step: torch.Tensor, offset: torch.Tensor | None,
     add in separate kernels rules out FMA contraction, which would change the rounding. ``offset``
     None means zero (the encoder prefers it: one pass less, one rounding less).
     """
-    x = q.to(dtype)
-    x.mul_(step)
+    x = torch.empty(q.shape, dtype=dtype, device=q.device)
+    torch.mul(q, step, out=x)  # int -> float conversion (exact) and one rounded multiply per element
     if offset is not None:
         x.add_(offset)
     return x
+
+
+class _Scratch(threading.local):
+    """Per-thread reusable decode buffers, one per (slot, dtype, device).
+
+    Why: a fresh multi-megabyte CPU tensor costs a page fault per 4 KiB on first touch, which
+    made allocation (not arithmetic) the largest cost of decoding. Intermediates therefore live in
+    buffers that are reused across calls; only the returned tensor is freshly allocated. Buffers
+    never escape the decoder.
+    """
+
+    def __init__(self) -> None:
+        self.bufs: dict[tuple, torch.Tensor] = {}
+
+    def get(self, slot: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (slot, dtype, device)
+        buf = self.bufs.get(key)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 1024), dtype=dtype, device=device)
+            self.bufs[key] = buf
+        return buf[:n]
+
+    def clear(self) -> None:
+        self.bufs.clear()
+
+
+scratch = _Scratch()
