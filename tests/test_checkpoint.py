@@ -384,8 +384,12 @@ def test_bad_inputs_get_clear_errors(tmp_path):
         CheckpointWriter(tmp_path / "y", hash="md5")
     with pytest.raises(CheckpointError, match="no checkpoint step 5"):
         load(tmp_path, 5)
+    (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         load(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match="no checkpoint root"):
+        load(tmp_path / "typo")
+    assert not (tmp_path / "typo").exists()  # readers never create a root
 
 
 def test_budget_exceeded_is_a_clear_error_and_keeps_earlier_versions(tmp_path):

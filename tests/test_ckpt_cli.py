@@ -99,6 +99,22 @@ def test_diff_plain_pt_and_safetensors_files(root, tmp_path, capsys):
     assert code == 2 and "missing.pt" in err
 
 
+def test_diff_against_a_dcp_checkpoint(root, tmp_path, capsys):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    path, state = root
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {k: v.clone() for k, v in state["model"].items()}}, checkpoint_id=str(tmp_path / "dcp"))
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "dcp", f"{path}@30", "--json")
+    rep = json.loads(out)
+    assert code == 0 and rep["identical"] and rep["unchanged"] == 3
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "dcp", f"{path}@10", "--values", "--json")
+    assert {c["name"] for c in json.loads(out)["changed"]} == {"model.w", "model.b"}
+
+
 def test_show(root, capsys):
     path, _ = root
     code, out, _ = run_cli(capsys, "show", f"{path}@30")

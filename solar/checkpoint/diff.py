@@ -1,4 +1,4 @@
-"""Diff two checkpoints: SOLAR versions (``ROOT@STEP``), ``torch.save`` files or safetensors files.
+"""Diff two checkpoints: SOLAR versions (``ROOT@STEP``), ``torch.save``, safetensors or DCP checkpoints.
 
 Every input becomes a :class:`TensorTable`: name -> dtype, shape, bytes, chunk digests and a Merkle
 root. For a SOLAR version that table comes from the manifest alone, so the default diff reads no
@@ -73,17 +73,34 @@ def _from_version(root: str, step: int | None) -> TensorTable:
     return TensorTable(f"{store.root}@{m.step}", m.chunk_size, m.hash, tensors, load_tensor, m.step, m.logical_bytes)
 
 
+def _load_dcp(path: str) -> Any:
+    """A ``torch.distributed.checkpoint`` directory as one state dict (single process, CPU)."""
+    import tempfile
+    import warnings
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(path, os.path.join(tmp, "sd.pt"))
+        return torch.load(os.path.join(tmp, "sd.pt"), map_location="cpu", weights_only=True)
+
+
 def _load_file(path: str) -> dict[str, torch.Tensor]:
-    if not os.path.isfile(path):
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata")):
+        obj = _load_dcp(path)
+    elif not os.path.isfile(path):
         raise InputError(f"{path}: no such file, and not a ROOT@STEP checkpoint reference")
-    if path.endswith(".safetensors"):
+    elif path.endswith(".safetensors"):
         from safetensors.torch import load_file
 
         return dict(load_file(path))
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # noqa: BLE001 - torch raises many kinds
-        raise InputError(f"{path}: cannot read as a torch.save file ({exc}); diff takes ROOT@STEP, .pt or .safetensors") from exc
+    else:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # noqa: BLE001 - torch raises many kinds
+            raise InputError(f"{path}: cannot read as a torch.save file ({exc}); diff takes ROOT@STEP, .pt, "
+                             f".safetensors or a torch.distributed.checkpoint directory") from exc
     flat = flatten(obj)
     out = {}
     for ref in flat.tensors:
@@ -113,7 +130,7 @@ def _is_version_ref(ref: str) -> tuple[str, int | None] | None:
     root, step = parse_ref(ref)
     if step is not None:
         return root, step
-    if os.path.isdir(ref) or "://" in ref:
+    if (os.path.isdir(ref) and not os.path.isfile(os.path.join(ref, ".metadata"))) or "://" in ref:
         return ref, None
     return None
 

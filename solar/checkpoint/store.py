@@ -72,6 +72,20 @@ def parse_ref(ref: str) -> tuple[str, int | None]:
     return ref, None
 
 
+def _must_exist(root: str, storage_options: dict) -> None:
+    """Readers never create a root: a mistyped path is an error, not a new empty checkpoint."""
+    local = _local_dir(root)
+    if local is not None:
+        exists = os.path.isdir(local)
+    else:
+        from fsspec.core import url_to_fs
+
+        fs, path = url_to_fs(root, **storage_options)
+        exists = fs.exists(path) or fs.isdir(path)
+    if not exists:
+        raise CheckpointError(f"no checkpoint root at {root}; check the path (a CheckpointWriter creates it on first use)")
+
+
 class _Lock:
     """Exclusive writer lock on a root: ``flock`` locally (released by the kernel if the holder
     dies), an exclusive lock object elsewhere (must be removed by hand after a crash)."""
@@ -136,10 +150,14 @@ class CheckpointStore:
         root: local directory, fsspec URL, or a :class:`~solar.cache.Tier` instance.
     """
 
-    def __init__(self, root: "str | os.PathLike | Tier", **storage_options) -> None:
+    def __init__(self, root: "str | os.PathLike | Tier", *, create: bool = False, **storage_options) -> None:
+        if not create and not isinstance(root, Tier):
+            _must_exist(os.fspath(root), storage_options)
         self.tier = open_tier(root, **storage_options)
         self.root = str(getattr(self.tier, "root", None) or getattr(self.tier, "url", None) or root)
-        self.local_dir = getattr(self.tier, "root", None) if type(self.tier).__name__ == "DiskTier" else None
+        from solar.cache.disk import DiskTier
+
+        self.local_dir = self.tier.root if isinstance(self.tier, DiskTier) else None
         self._manifest_cache: dict[int, tuple[int, Manifest]] = {}
 
     # -- locking --

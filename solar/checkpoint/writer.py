@@ -158,9 +158,9 @@ class CheckpointWriter:
         self.keep_last = keep_last
         self.hash = hash
         self._digest = hasher(hash)
-        self._main = _Sink(CheckpointStore(root))
+        self._main = _Sink(CheckpointStore(root, create=True))
         try:
-            self._stage = _Sink(CheckpointStore(staging)) if staging is not None else None
+            self._stage = _Sink(CheckpointStore(staging, create=True)) if staging is not None else None
         except BaseException:
             self._main.lock.release()
             raise
