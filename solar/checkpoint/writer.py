@@ -81,11 +81,11 @@ class _HostPool:
         for b in blobs:
             offsets.append(total)
             total += -(-b.nbytes // _ALIGN) * _ALIGN
-        on_gpu = any(b.storage.device.type != "cpu" for b in blobs)
+        on_cuda = any(b.storage.device.type == "cuda" for b in blobs)
         buf = self._bufs[slot]
-        if buf is None or buf.numel() < total or (on_gpu and not buf.is_pinned()):
+        if buf is None or buf.numel() < total or (on_cuda and not buf.is_pinned()):
             self._bufs[slot] = None  # free the old buffer before allocating its replacement
-            buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=on_gpu and torch.cuda.is_available())
+            buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=on_cuda)
             self._bufs[slot] = buf
         arr = buf.numpy()
         views = []
@@ -94,10 +94,10 @@ class _HostPool:
             src = b.byte_view()
             if src.device.type == "cpu":
                 np.copyto(dst, src.numpy())  # memory-bandwidth bound, releases the GIL
-            else:
-                buf[off:off + b.nbytes].copy_(src, non_blocking=True)
+            else:  # async device-to-host into pinned memory on CUDA; a plain copy elsewhere
+                buf[off:off + b.nbytes].copy_(src, non_blocking=src.device.type == "cuda")
             views.append(dst)
-        if on_gpu:
+        if on_cuda:
             torch.cuda.synchronize()
         return views
 
