@@ -19,7 +19,7 @@ from solar.checkpoint import CheckpointWriter, gc, list_versions, load, verify
 from solar.checkpoint import merkle
 from solar.checkpoint.chunking import hash_chunks, hasher
 from solar.checkpoint.manifest import decode, encode
-from solar.checkpoint.store import CheckpointStore, chunk_key, manifest_key
+from solar.checkpoint.store import CheckpointStore, chunk_key, manifest_key, referenced
 from solar.errors import CheckpointError, CheckpointLockedError, ConfigError, CorruptDataError, InputError
 
 KB = 1024
@@ -158,6 +158,8 @@ def test_one_staging_buffer_and_back_pressure(tmp_path):
         assert sum(b is not None for b in w._pool._bufs) == 1
     assert list_versions(tmp_path) == [4, 5]
     assert load(tmp_path, 4)["x"][0] == 4.0
+    store = CheckpointStore(tmp_path)  # keep_last's collection left exactly the chunks of the kept versions
+    assert set(store.chunk_digests()) == referenced(store.valid_manifests())
 
 
 def test_blocking_save_and_wait(tmp_path):

@@ -203,7 +203,7 @@ def cmd_gc(args) -> int:
 
     rep = gc(args.root, args.keep_last, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
-    payload = dict(rep.__dict__, dry_run=args.dry_run)
+    payload = dict(rep.to_json(), dry_run=args.dry_run)
     _emit(args, payload, f"kept versions {rep.kept}; {verb} versions {rep.removed_versions}, "
                          f"{len(rep.removed_torn)} incomplete manifests and {rep.removed_chunks} unreferenced chunks")
     return 0

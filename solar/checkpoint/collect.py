@@ -23,15 +23,23 @@ class GcReport:
     removed_torn: list[int] = field(default_factory=list)
     removed_chunks: int = 0
     kept_chunks: int = 0
+    live: set = field(default_factory=set, repr=False)  # digests the kept versions reference
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "live"}
 
 
-def collect(store: CheckpointStore, keep_last: int | None = None, *, dry_run: bool = False) -> GcReport:
+def collect(store: CheckpointStore, keep_last: int | None = None, *, dry_run: bool = False,
+            full_sweep: bool = True) -> GcReport:
     """Collect garbage in ``store``; the caller must hold the root's writer lock.
 
     Args:
         keep_last: keep the newest ``keep_last`` complete versions (``None``: keep every version and
             only sweep chunks no version references, e.g. left by an interrupted save).
         dry_run: report what would be removed without removing it.
+        full_sweep: list every chunk in the store (also finds chunks of interrupted saves); without
+            it only the chunks of the removed versions are candidates, which costs O(manifests)
+            instead of a listing of the store: what the writer does after each commit.
     """
     if keep_last is not None and keep_last < 1:
         raise ConfigError(f"keep_last must be >= 1 (or None to keep every version), got {keep_last}")
@@ -46,7 +54,10 @@ def collect(store: CheckpointStore, keep_last: int | None = None, *, dry_run: bo
     if not dry_run:
         for step in report.removed_versions + report.removed_torn:
             store.delete_manifest(step)
-    for digest in list(store.chunk_digests()):
+    report.live = live
+    dropped = [m for m in manifests if m.step in set(report.removed_versions)]
+    candidates = list(store.chunk_digests()) if full_sweep else sorted(referenced(dropped))
+    for digest in candidates:
         if digest not in live:
             report.removed_chunks += 1
             if not dry_run:

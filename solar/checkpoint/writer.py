@@ -114,8 +114,7 @@ class _Sink:
 
     def gc(self, keep_last: int | None) -> None:
         if keep_last is not None:
-            collect(self.store, keep_last)
-            self.known = referenced(self.store.valid_manifests(warn=False))
+            self.known = collect(self.store, keep_last, full_sweep=False).live
 
 
 class CheckpointWriter:
