@@ -79,7 +79,8 @@ def simulate(args: argparse.Namespace, policy: str, dump: list | None = None) ->
             "epochs": epochs}
 
 
-def _write_atomic(path: str, text: str) -> None:
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file and a rename: readers never see half a file."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"solar plan: {exc}", file=sys.stderr)
         return 2
     if args.dump:
-        _write_atomic(args.dump, json.dumps({"epochs": dump}, separators=(",", ":")))
+        write_text_atomic(args.dump, json.dumps({"epochs": dump}, separators=(",", ":")))
     if args.plot:
         reports = {args.policy: report}
         for other in POLICIES:
