@@ -23,6 +23,8 @@ Format versions (all still decode; golden fixtures in ``tests/fixtures/codec``):
   axis, each pass's block contiguous: homogeneous statistics for the entropy stage and contiguous
   reads for the decoder), linear or cubic chosen per level, and 1-byte codes stored as int8 two's
   complement (escape -128) so the decoder widens them with a single conversion.
+* ``ebq/3``: adds nibble mode (code width 0) for low-entropy residuals: 4-bit pairs, with an
+  int8 side stream for the values that do not fit (see :func:`_nibbles`).
 """
 
 from __future__ import annotations
@@ -41,39 +43,67 @@ from . import predict as pr
 from .base import Codec, Parsed
 from .header import pack_header
 from .quantize import Quantized, quantize
-from .torch_ops import TORCH_DTYPES, dequantize, join_planes, patch_, unzigzag_
+from .torch_ops import TORCH_DTYPES, dequantize, join_planes, patch_, unpack_nibbles, unzigzag_
 
 __all__ = ["EBQCodec"]
 
 # Private metadata per format version. v1: predictor, lossless, code_bytes, qint_bytes, step,
 # offset, codes_clen, n_esc, esc_clen, n_out, out_clen. v2 adds ``cubic_levels`` (bit l = cubic
-# interpolation on level l) after offset.
-_METAS = {1: struct.Struct("<BBBBddQQQQQ"), 2: struct.Struct("<BBBBddQQQQQQ")}
+# interpolation on level l) after offset. v3 appends ``n_side`` (nibble mode: count of residuals
+# carried by the int8 side stream).
+_METAS = {1: struct.Struct("<BBBBddQQQQQ"), 2: struct.Struct("<BBBBddQQQQQQ"), 3: struct.Struct("<BBBBddQQQQQQQ")}
 _META = _METAS[1]
 _WIDTHS = (1, 2, 4, 8)
 _FMAX = {4: float(np.finfo(np.float32).max), 8: float(np.finfo(np.float64).max)}
 _INT = {4: (np.int32, torch.int32), 8: (np.int64, torch.int64)}
 #: A residual width is used when at most this fraction of residuals must escape it.
 _ESCAPE_FRACTION = 1 / 64
+#: Nibble mode is tried when at most this fraction of residuals needs the side stream.
+_NIBBLE_FRACTION = 0.1
 
 
-def _codes(r: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
-    """Residuals -> (width, code bytes, escape positions) in the ebq/2 code format.
+def _int8(r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int8 two's complement codes with -128 marking an escape, and the escape positions."""
+    esc = np.flatnonzero((r < -127) | (r > 127))
+    c = r.astype(np.int8)
+    c[esc] = -128
+    return c, esc
 
-    Width 1: int8 two's complement, -128 = escape. Wider: zigzag codes as little-endian byte
-    planes (the high planes of small residuals are all zero and compress to nothing), all-ones =
-    escape. Width 8 never escapes.
+
+def _nibbles(r: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """Nibble mode (width 0): 4-bit two's complement pairs, -8 = "next value of the int8 side stream".
+
+    Returns (code bytes = packed nibbles then the side stream, escape positions, side count).
+    Residual entropy of smooth fields is ~2-3 bits: byte symbols waste most of the entropy
+    coder's Huffman alphabet, nibble pairs halve both its redundancy and the bytes to decode.
     """
+    big = (r < -7) | (r > 7)
+    side, esc = _int8(r[big])
+    nib = np.where(big, -8, r).astype(np.uint8) & 15
+    if nib.size % 2:
+        nib = np.append(nib, np.uint8(0))
+    packed = nib[0::2] | (nib[1::2] << 4)
+    return np.concatenate([packed, side.view(np.uint8)]), np.flatnonzero(big)[esc], int(side.size)
+
+
+def _codes(r: np.ndarray, nibble: bool = False) -> tuple[int, np.ndarray, np.ndarray, int]:
+    """Residuals -> (width, code bytes, escape positions, side count) in the ebq/3 code format.
+
+    Width 0: nibbles (:func:`_nibbles`). Width 1: int8 two's complement, -128 = escape. Wider:
+    zigzag codes as little-endian byte planes (the high planes of small residuals are all zero and
+    compress to nothing), all-ones = escape. Width 8 never escapes.
+    """
+    if nibble:
+        c, esc, n_side = _nibbles(r)
+        return 0, c, esc, n_side
     if r.size == 0 or (np.count_nonzero((r < -127) | (r > 127)) <= r.size * _ESCAPE_FRACTION):
-        esc = np.flatnonzero((r < -127) | (r > 127))
-        c = r.astype(np.int8)
-        c[esc] = -128
-        return 1, c, esc
+        c, esc = _int8(r)
+        return 1, c, esc, 0
     u = _zigzag(r)
     w = _choose_width(u)
     esc = np.flatnonzero(u >= (1 << (8 * w)) - 1) if w < 8 else np.empty(0, np.int64)
     codes = np.minimum(u, np.uint64((1 << (8 * w)) - 1)) if w < 8 else u
-    return w, np.ascontiguousarray(codes.astype(f"<u{w}").view(np.uint8).reshape(-1, w).T), esc
+    return w, np.ascontiguousarray(codes.astype(f"<u{w}").view(np.uint8).reshape(-1, w).T), esc, 0
 
 
 def _best_levels(q: np.ndarray) -> int:
@@ -111,12 +141,12 @@ class EBQCodec(Codec):
         predictor: ``"auto"`` (try cubic interpolation and Lorenzo, keep the smaller blob),
             ``"cubic"``, ``"linear"``, ``"lorenzo"``.
         lossless: ``"zstd"`` (default when installed: best ratio), ``"lz4"`` (fastest), ``"none"``.
-        level: lossless compression level (zstd 1..22, default 3; decode speed barely changes).
+        level: lossless compression level (zstd 1..22, default 9; decode speed barely changes).
     """
 
     codec_id = "ebq"
-    version = 2
-    decodes = frozenset({1, 2})
+    version = 3
+    decodes = frozenset({1, 2, 3})
 
     def __init__(self, predictor: str = "auto", lossless: str | None = None, level: int | None = None):
         if predictor != "auto" and predictor not in pr.PREDICTOR_IDS or predictor == "raw":
@@ -150,8 +180,8 @@ class EBQCodec(Codec):
 
     def _pack_raw(self, array: np.ndarray, abs_error: float) -> bytes:
         data = ll.compress(np.ascontiguousarray(array).tobytes(), self.lossless, self.level)
-        meta = _METAS[2].pack(0, ll.LOSSLESS_IDS[self.lossless], array.dtype.itemsize, 0, 0.0, 0.0, 0,
-                              len(data), 0, 0, 0, 0)
+        meta = _METAS[3].pack(0, ll.LOSSLESS_IDS[self.lossless], array.dtype.itemsize, 0, 0.0, 0.0, 0,
+                              len(data), 0, 0, 0, 0, 0)
         return self._blob(array, abs_error, meta, [data])
 
     def _pack(self, array: np.ndarray, abs_error: float, qz: Quantized, name: str) -> bytes:
@@ -165,23 +195,28 @@ class EBQCodec(Codec):
                 mask = _best_levels(q)
             mask &= (1 << 64) - 1
             r = pr.interp_stream(q, mask).reshape(-1)
-        w, codes, esc_pos = _codes(r)
-        esc_val = r[esc_pos].astype(np.int64)
         lvl = self.level
+        w, codes, esc_pos, n_side = _codes(r)
         s_codes = ll.compress(codes, self.lossless, lvl)
+        if w == 1 and np.count_nonzero((r < -7) | (r > 7)) <= r.size * _NIBBLE_FRACTION:
+            alt = _codes(r, nibble=True)
+            s_alt = ll.compress(alt[1], self.lossless, lvl)
+            if len(s_alt) < len(s_codes):
+                (w, codes, esc_pos, n_side), s_codes = alt, s_alt
+        esc_val = r[esc_pos].astype(np.int64)
         s_esc = ll.compress(_deltas(esc_pos).tobytes() + esc_val.tobytes(), self.lossless, lvl) if esc_pos.size else b""
         out_vals = array.reshape(-1)[qz.outliers]
         s_out = ll.compress(_deltas(qz.outliers).tobytes() + out_vals.tobytes(), self.lossless, lvl) \
             if qz.outliers.size else b""
         qint = 4 if int(np.abs(qz.q).max(initial=0)) <= (1 << 26) else 8
         pid = pr.PREDICTOR_IDS["lorenzo" if name == "lorenzo" else "interp"]
-        meta = _METAS[2].pack(pid, ll.LOSSLESS_IDS[self.lossless], w, qint, qz.step, qz.offset, mask,
-                              len(s_codes), esc_pos.size, len(s_esc), qz.outliers.size, len(s_out))
+        meta = _METAS[3].pack(pid, ll.LOSSLESS_IDS[self.lossless], w, qint, qz.step, qz.offset, mask,
+                              len(s_codes), esc_pos.size, len(s_esc), qz.outliers.size, len(s_out), n_side)
         return self._blob(array, abs_error, meta, [s_codes, s_esc, s_out])
 
     # ------------------------------------------------------------------ decoder
     def _meta(self, blob: Parsed) -> tuple:
-        """Validated metadata as the v2 tuple (v1 blobs: ``cubic_levels`` from the predictor id)."""
+        """Validated metadata as the v3 tuple (v1 blobs: ``cubic_levels`` from the predictor id)."""
         self.check_version(blob)
         h, what = blob.header, blob.what
         fmt = _METAS[h.version]
@@ -190,7 +225,9 @@ class EBQCodec(Codec):
         m = fmt.unpack(h.meta)
         if h.version == 1:
             m = m[:6] + ((1 << 64) - 1 if m[0] == 2 else 0,) + m[6:]
-        pred, lossless, w, qint, step, offset, _, c_len, n_esc, e_len, n_out, o_len = m
+        if h.version < 3:
+            m = m + (0,)
+        pred, lossless, w, qint, step, offset, _, c_len, n_esc, e_len, n_out, o_len, n_side = m
         n = h.size
         bad = None
         if pred not in pr.PREDICTORS or lossless not in ll.LOSSLESS or (pred in (1, 2, 4)) and (pred == 4) != (h.version >= 2):
@@ -200,8 +237,10 @@ class EBQCodec(Codec):
         elif pred == 0:
             if w != h.dtype.itemsize or n_esc or n_out or e_len or o_len:
                 bad = "inconsistent lossless-mode metadata"
-        elif w not in _WIDTHS or qint not in _INT or (qint == 4 and w == 8):
+        elif (w not in _WIDTHS and not (w == 0 and h.version >= 3)) or qint not in _INT or (qint == 4 and w == 8):
             bad = f"invalid code width {w} / integer width {qint}"
+        elif n_side > n or (n_side and w != 0):
+            bad = f"impossible side-stream count {n_side} for {n} values"
         elif not (0 < step <= _FMAX[h.dtype.itemsize] and abs(offset) <= _FMAX[h.dtype.itemsize]):
             bad = f"invalid step {step} / offset {offset}"
         elif n_esc > n or n_out > n or (n_esc == 0) != (e_len == 0) or (n_out == 0) != (o_len == 0):
@@ -209,7 +248,7 @@ class EBQCodec(Codec):
         if bad:
             raise CorruptDataError(f"{what}: corrupted ebq header metadata ({bad})")
         name = ll.LOSSLESS[lossless]  # sizes must be reachable before anything is allocated
-        ll.check_expansion(c_len, h.nbytes if pred == 0 else n * w, name, what)
+        ll.check_expansion(c_len, h.nbytes if pred == 0 else _code_len(w, n) + n_side, name, what)
         ll.check_expansion(e_len, n_esc * 16, name, what)
         ll.check_expansion(o_len, n_out * (8 + h.dtype.itemsize), name, what)
         return m
@@ -231,14 +270,18 @@ class EBQCodec(Codec):
                 raw[i] = np.frombuffer(ll.decompress(b.payload, ll.LOSSLESS[m[1]], h0.nbytes, b.what), h0.dtype)
             return _into(out, torch.from_numpy(raw).to(dev).view((B,) + h0.shape))
         np_int, t_int = _INT[qint]
-        planes = np.empty((B, w, n), np.uint8)
-        esc_idx, esc_val, out_idx, out_val = [], [], [], []
+        nb = _code_len(w, n)
+        planes = np.empty((B, nb), np.uint8)
+        esc_idx, esc_val, out_idx, out_val, sides = [], [], [], [], []
         steps = np.empty(B, h0.dtype)
         offs = np.empty(B, h0.dtype)
         for i, (b, m) in enumerate(zip(blobs, metas)):
-            _, lid, _, _, steps[i], offs[i], _, c_len, n_esc, e_len, n_out, o_len = m
+            _, lid, _, _, steps[i], offs[i], _, c_len, n_esc, e_len, n_out, o_len, n_side = m
             name, p = ll.LOSSLESS[lid], b.payload
-            planes[i] = np.frombuffer(ll.decompress(p[:c_len], name, w * n, b.what), np.uint8).reshape(w, n)
+            raw = np.frombuffer(ll.decompress(p[:c_len], name, nb + n_side, b.what), np.uint8)
+            planes[i] = raw[:nb]
+            if n_side:
+                sides.append(raw[nb:])
             if n_esc:
                 pos, val = _sparse(p[c_len:c_len + e_len], name, n_esc, np.dtype("<i8"), n, b.what)
                 if qint == 4 and (val.min() < -(1 << 31) or val.max() >= (1 << 31)):
@@ -251,7 +294,17 @@ class EBQCodec(Codec):
                 out_val.append(val)
         # ---- from here on: one sequence of tensor ops for the whole group, on `device`
         t = torch.from_numpy(planes).to(dev, non_blocking=True)
-        if w == 1 and h0.version >= 2 and pred == 4:
+        if w == 0:
+            t = unpack_nibbles(t.view(torch.int8))
+            side = torch.from_numpy(np.concatenate(sides) if sides else np.empty(0, np.uint8)).to(dev)
+            marks = (t == -8).view(-1).nonzero().squeeze(1)
+            if marks.numel() != side.numel():
+                raise CorruptDataError(
+                    f"{blobs[0].what}: nibble stream has {marks.numel()} side markers for {side.numel()} "
+                    "side values; corrupted payload")
+            t.view(-1)[marks] = side.view(torch.int8)
+            t = t[:, :n]
+        if w in (0, 1) and h0.version >= 2 and pred == 4:
             # int8 codes go straight into the predictor (widened inside its adds); escapes are
             # corrections (true residual - marker) applied pass by pass
             escapes = None
@@ -259,10 +312,10 @@ class EBQCodec(Codec):
                 escapes = (np.concatenate(esc_idx), np.concatenate(esc_val).astype(np.int64) + 128)
             q = pr.interp_decode(t.view(torch.int8).view(B, n), shape, mask, t_int, escapes)
         else:
-            if w == 1 and h0.version >= 2:
+            if w in (0, 1) and h0.version >= 2:
                 r = t.view(torch.int8).view(B, n).to(t_int)
             else:
-                r = unzigzag_(join_planes(t, t_int))
+                r = unzigzag_(join_planes(t.view(B, w, n), t_int))
             patch_(r.view(-1), *_cat(esc_idx, esc_val, dev))
             if pred == 3:
                 q = pr.lorenzo_reconstruct(r.view((B,) + shape))
@@ -273,6 +326,11 @@ class EBQCodec(Codec):
         x = dequantize(q, torch.from_numpy(steps).to(dev).view(bshape), offset, TORCH_DTYPES[h0.dtype.itemsize])
         patch_(x.view(-1), *_cat(out_idx, out_val, dev))
         return _into(out, x.view((B,) + h0.shape))
+
+
+def _code_len(w: int, n: int) -> int:
+    """Bytes of the fixed-width part of the codes section (nibbles: two codes per byte)."""
+    return (n + 1) // 2 if w == 0 else n * w
 
 
 def _deltas(pos: np.ndarray) -> np.ndarray:

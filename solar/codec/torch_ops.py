@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-__all__ = ["join_planes", "unzigzag_", "patch_", "dequantize", "scratch", "TORCH_DTYPES"]
+__all__ = ["join_planes", "unpack_nibbles", "unzigzag_", "patch_", "dequantize", "scratch", "TORCH_DTYPES"]
 
 TORCH_DTYPES = {4: torch.float32, 8: torch.float64}
 
@@ -26,6 +26,20 @@ def join_planes(planes: torch.Tensor, itype: torch.dtype) -> torch.Tensor:
     for k in range(1, w):
         u |= planes[:, k].to(itype) << (8 * k)
     return u
+
+
+def unpack_nibbles(b: torch.Tensor) -> torch.Tensor:
+    """``(B, k)`` int8 bytes of 4-bit two's complement pairs (low nibble first) -> ``(B, 2k)`` int8.
+
+    Sign extension is two shifts in int8 (``(b << 4) >> 4`` for the low nibble, ``b >> 4`` for
+    the high one); the result lives in a scratch buffer and never leaves the decoder.
+    """
+    B, k = b.shape
+    out = scratch.get("nibbles", B * 2 * k, torch.int8, b.device).view(B, k, 2)
+    torch.bitwise_left_shift(b, 4, out=out[:, :, 0])
+    out[:, :, 0] >>= 4
+    torch.bitwise_right_shift(b, 4, out=out[:, :, 1])
+    return out.view(B, 2 * k)
 
 
 def unzigzag_(u: torch.Tensor) -> torch.Tensor:
