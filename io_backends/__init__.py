@@ -36,11 +36,17 @@ def _is_local(url: str) -> bool:
 
 def choose_backend(url: str) -> str:
     """The ``auto`` rule: ``mpi-hdf5`` under mpirun with MPI-enabled h5py (local files),
-    ``fsspec`` for non-local URLs, ``hdf5`` otherwise."""
+    ``fsspec`` for non-local URLs and for ``.npy`` stores (a directory or a ``.npy`` file),
+    ``hdf5`` otherwise."""
     from solar.capabilities import h5py_has_mpi
     from solar.dist import mpi_comm
 
     if not _is_local(url):
+        return "fsspec"
+    import os
+
+    path = url[len("file://"):] if url.startswith("file://") else url
+    if path.endswith(".npy") or os.path.isdir(path):  # a .npy store (see solar.io_backends.fsspec)
         return "fsspec"
     comm = mpi_comm()
     if comm is not None and comm.size > 1 and h5py_has_mpi():

@@ -1,0 +1,143 @@
+"""Parallel HDF5 over MPI: all of a step's row ranges in ONE collective ``H5Dread`` per field.
+
+NOTE [ One collective read per step ]
+    Per-sample reads (what SOLAR's released code does: ``dset[idx]`` per sample on an ``mpio``
+    file) make one independent MPI-IO request per sample and rank; on a parallel file system each
+    pays a round trip and the small requests defeat striping. Here a call's ranges become a single
+    union hyperslab selection (``H5Sselect_hyperslab`` with ``H5S_SELECT_OR``) read with an
+    ``H5FD_MPIO_COLLECTIVE`` transfer property list, so MPI-IO sees every rank's whole step at once
+    and can aggregate it (two-phase collective buffering: a few aggregator ranks read large
+    contiguous extents and scatter them).
+
+    Because the read is collective, **every rank must call** :meth:`read_ranges` for the same
+    keys, in the same order, the same number of times, passing an empty range list when it has
+    nothing to read (the selection is then ``H5Sselect_none`` and the rank still joins the call).
+    The class flag ``collective = True`` tells the loader so.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import weakref
+from typing import Any
+
+import numpy as np
+
+from solar.errors import MPIUnavailableError
+
+from .hdf5 import HDF5Backend
+
+__all__ = ["MPIHDF5Backend", "require_parallel_hdf5"]
+
+_FIX = ("launch with `mpirun -n N python ...` (or srun/mpiexec), with mpi4py installed and h5py built "
+        "against parallel HDF5 (`make setup` does this); or use backend='hdf5' for serial reads")
+
+
+def require_parallel_hdf5(what: str):
+    """``MPI.COMM_WORLD`` if this process can do parallel HDF5, else raise saying how to fix it."""
+    import h5py
+
+    from solar.dist import mpi_comm, under_mpirun
+
+    if not h5py.get_config().mpi:
+        raise MPIUnavailableError(
+            f"{what}: h5py {h5py.__version__} was built without MPI support, so the 'mpio' driver is missing; "
+            f"{_FIX}")
+    if not under_mpirun():
+        raise MPIUnavailableError(f"{what}: not running under mpirun (no MPI launcher environment found); {_FIX}")
+    comm = mpi_comm()
+    if comm is None:
+        raise MPIUnavailableError(f"{what}: mpi4py is not installed; pip install 'solar-loader[mpi]'; {_FIX}")
+    return comm
+
+
+class MPIHDF5Backend(HDF5Backend):
+    """Reads an HDF5 file with the ``mpio`` driver and collective hyperslab I/O.
+
+    Args:
+        url: local path on a file system every rank sees.
+        comm: an mpi4py communicator (default ``MPI.COMM_WORLD``); not pickled.
+        mpi_hints: MPI-IO hints (``MPI.Info``), e.g. ``{"romio_cb_read": "enable",
+            "cb_buffer_size": "16777216"}``; strings only.
+        collective: ``True`` (default) for ``H5FD_MPIO_COLLECTIVE`` transfers; ``False`` makes the
+            same single union-selection read independent (for comparison in benchmarks). The
+            call is then still made by every rank, so the contract does not change.
+    """
+
+    name = "mpi-hdf5"
+    collective = True
+
+    def __init__(self, url, comm=None, **options: Any) -> None:
+        require_parallel_hdf5(f"backend 'mpi-hdf5' for {url}")
+        super().__init__(url, **options)
+        self._comm = comm
+
+    def _handle_attrs(self):
+        return (*super()._handle_attrs(), "_comm", "_dxpl")
+
+    @property
+    def comm(self):
+        if getattr(self, "_comm", None) is None:
+            self._comm = require_parallel_hdf5(f"backend 'mpi-hdf5' for {self.url}")
+        return self._comm
+
+    def _open_file(self):
+        import h5py
+        from mpi4py import MPI
+
+        kw: dict[str, Any] = {}
+        hints = self.options.get("mpi_hints")
+        if hints:
+            info = MPI.Info.Create()
+            for k, v in hints.items():
+                info.Set(str(k), str(v))
+            kw["info"] = info
+        f = h5py.File(self.url, "r", driver="mpio", comm=self.comm,
+                      rdcc_nbytes=self.options.get("rdcc_nbytes", 4 << 20), **kw)
+        self._dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
+        mode = h5py.h5fd.MPIO_COLLECTIVE if self.options.get("collective", True) else h5py.h5fd.MPIO_INDEPENDENT
+        self._dxpl.set_dxpl_mpio(mode)
+        return f
+
+    def _open(self) -> None:
+        # Opening is collective: if one rank fails (missing file), make every rank fail rather
+        # than leave the others blocked inside H5Fopen's MPI_File_open.
+        if not os.path.exists(self.url):
+            raise FileNotFoundError(f"{self.url}: no such HDF5 file; check the path (every rank must see it)")
+        super()._open()
+        # An mpio file still open when MPI_Finalize runs (mpi4py finalizes at exit) aborts the
+        # job; close it first. atexit runs handlers in reverse order, so this precedes mpi4py's.
+        ref = weakref.ref(self)
+        atexit.register(lambda: (b := ref()) is not None and b.close())
+
+    def _close(self) -> None:
+        self.__dict__.pop("_dxpl", None)
+        super()._close()
+
+    def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
+        import h5py
+
+        d = self._dset(key)
+        fspace = d.id.get_space()
+        total = int(out.shape[0])
+        if total == 0:
+            fspace.select_none()
+            mspace = h5py.h5s.create_simple((1, *out.shape[1:]))
+            mspace.select_none()
+            buf = np.empty((1, *out.shape[1:]), dtype=out.dtype)
+        else:
+            tail = tuple(d.shape[1:])
+            zeros = (0,) * len(tail)
+            fspace.select_none()
+            for start, stop in ranges.tolist():
+                fspace.select_hyperslab((start, *zeros), (stop - start, *tail), op=h5py.h5s.SELECT_OR)
+            mspace = h5py.h5s.create_simple(out.shape)
+            buf = out
+            if not (out.flags.c_contiguous and out.flags.writeable):
+                buf = np.empty_like(out)
+        d.id.read(mspace, fspace, buf, dxpl=self._dxpl)
+        if total and buf is not out:
+            out[...] = buf
+        self.stats.read_calls += 1
+        self.stats.extra["collective_calls"] = self.stats.extra.get("collective_calls", 0) + 1

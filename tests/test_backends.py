@@ -1,0 +1,183 @@
+"""Storage backends: the conformance suite over every registered backend (mpi-hdf5 runs it in
+tests/test_backends_mpi.py), fsspec over real servers (nginx, moto S3), throttling, the auto rule."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import h5py
+import numpy as np
+import pytest
+from servers import Place, http_root, place, s3_root  # noqa: F401  (fixtures)
+
+from solar.errors import ConfigError, DatasetFormatError, MissingDependencyError, MPIUnavailableError
+from solar.io_backends import choose_backend, open_backend, registry
+from solar.io_backends.fsspec import FsspecBackend, write_npy_store
+from solar.io_backends.hdf5 import HDF5Backend
+from solar.io_backends.throttled import ThrottledBackend
+from solar.testing.backends import SAMPLE_ATTRS, BackendTests, sample_arrays, write_h5
+
+
+def _h5_bytes(arrays, attrs) -> bytes:
+    buf = io.BytesIO()
+    write_h5(buf, arrays, attrs)
+    return buf.getvalue()
+
+
+class TestHDF5(BackendTests):
+    def make_backend(self, arrays, attrs, tmp_path):
+        return HDF5Backend(str(write_h5(tmp_path / "c.h5", arrays, attrs)))
+
+
+class _OverEveryProtocol(BackendTests):
+    """Runs the suite once per :data:`servers.PROTOCOLS` entry (the ``place`` fixture)."""
+
+    @pytest.fixture
+    def backend(self, arrays, tmp_path, place):
+        b = self.make_backend(arrays, SAMPLE_ATTRS, tmp_path, place)
+        yield b
+        b.close()
+
+
+class TestFsspecHDF5(_OverEveryProtocol):
+    """HDF5 through block-cached fsspec file objects, over file, memory, http (nginx) and s3 (moto)."""
+
+    def make_backend(self, arrays, attrs, tmp_path, place: Place):
+        url = place.put_bytes("c.h5", _h5_bytes(arrays, attrs))
+        return FsspecBackend(url, storage_options=place.storage_options, block_size=4096)
+
+
+class TestFsspecNpy(_OverEveryProtocol):
+    """``.npy`` stores (sharded, nested keys, attrs.json) read by byte ranges, over every protocol."""
+
+    def make_backend(self, arrays, attrs, tmp_path, place: Place):
+        write_npy_store(place.write_url("store"), arrays, attrs, shard_rows=10, **place.write_options)
+        return FsspecBackend(place.url("store"), storage_options=place.storage_options)
+
+
+class TestThrottled(BackendTests):
+    def make_backend(self, arrays, attrs, tmp_path):
+        inner = HDF5Backend(str(write_h5(tmp_path / "c.h5", arrays, attrs)))
+        return ThrottledBackend(inner, bandwidth=5e9, latency=1e-5)
+
+
+class TestThrottledByName(BackendTests):
+    def make_backend(self, arrays, attrs, tmp_path):
+        path = str(write_h5(tmp_path / "c.h5", arrays, attrs))
+        return open_backend(path, "throttled", inner="fsspec", bandwidth=5e9, block_size=4096)
+
+
+#: every registered backend -> the conformance class that covers it
+COVERED = {"hdf5": TestHDF5, "fsspec": TestFsspecNpy, "throttled": TestThrottled, "mpi-hdf5": "test_backends_mpi.py"}
+
+
+def test_every_registered_backend_runs_the_conformance_suite():
+    missing = set(registry.names()) - set(COVERED)
+    assert not missing, f"backends without a conformance test class: {missing}; add one to tests/test_backends.py"
+    assert os.path.exists(os.path.join(os.path.dirname(__file__), COVERED["mpi-hdf5"]))
+
+
+# -- registry and the auto rule ---------------------------------------------------------------------
+def test_missing_dependency_names_what_to_install():
+    registry.register("needs-missing", "solar_no_such_module.x:Backend", hint="pip install solar-no-such-thing")
+    try:
+        with pytest.raises(MissingDependencyError, match="pip install solar-no-such-thing"):
+            open_backend("/tmp/whatever.h5", "needs-missing")
+    finally:
+        registry._entries.pop("needs-missing")
+
+
+def test_mpi_hdf5_outside_mpirun_says_how_to_fix(tmp_path, monkeypatch):
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"):
+        monkeypatch.delenv(var, raising=False)
+    path = write_h5(tmp_path / "c.h5", sample_arrays())
+    with pytest.raises(MPIUnavailableError, match="mpirun"):
+        open_backend(str(path), "mpi-hdf5")
+    if not h5py.get_config().mpi:  # pragma: no cover - this project's h5py has MPI
+        with pytest.raises(MPIUnavailableError, match="without MPI"):
+            open_backend(str(path), "mpi-hdf5")
+
+
+def test_auto_rule(tmp_path, monkeypatch):
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"):
+        monkeypatch.delenv(var, raising=False)
+    h5 = str(write_h5(tmp_path / "c.h5", sample_arrays()))
+    write_npy_store(str(tmp_path / "store"), sample_arrays())
+    assert choose_backend(h5) == "hdf5" and choose_backend("file://" + h5) == "hdf5"
+    assert choose_backend(str(tmp_path / "store")) == "fsspec"
+    assert choose_backend("http://127.0.0.1:1/c.h5") == "fsspec"
+    assert choose_backend("s3://bucket/c.h5") == "fsspec"
+    assert type(open_backend("file://" + h5)) is HDF5Backend
+    b = open_backend(str(tmp_path / "store"))
+    assert type(b) is FsspecBackend and b.kind == "npy"
+
+
+# -- fsspec specifics ------------------------------------------------------------------------------
+def test_npy_adjacent_ranges_are_one_request(tmp_path):
+    a = np.arange(50 * 4, dtype=np.float64).reshape(50, 4)
+    write_npy_store(str(tmp_path / "s"), {"a": a})
+    b = FsspecBackend(str(tmp_path / "s"))
+    got = b.read_ranges("a", [(0, 2), (2, 5), (5, 9), (20, 22)])
+    np.testing.assert_array_equal(got, np.concatenate([a[0:9], a[20:22]]))
+    assert b.stats.read_calls == 2
+
+
+def test_npy_single_file_url_is_one_key(tmp_path):
+    a = np.arange(12, dtype=np.int32).reshape(6, 2)
+    np.save(tmp_path / "img.npy", a)
+    b = open_backend(str(tmp_path / "img.npy"))
+    assert b.keys() == ["img"]
+    np.testing.assert_array_equal(b.read_ranges("img", [(1, 3)]), a[1:3])
+
+
+def test_npy_bad_stores_are_named(tmp_path):
+    np.save(tmp_path / "f.npy", np.asfortranarray(np.ones((4, 3))))
+    with pytest.raises(DatasetFormatError, match="Fortran"):
+        open_backend(str(tmp_path / "f.npy")).keys()
+    d = tmp_path / "mixed"
+    d.mkdir()
+    np.save(d / "x.00000.npy", np.ones((4, 3), np.float32))
+    np.save(d / "x.00001.npy", np.ones((4, 2), np.float32))
+    with pytest.raises(DatasetFormatError, match=r"x\.00001\.npy.*every shard"):
+        open_backend(str(d)).keys()
+    (tmp_path / "junk.h5").write_bytes(b"not hdf5 at all" * 10)
+    with pytest.raises(DatasetFormatError, match="junk.h5.*cannot open as HDF5"):
+        FsspecBackend(str(tmp_path / "junk.h5")).keys()
+    with pytest.raises(FileNotFoundError, match="nothere"):
+        FsspecBackend(str(tmp_path / "nothere.h5")).keys()
+
+
+def test_http_hdf5_uses_the_block_cache(http_root):
+    root, base = http_root
+    a = np.random.default_rng(0).standard_normal((400, 64)).astype(np.float32)
+    write_h5(os.path.join(root, "cached.h5"), {"a": a})
+    b = FsspecBackend(f"{base}/cached.h5", block_size=1 << 16)
+    np.testing.assert_array_equal(b.read_ranges("a", [(0, 10), (10, 20)]), a[:20])
+    np.testing.assert_array_equal(b.read_ranges("a", [(5, 15)]), a[5:15])  # served from cached blocks
+    assert b.stats.extra["block_misses"] <= 2
+    b.close()
+
+
+def test_storage_options_pass_through(s3_root):
+    bucket, opts = s3_root
+    arrays = sample_arrays()
+    write_npy_store(f"{bucket}/opts", arrays, **opts)
+    b = open_backend(f"{bucket}/opts", **opts)  # unknown options are storage options
+    np.testing.assert_array_equal(b.read_ranges("y", [(3, 9)]), arrays["y"][3:9])
+
+
+# -- throttled --------------------------------------------------------------------------------------
+def test_throttle_model_and_errors(tmp_path):
+    path = str(write_h5(tmp_path / "c.h5", sample_arrays()))
+    t = ThrottledBackend(HDF5Backend(path), bandwidth=1e6, latency=0.02)
+    assert t.delay_for(3, 500_000) == pytest.approx(0.56)
+    t.read_ranges("x", [(0, 1), (3, 4), (9, 10)])
+    assert t.stats.read_calls == 3 == t.inner.stats.read_calls
+    assert t.stats.extra["throttle_sleep_us"] > 0  # three tiny local reads are far faster than 3 x 20 ms
+    with pytest.raises(ConfigError, match="bandwidth"):
+        ThrottledBackend(HDF5Backend(path), bandwidth=0)
+    with pytest.raises(ConfigError, match="latency"):
+        ThrottledBackend(HDF5Backend(path), latency=-1)
+    with pytest.raises(ConfigError, match="inner"):
+        ThrottledBackend(path, inner="throttled")

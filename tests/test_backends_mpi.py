@@ -1,0 +1,60 @@
+"""mpi-hdf5 under a real `mpirun -n 2`: the conformance suite (every rank runs every test, so
+every collective call is matched) plus rank-dependent collective reads."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from solar.testing.backends import SAMPLE_ATTRS, BackendTests, sample_arrays, write_h5
+
+pytestmark = pytest.mark.mpi
+
+
+def _shared_file(comm, shared_tmp, arrays, attrs=None) -> str:
+    path = os.path.join(shared_tmp, "c.h5")
+    if comm.rank == 0:
+        write_h5(path, arrays, attrs)
+    comm.Barrier()
+    return path
+
+
+class TestMPIHDF5(BackendTests):
+    @pytest.fixture
+    def backend(self, arrays, comm, shared_tmp):
+        from solar.io_backends.mpi_hdf5 import MPIHDF5Backend
+
+        b = MPIHDF5Backend(_shared_file(comm, shared_tmp, arrays, SAMPLE_ATTRS))
+        assert b.collective
+        yield b
+        b.close()
+        comm.Barrier()
+
+
+@pytest.mark.parametrize("options", [{}, {"mpi_hints": {"romio_cb_read": "enable"}}, {"collective": False}],
+                         ids=["collective", "cb-hints", "independent"])
+def test_each_rank_reads_its_own_ranges_in_one_call(comm, shared_tmp, options):
+    from solar.io_backends import open_backend
+
+    arrays = sample_arrays()
+    path = _shared_file(comm, shared_tmp, arrays)
+    b = open_backend(path, **options)  # auto under mpirun with MPI h5py
+    assert type(b).__name__ == "MPIHDF5Backend"
+    # rank r reads every (r+1)-th run of 3 rows; the last rank also reads nothing in a second call
+    ranges = [(s, s + 3) for s in range(comm.rank, 34, 6 + comm.rank)]
+    got = b.read_ranges("x", ranges)
+    np.testing.assert_array_equal(got, np.concatenate([arrays["x"][s:e] for s, e in ranges]))
+    empty = b.read_ranges("y", [] if comm.rank == comm.size - 1 else [(0, 37)])
+    assert len(empty) == (0 if comm.rank == comm.size - 1 else 37)
+    assert b.stats.read_calls == 2  # one collective call per read_ranges, whatever the range count
+    b.close()
+    comm.Barrier()
+
+
+def test_missing_file_fails_on_every_rank(comm, shared_tmp):
+    from solar.io_backends.mpi_hdf5 import MPIHDF5Backend
+
+    with pytest.raises(FileNotFoundError, match="every rank"):
+        MPIHDF5Backend(os.path.join(shared_tmp, "absent.h5")).keys()
