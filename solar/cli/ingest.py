@@ -1,0 +1,85 @@
+"""``solar ingest INPUT... -o OUT.h5``: build a (compressed) SOLAR HDF5 file, in parallel under mpirun.
+
+Examples::
+
+    solar ingest data/*.npy -o train.h5                       # serial, one field "x"
+    mpirun -n 8 solar ingest run1.h5 run2.h5 -o train.h5 --rel-error 1e-3 --verify
+    mpirun -n 8 solar ingest ... -o train.h5 --resume         # after a crash: continue
+
+Exit codes: 0 done, 2 bad input or options (nothing written), 3 verification failed, 1 other.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+__all__ = ["configure", "run"]
+
+
+def configure(p) -> None:
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help=".npy/.npz files or HDF5 files (FILE.h5 or FILE.h5:/dataset), local paths or fsspec URLs")
+    p.add_argument("-o", "--output", required=True, help="the SOLAR HDF5 file to write")
+    p.add_argument("--fields", nargs="+", metavar="NAME[=KEY]",
+                   help="fields to keep, in order; NAME=KEY renames; for .npy inputs the field name (default x)")
+    bound = p.add_mutually_exclusive_group()
+    bound.add_argument("--abs-error", type=float, help="compress float fields within this absolute error")
+    bound.add_argument("--rel-error", type=float,
+                       help="compress float fields within REL x (max - min) of each field's values")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last committed batch")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (atomically, at the end)")
+    p.add_argument("--verify", action="store_true",
+                   help="read everything back before the rename: checksums, and values within the bound")
+    p.add_argument("--batch-size", type=int, default=256, help="samples per committed batch (default 256)")
+    p.add_argument("--samples", choices=("auto", "file", "axis0"), default="auto",
+                   help="file: each .npy/.npz file is one sample; axis0: arrays have a leading sample axis; "
+                        "auto (default): file when several inputs all have the same shape")
+    p.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
+                   help='fsspec options for input URLs, e.g. \'{"anon": true}\'')
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (rank 0)")
+
+
+def run(args) -> int:
+    from solar.dist import mpi_comm
+    from solar.errors import ConfigError, CorruptDataError, InputError, MPIUnavailableError
+    from solar.ingest import ingest
+
+    comm = mpi_comm()
+    rank = comm.rank if comm is not None else 0
+    try:
+        rep = ingest(args.inputs, args.output, fields=args.fields, abs_error=args.abs_error,
+                     rel_error=args.rel_error, resume=args.resume, overwrite=args.overwrite, verify=args.verify,
+                     batch_size=args.batch_size, samples=args.samples, progress=not args.no_progress,
+                     storage_options=args.storage_options)
+    except (InputError, ConfigError, MPIUnavailableError) as exc:  # raised on every rank alike
+        if rank == 0:
+            print(f"solar ingest: {exc}", file=sys.stderr)
+        return 2
+    except CorruptDataError as exc:
+        if rank == 0:
+            print(f"solar ingest: verification failed: {exc}", file=sys.stderr)
+        return 3
+    except BaseException as exc:
+        # One rank failing alone would leave the others blocked in a collective call: end the job.
+        if comm is not None and comm.size > 1 and not isinstance(exc, KeyboardInterrupt):
+            import traceback
+
+            traceback.print_exc()
+            print(f"solar ingest: rank {rank} failed; aborting the MPI job ({OUT_SAFE})", file=sys.stderr)
+            comm.Abort(1)
+        raise
+    if rank == 0:
+        if args.json:
+            print(json.dumps({**rep.__dict__, "ratio": rep.ratio}))
+        else:
+            resumed = f", resumed at batch {rep.resumed_from_batch}" if rep.resumed_from_batch else ""
+            print(f"wrote {rep.output}: {rep.num_samples} samples, fields {', '.join(rep.fields)}, "
+                  f"{rep.input_bytes / 1e6:.1f} MB in -> {rep.stored_bytes / 1e6:.1f} MB stored "
+                  f"(x{rep.ratio:.2f}), {rep.seconds:.1f} s on {rep.world_size} rank(s)"
+                  f"{resumed}{', verified' if rep.verified else ''}")
+    return 0
+
+
+OUT_SAFE = "the output was not created; rerun with --resume to continue"

@@ -1,0 +1,584 @@
+"""``solar ingest``: build one SOLAR HDF5 file (``solar-h5/1``) from many inputs, in parallel.
+
+Under ``mpirun -n P`` every rank converts (and compresses) its share of each batch and writes it
+into the same file through parallel HDF5 with collective I/O; without mpirun the same code runs
+serially and writes a byte-identical data layout. See ``docs/storage.md`` for the file layout.
+
+NOTE [ Ingest phases ]
+    1. validate (rank 0): every input is opened and described; a missing file, a field whose
+       sample shape/dtype differs between inputs, an output that already exists, ... stop the job
+       *before anything is written*, on every rank (the verdict is broadcast).
+    2. bound pass (only for ``--rel-error`` or a codec that cannot keep NaN): every rank scans its
+       share; min/max are all-reduced so the relative bound means the same for every sample of a
+       field (it is relative to the **field's** value range, max - min over all its samples).
+    3. write: the samples are cut into global batches of ``batch_size``; each batch is split
+       evenly across ranks. Raw rows are written with one collective hyperslab write per field;
+       compressed samples are encoded, their blob lengths all-gathered to get offsets, the
+       ``data`` dataset grown collectively and every rank writes its bytes at its offset.
+    4. commit each batch: a collective flush, then rank 0 replaces the journal
+       (``OUT.ingest.json``) naming the batches done. See NOTE [ Ingest crash safety ].
+    5. finish: offsets end, root attributes, ``complete=True``; ``--verify`` re-reads every sample
+       (checksums; decoded values against the inputs within the bound); then the rename.
+
+NOTE [ Ingest crash safety ]
+    Everything is written to ``OUT.tmp``; ``OUT`` appears only by ``os.replace`` after the file is
+    complete (and verified when asked). If any rank dies (SIGKILL), ``OUT`` is untouched.
+    ``--resume`` reopens ``OUT.tmp``, checks the journal's fingerprint (inputs, fields, bounds,
+    batch size) and continues after the last committed batch, rewriting anything a dead batch
+    left half-written. The world size may differ between the runs: a batch is a global unit.
+    If ``OUT.tmp`` cannot be opened any more, the run starts over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from solar.errors import ConfigError, CorruptDataError, InputError, MPIUnavailableError
+from solar.ingest_sources import Source, open_sources
+from solar.layout import FORMAT, checksum_key, sample_checksum
+
+__all__ = ["ingest", "IngestReport", "verify_file"]
+
+JOURNAL_SUFFIX = ".ingest.json"
+TMP_SUFFIX = ".tmp"
+DATA_CHUNK = 1 << 20
+
+
+# -- a communicator that also works without MPI ----------------------------------------------------
+class _Serial:
+    rank, size = 0, 1
+
+    def bcast(self, obj, root=0):
+        return obj
+
+    def allgather(self, obj):
+        return [obj]
+
+    def allreduce(self, obj, op=None):
+        return obj
+
+    def Barrier(self):
+        pass
+
+
+def _world(comm):
+    if comm is None:
+        return _Serial(), False
+    if comm == "auto":
+        from solar.dist import mpi_comm
+
+        comm = mpi_comm()
+        if comm is None or comm.size == 1:
+            return _Serial(), False
+        import h5py
+
+        if not h5py.get_config().mpi:
+            raise MPIUnavailableError(
+                f"solar ingest runs on {comm.size} MPI ranks but h5py was built without MPI support, so the "
+                "ranks cannot write one file together; build h5py against parallel HDF5 (`make setup`) or run "
+                "without mpirun")
+    return comm, True
+
+
+# -- plan ------------------------------------------------------------------------------------------
+@dataclass
+class FieldPlan:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    compress: bool
+    abs_error: float | None = None  # resolved absolute bound (compressed fields)
+    descriptor: str | None = None  # the codec's versioned descriptor, known after the first blob
+
+
+@dataclass
+class Plan:
+    output: str
+    sources: list[Source]
+    fields: list[FieldPlan]
+    num_samples: int
+    batch_size: int
+    rel_error: float | None
+    abs_error: float | None
+    starts: list[int] = field(default_factory=list)  # first global sample of each source
+
+    @property
+    def num_batches(self) -> int:
+        return -(-self.num_samples // self.batch_size)
+
+    def fingerprint(self) -> str:
+        desc = {"inputs": [(s.url, s.n, s.per_file, s.keys) for s in self.sources],
+                "fields": [asdict(f) for f in self.fields], "batch_size": self.batch_size}
+        return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+    def read(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Global samples ``[lo, hi)`` of field ``name``, across input boundaries."""
+        f = next(f for f in self.fields if f.name == name)
+        parts = []
+        i = max(0, int(np.searchsorted(self.starts, lo, side="right")) - 1)
+        while lo < hi and i < len(self.sources):
+            s0 = self.starts[i]
+            stop = min(hi, s0 + self.sources[i].n)
+            if stop > lo:
+                parts.append(self.sources[i].read(name, lo - s0, stop - s0))
+            lo, i = max(lo, stop), i + 1
+        if not parts:
+            return np.empty((0, *f.shape), np.dtype(f.dtype))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+@dataclass
+class IngestReport:
+    output: str
+    num_samples: int
+    fields: list[str]
+    input_bytes: int
+    stored_bytes: int
+    seconds: float
+    resumed_from_batch: int
+    verified: bool
+    world_size: int
+
+    @property
+    def ratio(self) -> float:
+        return self.input_bytes / self.stored_bytes if self.stored_bytes else float("inf")
+
+
+def _codec_keeps_nan() -> bool:
+    from solar import codec
+
+    x = np.array([np.nan, 1.0, 2.0, 3.0], np.float32)
+    return bool(np.isnan(codec.decode(codec.encode(x, abs_error=0.1)).numpy()[0]))
+
+
+def _validate(inputs, output, fields, abs_error, rel_error, resume, overwrite, batch_size, samples,
+              storage_options) -> Plan:
+    if abs_error is not None and rel_error is not None:
+        raise ConfigError("give --abs-error or --rel-error, not both")
+    for name, v in (("abs-error", abs_error), ("rel-error", rel_error)):
+        if v is not None and not (v >= 0 and math.isfinite(v)):
+            raise ConfigError(f"--{name} must be a finite number >= 0, got {v}")
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
+    if "://" in output and not output.startswith("file://"):
+        raise ConfigError(f"{output}: the output must be a local (or parallel file system) path, not a URL")
+    output = output[len("file://"):] if output.startswith("file://") else output
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent):
+        raise InputError(f"{output}: the output directory {parent} does not exist; create it first")
+    if os.path.exists(output) and not (resume or overwrite):
+        raise InputError(f"{output} already exists; pass --overwrite to replace it or --resume to finish a run")
+    sources, infos = open_sources(list(inputs), fields=fields, samples=samples, storage_options=storage_options)
+    compress = abs_error is not None or rel_error is not None
+    plans = [FieldPlan(n, tuple(fi.shape), fi.dtype.str, compress and fi.dtype.kind == "f" and fi.dtype.itemsize in (4, 8),
+                       abs_error if compress else None) for n, fi in infos.items()]
+    if any(p.compress for p in plans) and len(next(p for p in plans if p.compress).shape) > 4:
+        raise ConfigError("the codec handles samples of up to 4 dimensions; store this field raw")
+    starts = np.concatenate([[0], np.cumsum([s.n for s in sources])]).astype(int).tolist()
+    return Plan(output, sources, plans, starts[-1], batch_size, rel_error, abs_error, starts[:-1])
+
+
+def _share(lo: int, hi: int, rank: int, size: int) -> tuple[int, int]:
+    n = hi - lo
+    return lo + rank * n // size, lo + (rank + 1) * n // size
+
+
+def _bound_pass(plan: Plan, comm) -> None:
+    """Resolve relative bounds over each field's global range; reject NaN the codec cannot keep."""
+    todo = [f for f in plan.fields if f.compress]
+    need_range = plan.rel_error is not None
+    check_nan = todo and not _codec_keeps_nan()
+    if not todo or not (need_range or check_nan):
+        return
+    lo, hi = _share(0, plan.num_samples, comm.rank, comm.size)
+    local: dict[str, list[float]] = {f.name: [np.inf, -np.inf, 0.0] for f in todo}
+    bad: str | None = None
+    for s in range(lo, hi, plan.batch_size):
+        e = min(hi, s + plan.batch_size)
+        for f in todo:
+            a = plan.read(f.name, s, e)
+            finite = a[np.isfinite(a)]
+            if finite.size:
+                local[f.name][0] = min(local[f.name][0], float(finite.min()))
+                local[f.name][1] = max(local[f.name][1], float(finite.max()))
+            if check_nan and bad is None and np.isnan(a).any():
+                i = s + int(np.argwhere(np.isnan(a.reshape(len(a), -1)).any(1))[0, 0])
+                bad = f"sample {i} of field {f.name!r} ({_where(plan, i)}) contains NaN, which the codec cannot keep"
+    bads = [b for b in comm.allgather(bad) if b]
+    if bads:
+        raise InputError(bads[0] + "; clean the input or store the field raw (no --abs-error/--rel-error)")
+    gathered = comm.allgather(local)
+    for f in todo:
+        mn = min(g[f.name][0] for g in gathered)
+        mx = max(g[f.name][1] for g in gathered)
+        if need_range:
+            f.abs_error = float(plan.rel_error * (mx - mn)) if mx >= mn else 0.0
+
+
+def _where(plan: Plan, i: int) -> str:
+    k = max(0, int(np.searchsorted(plan.starts, i, side="right")) - 1)
+    return f"input {plan.sources[k].url}, sample {i - plan.starts[k]}"
+
+
+# -- low-level collective writes -------------------------------------------------------------------
+def _write_rows(dset, start: int, data: np.ndarray, dxpl) -> None:
+    """Write ``data`` at rows ``[start, start + len(data))``; a rank with no rows still joins."""
+    import h5py
+
+    tail = tuple(dset.shape[1:])
+    fspace = dset.id.get_space()
+    if len(data) == 0:
+        fspace.select_none()
+        mspace = h5py.h5s.create_simple((1, *tail))
+        mspace.select_none()
+        buf = np.zeros((1, *tail), dset.dtype)
+    else:
+        fspace.select_hyperslab((start, *(0,) * len(tail)), (len(data), *tail))
+        buf = np.ascontiguousarray(data, dtype=dset.dtype)
+        mspace = h5py.h5s.create_simple(buf.shape)
+    dset.id.write(mspace, fspace, buf, dxpl=dxpl)
+
+
+def _create(f, plan: Plan) -> None:
+    """Create every dataset (collective under MPI: all ranks make the same calls)."""
+    n = plan.num_samples
+    for fp in plan.fields:
+        if fp.compress:
+            g = f.create_group(fp.name)
+            g.create_dataset("data", shape=(0,), maxshape=(None,), chunks=(DATA_CHUNK,), dtype=np.uint8)
+            g.create_dataset("offsets", shape=(n + 1,), dtype=np.int64, fill_time="never")
+            g.attrs["sample_shape"] = np.asarray(fp.shape, np.int64)
+            g.attrs["dtype"] = np.dtype(fp.dtype).name
+            g.attrs["abs_error"] = float(fp.abs_error)
+        else:
+            f.create_dataset(fp.name, shape=(n, *fp.shape), dtype=np.dtype(fp.dtype), fill_time="never")
+        f.create_dataset(checksum_key(fp.name), shape=(n,), dtype=np.uint64, fill_time="never")
+    f.attrs["solar_format"] = FORMAT
+    f.attrs["num_samples"] = n
+    f.attrs["fields"] = json.dumps([fp.name for fp in plan.fields])
+    f.attrs["complete"] = False
+
+
+def _journal_write(path: str, record: dict) -> None:
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(record, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _journal_read(path: str) -> dict | None:
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+class _Progress:
+    """Rank 0's progress bar: samples/s and input MB/s."""
+
+    def __init__(self, total: int, done: int, row_bytes: int, enabled: bool) -> None:
+        self.row_bytes, self.t0, self.samples = row_bytes, time.perf_counter(), 0
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=done, unit="sample", desc="ingest", file=sys.stderr,
+                            dynamic_ncols=True)
+
+    def update(self, n: int) -> None:
+        self.samples += n
+        if self.bar is not None:
+            dt = max(time.perf_counter() - self.t0, 1e-9)
+            self.bar.set_postfix_str(f"{self.samples * self.row_bytes / dt / 1e6:.1f} MB/s", refresh=False)
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# -- the job ---------------------------------------------------------------------------------------
+def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, abs_error: float | None = None,
+           rel_error: float | None = None, resume: bool = False, overwrite: bool = False, verify: bool = False,
+           batch_size: int = 256, samples: str = "auto", comm: Any = "auto", progress: bool = True,
+           storage_options: dict[str, Any] | None = None) -> IngestReport:
+    """Build ``output`` from ``inputs``; collective over ``comm`` (default: MPI world under mpirun).
+
+    Args:
+        inputs: ``.npy``/``.npz``/HDF5 paths or fsspec URLs, in sample order.
+        output: the SOLAR HDF5 file to create (local or parallel file system path).
+        fields: keep/rename fields (``["x"]``, ``["img=data/images"]``); for ``.npy`` the field name.
+        abs_error: compress float fields with this absolute error bound.
+        rel_error: compress float fields with ``rel_error * (max - min)`` of each field's values.
+        resume: continue an interrupted run (see NOTE [ Ingest crash safety ]).
+        overwrite: replace an existing ``output`` (atomically, at the end).
+        verify: read everything back before the rename: checksums, and decoded values against
+            the inputs within the bound.
+        batch_size: samples per committed batch (the resume granularity).
+        samples: ``"auto"``, ``"file"`` or ``"axis0"``, see :mod:`solar.ingest_sources`.
+        comm: an mpi4py communicator, ``"auto"`` or ``None`` (serial).
+        progress: show the progress bar on rank 0.
+        storage_options: for fsspec input URLs (e.g. S3 credentials and endpoint).
+
+    Raises:
+        InputError / ConfigError: before anything is written, naming the input.
+        CorruptDataError: ``verify`` found a mismatch (the output is then not created).
+    """
+    import h5py
+
+    comm, parallel = _world(comm)
+    t0 = time.perf_counter()
+    plan, err = None, None
+    if comm.rank == 0:
+        try:
+            plan = _validate(inputs, output, fields, abs_error, rel_error, resume, overwrite, batch_size,
+                             samples, storage_options)
+        except (InputError, ConfigError) as exc:
+            err = exc
+    plan, err = comm.bcast((plan, err), root=0)
+    if err is not None:
+        raise err
+    _bound_pass(plan, comm)
+    out, tmp, journal = plan.output, plan.output + TMP_SUFFIX, plan.output + JOURNAL_SUFFIX
+    fp = plan.fingerprint()
+
+    # where to start
+    start, sizes = 0, {f.name: 0 for f in plan.fields if f.compress}
+    if comm.rank == 0 and resume:
+        rec = _journal_read(journal)
+        if rec and rec.get("fingerprint") == fp and os.path.exists(tmp):
+            start, sizes = int(rec["batches_done"]), dict(rec["data_bytes"])
+        elif rec and rec.get("fingerprint") != fp:
+            print(f"solar ingest: {journal} belongs to a different job (inputs/options changed); starting over",
+                  file=sys.stderr)
+    start, sizes = comm.bcast((start, sizes), root=0)
+    kw = {"driver": "mpio", "comm": comm} if parallel else {}
+    f = None
+    if start > 0:
+        try:
+            f = h5py.File(tmp, "r+", **kw)
+            for name, size in sizes.items():
+                f[name]["data"].resize((size,))
+        except (OSError, KeyError, ValueError) as exc:
+            if f is not None:
+                f.close()
+            f = None
+            if comm.rank == 0:
+                print(f"solar ingest: cannot resume from {tmp} ({exc}); starting over", file=sys.stderr)
+        ok = comm.allreduce(int(f is not None), op=_min_op(parallel))
+        if not ok:
+            if f is not None:
+                f.close()
+                f = None
+            start, sizes = 0, {k: 0 for k in sizes}
+    if f is None:
+        f = h5py.File(tmp, "w", **kw)
+        _create(f, plan)
+        f.flush()
+        if comm.rank == 0:
+            _journal_write(journal, {"fingerprint": fp, "batches_done": 0, "data_bytes": sizes, "output": out})
+    dxpl = None
+    if parallel:
+        dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
+        dxpl.set_dxpl_mpio(h5py.h5fd.MPIO_COLLECTIVE)
+
+    row_bytes = sum(int(np.prod(fp_.shape, dtype=np.int64)) * np.dtype(fp_.dtype).itemsize for fp_ in plan.fields)
+    bar = _Progress(plan.num_samples, min(plan.num_samples, start * plan.batch_size), row_bytes,
+                    progress and comm.rank == 0)
+    try:
+        for b in range(start, plan.num_batches):
+            g0, g1 = b * plan.batch_size, min(plan.num_samples, (b + 1) * plan.batch_size)
+            lo, hi = _share(g0, g1, comm.rank, comm.size)
+            for fpl in plan.fields:
+                rows = plan.read(fpl.name, lo, hi)
+                if fpl.compress:
+                    sizes[fpl.name], sums = _write_compressed(f, fpl, rows, lo, sizes[fpl.name], comm, dxpl)
+                else:
+                    _write_rows(f[fpl.name], lo, rows, dxpl)
+                    sums = [sample_checksum(r) for r in rows]
+                _write_rows(f[checksum_key(fpl.name)], lo, np.asarray(sums, np.uint64), dxpl)
+            f.flush()  # collective: every rank's bytes of this batch are in the file now
+            if comm.rank == 0:
+                _journal_write(journal, {"fingerprint": fp, "batches_done": b + 1, "data_bytes": sizes,
+                                         "output": out})
+            bar.update(g1 - g0)
+            if os.environ.get("SOLAR_INGEST_TEST_DELAY"):  # lets the crash test kill a rank mid-run
+                time.sleep(float(os.environ["SOLAR_INGEST_TEST_DELAY"]))
+        _finish(f, plan, sizes, inputs, comm, dxpl, fp)
+    finally:
+        bar.close()
+        f.close()
+    comm.Barrier()
+    for s in plan.sources:
+        s.close()
+    if verify:
+        verify_file(tmp, plan=plan, comm=comm)
+    if comm.rank == 0:
+        os.replace(tmp, out)
+        if os.path.exists(journal):
+            os.remove(journal)
+    comm.Barrier()
+    stored = row_stored = 0
+    if comm.rank == 0:
+        with h5py.File(out, "r") as h:
+            for fpl in plan.fields:
+                stored += h[fpl.name]["data"].shape[0] if fpl.compress else h[fpl.name].nbytes
+        row_stored = stored
+    row_stored = comm.bcast(row_stored, root=0)
+    return IngestReport(out, plan.num_samples, [x.name for x in plan.fields], row_bytes * plan.num_samples,
+                        row_stored, time.perf_counter() - t0, start, verify, comm.size)
+
+
+def _min_op(parallel: bool):
+    if not parallel:
+        return None
+    from mpi4py import MPI
+
+    return MPI.MIN
+
+
+def _write_compressed(f, fpl: FieldPlan, rows: np.ndarray, lo: int, size: int, comm, dxpl):
+    """Encode this rank's samples, place the blobs after every lower rank's, write collectively."""
+    from solar import codec
+
+    blobs = [codec.encode(r, abs_error=fpl.abs_error) for r in rows]
+    lens = np.fromiter((len(x) for x in blobs), np.int64, len(blobs))
+    totals = comm.allgather(int(lens.sum()))
+    base = size + sum(totals[:comm.rank])
+    new_size = size + sum(totals)
+    g = f[fpl.name]
+    g["data"].resize((new_size,))  # collective: the same size on every rank
+    payload = np.frombuffer(b"".join(blobs), np.uint8) if blobs else np.empty(0, np.uint8)
+    _write_rows(g["data"], base, payload, dxpl)
+    _write_rows(g["offsets"], lo, base + np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+                if len(lens) else np.empty(0, np.int64), dxpl)
+    if blobs:
+        fpl.descriptor = codec.header_info(blobs[0]).descriptor
+    return new_size, [sample_checksum(x) for x in blobs]
+
+
+def _finish(f, plan: Plan, sizes: dict[str, int], inputs, comm, dxpl, fp: str) -> None:
+    from solar import __version__
+
+    n = plan.num_samples
+    for fpl in plan.fields:
+        if fpl.compress:
+            end = np.asarray([sizes[fpl.name]], np.int64) if comm.rank == 0 else np.empty(0, np.int64)
+            _write_rows(f[fpl.name]["offsets"], n, end, dxpl)
+            g = f[fpl.name]
+            # a resumed run may not have encoded anything on some rank: take any rank's answer
+            descriptor = next((d for d in comm.allgather(fpl.descriptor) if d), None)
+            if descriptor is None:
+                from solar import codec
+
+                descriptor = codec.header_info(codec.encode(np.zeros(1, np.float32), abs_error=0.0)).descriptor
+            g.attrs["codec"] = descriptor
+            g.attrs["codec_config"] = json.dumps({"abs_error": fpl.abs_error, "rel_error": plan.rel_error,
+                                                  "rel_error_range": "field" if plan.rel_error is not None else None})
+    provenance = {
+        "tool": f"solar {__version__} ingest",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "argv": sys.argv,
+        "world_size": comm.size,
+        "fingerprint": fp,
+        "inputs": [{"url": s.url, "samples": s.n, "first_sample": st, "fields": s.keys, "one_sample_per_file": s.per_file}
+                   for s, st in zip(plan.sources, plan.starts)],
+        "bounds": {fpl.name: fpl.abs_error for fpl in plan.fields if fpl.compress},
+    }
+    provenance = comm.bcast(provenance, root=0)  # attribute writes must carry the same value everywhere
+    f.attrs["provenance"] = json.dumps(provenance)
+    f.attrs["complete"] = True
+    f.flush()
+
+
+# -- verification ----------------------------------------------------------------------------------
+def verify_file(path: str, *, plan: Plan | None = None, comm: Any = "auto", batch_size: int = 256) -> int:
+    """Re-read ``path``: every sample's checksum, and (with ``plan``) its values against the inputs.
+
+    Each rank checks a contiguous share with serial h5py. Returns the number of samples checked
+    on this rank; raises :class:`CorruptDataError` naming the field and sample of the first
+    mismatch found on any rank.
+    """
+    from solar.io_backends.hdf5 import HDF5Backend
+    from solar.layout import describe_fields
+
+    if comm is None or isinstance(comm, str):
+        comm, _ = _world(comm)
+    problem: str | None = None
+    with HDF5Backend(path) as be:
+        n, specs = describe_fields(be, None)
+        if plan is None and be.attrs("/").get("complete") is not True:
+            problem = f"{path}: root attribute complete is not True; the file was not finished"
+        lo, hi = _share(0, n, comm.rank, comm.size)
+        for spec in specs if problem is None else ():
+            problem = _verify_field(path, be, spec, lo, hi, plan, batch_size)
+            if problem:
+                break
+    problems = [p for p in comm.allgather(problem) if p]
+    if problems:
+        raise CorruptDataError(problems[0] + "; do not use this file (run the ingest again)")
+    return hi - lo
+
+
+def _verify_field(path, be, spec, lo: int, hi: int, plan: Plan | None, batch_size: int) -> str | None:
+    if hi <= lo:
+        return None
+    sums = be.read_ranges(checksum_key(spec.name), [(lo, hi)])
+    offsets = be.read_ranges(spec.offsets_key, [(lo, hi + 1)]) if spec.kind == "codec" else None
+    bound = None if plan is None else next(x for x in plan.fields if x.name == spec.name).abs_error
+    for s in range(lo, hi, batch_size):
+        e = min(hi, s + batch_size)
+        stored = _stored_samples(be, spec, s, e, offsets, lo)
+        for i, buf in enumerate(stored):
+            if sample_checksum(buf) != int(sums[s - lo + i]):
+                return f"{path}: field {spec.name!r} sample {s + i}: checksum mismatch (stored bytes damaged)"
+        if plan is not None:
+            got = np.stack([_decode(b, spec) for b in stored]) if spec.kind == "codec" else np.stack(stored)
+            problem = _compare(path, spec.name, s, got, plan.read(spec.name, s, e), bound)
+            if problem:
+                return problem
+    return None
+
+
+def _stored_samples(be, spec, s: int, e: int, offsets, lo: int) -> list:
+    if spec.kind == "raw":
+        return list(be.read_ranges(spec.data_key, [(s, e)]))
+    o = offsets[s - lo:e - lo + 1]
+    data = be.read_ranges(spec.data_key, [(int(o[0]), int(o[-1]))]) if o[-1] > o[0] else np.empty(0, np.uint8)
+    base = int(o[0])
+    return [data[int(o[i]) - base:int(o[i + 1]) - base] for i in range(e - s)]
+
+
+def _decode(blob, spec) -> np.ndarray:
+    from solar import codec
+
+    return codec.decode(np.asarray(blob)).numpy().reshape(spec.sample_shape)
+
+
+def _compare(path, name, s, got, want, bound) -> str | None:
+    if got.shape != want.shape:
+        return f"{path}: field {name!r} samples {s}+: shape {got.shape[1:]} != input {want.shape[1:]}"
+    if bound is None:
+        bad = ~((got == want) | (np.isnan(got) & np.isnan(want)) if got.dtype.kind == "f" else (got == want))
+    else:
+        g64, w64 = got.astype(np.float64), want.astype(np.float64)
+        same_nonfinite = (np.isnan(g64) & np.isnan(w64)) | (g64 == w64)
+        bad = ~(same_nonfinite | (np.abs(g64 - w64) <= bound))
+    if bad.any():
+        i = int(np.argwhere(bad.reshape(len(bad), -1).any(1))[0, 0])
+        what = "differs from the input" if bound is None else f"is off by more than the bound {bound:g}"
+        return f"{path}: field {name!r} sample {s + i} {what}"
+    return None
+

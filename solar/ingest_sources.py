@@ -1,0 +1,232 @@
+"""Inputs of ``solar ingest``: ``.npy``/``.npz`` files and HDF5 datasets, local or fsspec URLs.
+
+Each input becomes a :class:`Source`: a number of samples and, per field, the sample shape and
+dtype, plus a way to read rows ``[lo, hi)`` of a field. Sources are small picklable descriptions
+(rank 0 validates them all and broadcasts the plan); handles open lazily in the reading process.
+
+How inputs map to fields
+    * ``X.npy``: one field, named ``x`` (or the one name given with ``--fields``).
+    * ``X.npz``: one field per array in the archive, named as in the archive.
+    * ``X.h5`` (any other name): every dataset with a leading sample axis, as in
+      :func:`solar.layout.describe_fields`; ``X.h5:/path/to/dset`` picks one dataset, named by
+      its last path component.
+    * ``--fields a b`` keeps only those fields, in that order; ``--fields new=old`` renames.
+
+One sample per file or many
+    ``samples="axis0"``: each array's leading axis indexes samples. ``samples="file"``: each file
+    is one sample (the whole array). ``samples="auto"`` (default): ``file`` when there are two or
+    more ``.npy``/``.npz`` inputs and all of them have identical array shapes, else ``axis0``.
+    HDF5 inputs always have a leading sample axis.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from solar.errors import InputError
+
+__all__ = ["Source", "FieldInfo", "open_sources", "parse_field_args", "input_kind"]
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    shape: tuple[int, ...]  # one sample's shape
+    dtype: np.dtype
+
+
+def input_kind(url: str) -> str:
+    base = url.split("::")[0].rstrip("/")
+    path = base.rsplit(":", 1)[0] if _h5_dataset_suffix(base) else base
+    if path.endswith(".npy"):
+        return "npy"
+    if path.endswith(".npz"):
+        return "npz"
+    return "hdf5"
+
+
+def _h5_dataset_suffix(url: str) -> str | None:
+    """``"/path/dset"`` for ``file.h5:/path/dset`` (the part after the last ``:`` when it starts with /)."""
+    head, sep, tail = url.rpartition(":")
+    if sep and tail.startswith("/") and not tail.startswith("//") and head and not head.endswith(":"):
+        return tail
+    return None
+
+
+def parse_field_args(fields: list[str] | None) -> list[tuple[str, str]] | None:
+    """``["a", "b=c"]`` -> ``[("a", "a"), ("b", "c")]`` (output name, input key)."""
+    if not fields:
+        return None
+    out = []
+    for f in fields:
+        name, _, key = f.partition("=")
+        if not name or (_ and not key):
+            raise InputError(f"--fields entry {f!r} is not NAME or NAME=KEY")
+        out.append((name, key or name))
+    return out
+
+
+@dataclass
+class Source:
+    """One input: ``n`` samples of ``fields`` (name -> FieldInfo), read by rows."""
+
+    url: str
+    kind: str  # "npy" | "npz" | "hdf5"
+    per_file: bool  # True: the whole file is one sample
+    keys: dict[str, str]  # output field name -> key inside the input
+    n: int = 0
+    fields: dict[str, FieldInfo] = field(default_factory=dict)
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    _handle: Any = field(default=None, repr=False, compare=False)
+    _pid: int | None = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_handle"], state["_pid"] = None, None
+        return state
+
+    # -- handles -----------------------------------------------------------------------------------
+    def _open(self):
+        if self._handle is not None and self._pid == os.getpid():
+            return self._handle
+        if self.kind == "npz":
+            import fsspec
+
+            with fsspec.open(self.url, "rb", **self.storage_options) as f:
+                with np.load(f, allow_pickle=False) as z:
+                    self._handle = {k: z[k] for k in z.files}
+        else:
+            from solar.io_backends import open_backend
+
+            url = self.url
+            if self.kind == "hdf5" and _h5_dataset_suffix(url):
+                url = url.rpartition(":")[0]
+            name = "fsspec" if self.kind == "npy" or "://" in url and not url.startswith("file://") else "hdf5"
+            self._handle = open_backend(url, name, **({"storage_options": self.storage_options}
+                                                      if name == "fsspec" else {}))
+        self._pid = os.getpid()
+        return self._handle
+
+    def close(self) -> None:
+        if self._handle is not None and self._pid == os.getpid() and hasattr(self._handle, "close"):
+            self._handle.close()
+        self._handle = None
+
+    def available_keys(self) -> dict[str, FieldInfo]:
+        """Every key this input offers, with its *stored array* shape and dtype."""
+        h = self._open()
+        if self.kind == "npz":
+            return {k: FieldInfo(tuple(a.shape), a.dtype) for k, a in h.items()}
+        if self.kind == "npy":
+            (key,) = h.keys()
+            info = h.info(key)
+            return {key: FieldInfo(info.shape, info.dtype)}
+        from solar.layout import describe_fields
+
+        sel = _h5_dataset_suffix(self.url)
+        _, specs = describe_fields(h, [sel.strip("/")] if sel else None)
+        out = {}
+        for s in specs:
+            if s.kind != "raw":
+                raise InputError(f"{self.url}: field {s.name!r} is already compressed ({s.codec}); "
+                                 "ingest reads raw arrays only; decode it first")
+            out[s.name] = FieldInfo((h.info(s.data_key).shape[0], *s.sample_shape), s.dtype)
+        return out
+
+    def read(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Rows ``[lo, hi)`` of field ``name``, shape ``(hi - lo, *sample_shape)``."""
+        info = self.fields[name]
+        if hi <= lo:
+            return np.empty((0, *info.shape), info.dtype)
+        h, key = self._open(), self.keys[name]
+        if self.kind == "npz":
+            a = h[key]
+            return a[None] if self.per_file else a[lo:hi]
+        if self.per_file:
+            return h.read_all(key).reshape(1, *info.shape)
+        return h.read_ranges(key, [(lo, hi)])
+
+
+def _describe(url: str, samples: str, wanted, storage_options) -> Source:
+    kind = input_kind(url)
+    src = Source(url, kind, False, {}, storage_options=dict(storage_options))
+    try:
+        avail = src.available_keys()
+    except FileNotFoundError as exc:
+        raise InputError(f"{url}: input not found ({exc}); check the path") from None
+    except InputError:
+        raise
+    except (OSError, ValueError, KeyError) as exc:
+        raise InputError(f"{url}: cannot read this input ({exc})") from None
+    if kind == "npy":
+        (key,) = avail
+        if wanted and len(wanted) != 1:
+            raise InputError(f"{url}: a .npy input holds one array; give one --fields name, got {len(wanted)}")
+        names = {(wanted[0][0] if wanted else "x"): key}
+    elif wanted:
+        missing = [k for _, k in wanted if k not in avail]
+        if missing:
+            raise InputError(f"{url}: no array {missing[0]!r}; it has: {', '.join(avail) or 'none'}")
+        names = dict(wanted)
+    else:
+        names = {k.rsplit("/", 1)[-1] if kind == "hdf5" else k: k for k in avail}
+    src.keys = names
+    src.fields = {n: avail[k] for n, k in names.items()}  # stored shapes; split below
+    return src
+
+
+def open_sources(urls: list[str], *, fields: list[str] | None = None, samples: str = "auto",
+                 storage_options: dict[str, Any] | None = None) -> tuple[list[Source], dict[str, FieldInfo]]:
+    """Describe and validate every input; returns ``(sources, fields)``.
+
+    Raises:
+        InputError: naming the input, for a missing file, an unreadable input, a missing field,
+            or shapes/dtypes of a field that differ between inputs.
+    """
+    if samples not in ("auto", "file", "axis0"):
+        raise InputError(f"samples must be auto, file or axis0, got {samples!r}")
+    if not urls:
+        raise InputError("no inputs given")
+    wanted = parse_field_args(fields)
+    sources = [_describe(u, samples, wanted, storage_options or {}) for u in urls]
+    plain = [s for s in sources if s.kind in ("npy", "npz")]
+    per_file = samples == "file" or (
+        samples == "auto" and len(plain) >= 2 and len({tuple(sorted((n, f.shape) for n, f in s.fields.items()))
+                                                       for s in plain}) == 1)
+    ref: dict[str, FieldInfo] | None = None
+    ref_url = ""
+    for s in sources:
+        s.per_file = per_file and s.kind in ("npy", "npz")
+        lengths = set()
+        shaped: dict[str, FieldInfo] = {}
+        for name, fi in s.fields.items():
+            if s.per_file:
+                shaped[name] = fi
+                lengths.add(1)
+            else:
+                if not fi.shape:
+                    raise InputError(f"{s.url}: field {name!r} is a scalar, so it has no sample axis; "
+                                     "pass --samples file to take each file as one sample")
+                shaped[name] = FieldInfo(fi.shape[1:], fi.dtype)
+                lengths.add(fi.shape[0])
+        if len(lengths) > 1:
+            raise InputError(f"{s.url}: its fields have different numbers of samples "
+                             f"({ {n: f.shape[0] for n, f in s.fields.items()} }); pick fields of one length with --fields")
+        s.fields, s.n = shaped, lengths.pop() if lengths else 0
+        if ref is None:
+            ref, ref_url = shaped, s.url
+            continue
+        if list(shaped) != list(ref):
+            raise InputError(f"{s.url}: has fields {list(shaped)}, but {ref_url} has {list(ref)}; "
+                             "every input must give the same fields (use --fields)")
+        for name, fi in shaped.items():
+            if fi != ref[name]:
+                raise InputError(
+                    f"{s.url}: field {name!r} has samples of shape {fi.shape} dtype {fi.dtype}, but {ref_url} has "
+                    f"{ref[name].shape} {ref[name].dtype}; every sample of a field must match")
+    for s in sources:
+        s.close()
+    return sources, dict(ref or {})
