@@ -82,6 +82,8 @@ class FsspecTier(FileTier):
             raise
 
     def _unlink(self, path: str) -> None:
+        if not self.fs.isfile(path):  # object stores delete missing keys without an error
+            raise FileNotFoundError(path)
         self.fs.rm_file(path)
 
     def _list(self, head: str) -> Iterator[str]:

@@ -20,6 +20,8 @@ from solar.checkpoint import merkle
 from solar.checkpoint.chunking import hash_chunks, hasher
 from solar.checkpoint.manifest import decode, encode
 from solar.checkpoint.store import CheckpointStore, chunk_key, manifest_key, referenced
+from test_tiers import s3_bucket  # noqa: F401  (fixture: moto S3 on 127.0.0.1)
+
 from solar.errors import CheckpointError, CheckpointLockedError, ConfigError, CorruptDataError, InputError
 
 KB = 1024
@@ -503,3 +505,21 @@ def test_flatten_roundtrip_preserves_values_and_sharing(state):
     for a, ta in pairs:
         for b, tb in pairs:
             assert (ptr(a) == ptr(b)) == (ptr(ta) == ptr(tb))
+
+
+def test_s3_root_on_a_real_moto_server(s3_bucket):
+    """An object-store root: direct PUTs (atomic), a LOCK object, increments, verify and gc."""
+    bucket, opts = s3_bucket
+    root = f"{bucket}/ckpt-{os.getpid()}"
+    x = torch.randn(16 * KB)
+    with CheckpointWriter(root, chunk_size=4 * KB, keep_last=2, storage_options=opts) as w:
+        with pytest.raises(CheckpointLockedError, match="LOCK"):
+            CheckpointWriter(root, storage_options=opts)
+        assert w.save({"x": x}, 1).result().chunks_written == 16
+        x[0] = 7.0
+        assert w.save({"x": x}, 2).result().chunks_written == 1
+        w.save({"x": x, "y": torch.ones(3)}, 3)
+    assert list_versions(root, storage_options=opts) == [2, 3]
+    assert bits(load(root, storage_options=opts)["x"]) == bits(x)
+    assert verify(root, storage_options=opts).ok
+    assert gc(root, keep_last=1, storage_options=opts).removed_versions == [2]

@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from servers import moto_s3_server
 from solar.cache import get_tier, registry
 from solar.cache.disk import DiskTier
 from solar.cache.fsspec_tier import FsspecTier
@@ -21,9 +22,40 @@ class _MemoryURLTier(FsspecTier):
         return cls(f"memory://tiers/{abs(hash(scratch_dir))}", capacity_bytes)
 
 
-@pytest.fixture(params=registry.names() + ["fsspec-memory"])
+@pytest.fixture(scope="module")
+def s3_bucket():
+    """``(bucket_url, storage_options)``: a fresh bucket on a moto S3 server on 127.0.0.1.
+
+    (Own bucket name: moto keeps buckets process-wide, so fixtures of other modules may exist.)
+    """
+    pytest.importorskip("s3fs")
+    with moto_s3_server() as opts:
+        import s3fs
+
+        name = f"solar-ckpt-{uuid.uuid4().hex[:8]}"
+        s3fs.S3FileSystem(skip_instance_cache=True, **opts).mkdir(name)
+        yield f"s3://{name}", opts
+
+
+def _s3_tier(bucket: str, opts: dict) -> type:
+    class _S3Tier(FsspecTier):
+        """The fsspec tier on a real S3 API (moto on 127.0.0.1)."""
+
+        @classmethod
+        def example(cls, scratch_dir, capacity_bytes=None):
+            return cls(f"{bucket}/tiers-{uuid.uuid5(uuid.NAMESPACE_URL, scratch_dir).hex[:12]}", capacity_bytes,
+                       storage_options=opts)
+
+    return _S3Tier
+
+
+@pytest.fixture(params=registry.names() + ["fsspec-memory", "fsspec-s3"])
 def tier_cls(request):
-    return _MemoryURLTier if request.param == "fsspec-memory" else get_tier(request.param)
+    if request.param == "fsspec-memory":
+        return _MemoryURLTier
+    if request.param == "fsspec-s3":
+        return _s3_tier(*request.getfixturevalue("s3_bucket"))
+    return get_tier(request.param)
 
 
 class TestRegisteredTiers(TierTests):

@@ -65,9 +65,9 @@ def collect(store: CheckpointStore, keep_last: int | None = None, *, dry_run: bo
     return report
 
 
-def gc(root, keep_last: int | None = None, *, dry_run: bool = False) -> GcReport:
+def gc(root, keep_last: int | None = None, *, dry_run: bool = False, storage_options: dict | None = None) -> GcReport:
     """Take the writer lock on ``root`` and :func:`collect` (fails if a writer is running there)."""
-    store = CheckpointStore(root)
+    store = CheckpointStore(root, **(storage_options or {}))
     lock = store.lock()
     try:
         return collect(store, keep_last, dry_run=dry_run)

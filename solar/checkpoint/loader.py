@@ -46,8 +46,9 @@ class Reader:
         verify: re-hash chunks as they are read (on by default; the cost is a few percent of a read).
     """
 
-    def __init__(self, root: Any, step: int | None = None, *, verify: bool = True, store: CheckpointStore | None = None) -> None:
-        self.store = store or CheckpointStore(root)
+    def __init__(self, root: Any, step: int | None = None, *, verify: bool = True, store: CheckpointStore | None = None,
+                 storage_options: dict | None = None) -> None:
+        self.store = store or CheckpointStore(root, **(storage_options or {}))
         self.manifest: Manifest = self.store.resolve(step)
         self.verify = verify
         self._digest = hasher(self.manifest.hash)
@@ -118,7 +119,8 @@ class _Lookup(dict):
     """A dict that ``materialize`` can index like the list of blob buffers."""
 
 
-def load(root: "str | os.PathLike", step: int | None = None, map_location: Any = None, *, verify: bool = True) -> Any:
+def load(root: "str | os.PathLike", step: int | None = None, map_location: Any = None, *, verify: bool = True,
+         storage_options: dict | None = None) -> Any:
     """Load the state dict of version ``step`` (default: the newest complete one).
 
     Args:
@@ -126,14 +128,15 @@ def load(root: "str | os.PathLike", step: int | None = None, map_location: Any =
         step: version to load; ``None`` for the newest whose manifest is complete.
         map_location: like ``torch.load``: a device, a ``{saved: target}`` dict or a callable.
         verify: re-hash every chunk (default); corrupt data raises instead of being returned.
+        storage_options: fsspec options for a URL ``root``.
 
     Raises:
         CheckpointError: no such version, or nothing complete to load.
         CorruptDataError: a chunk is missing or does not match its digest (names it and its tensors).
     """
-    return Reader(root, step, verify=verify).state_dict(map_location)
+    return Reader(root, step, verify=verify, storage_options=storage_options).state_dict(map_location)
 
 
-def list_versions(root: "str | os.PathLike") -> list[int]:
+def list_versions(root: "str | os.PathLike", *, storage_options: dict | None = None) -> list[int]:
     """Steps of the complete versions in ``root``, oldest first (torn manifests are ignored)."""
-    return CheckpointStore(root).versions()
+    return CheckpointStore(root, **(storage_options or {})).versions()

@@ -32,14 +32,14 @@ class VerifyReport:
         return not self.problems
 
 
-def verify(root, step: int | None = None, *, progress: bool = False) -> VerifyReport:
+def verify(root, step: int | None = None, *, progress: bool = False, storage_options: dict | None = None) -> VerifyReport:
     """Verify version ``step`` of ``root``, or every version if ``step`` is ``None``.
 
     Returns a report; it never raises for corrupt data (a missing root or step still raises).
     A torn manifest met while scanning every version is listed in ``incomplete``, not in
     ``problems``: loaders ignore it, so it is an unfinished save, not damage to a committed one.
     """
-    store = CheckpointStore(root)
+    store = CheckpointStore(root, **(storage_options or {}))
     report = VerifyReport(store.root)
     steps = [step] if step is not None else store.steps()
     manifests = []

@@ -131,6 +131,7 @@ class CheckpointWriter:
         staging: optional fast root (node-local disk) to commit to first; versions are then drained
             to ``root`` in the background.
         io_threads: parallel chunk writes (remote stores and parallel file systems like several).
+        storage_options: fsspec options for a URL ``root`` (credentials, endpoint ...).
 
     Raises:
         CheckpointLockedError: another writer holds ``root`` (or ``staging``).
@@ -146,6 +147,7 @@ class CheckpointWriter:
         max_in_flight: int = 1,
         staging: "str | os.PathLike | None" = None,
         io_threads: int = 4,
+        storage_options: dict | None = None,
     ) -> None:
         if chunk_size < 1024 or chunk_size > (1 << 30):
             raise ConfigError(f"chunk_size must be between 1 KiB and 1 GiB, got {chunk_size}")
@@ -157,7 +159,7 @@ class CheckpointWriter:
         self.keep_last = keep_last
         self.hash = hash
         self._digest = hasher(hash)
-        self._main = _Sink(CheckpointStore(root, create=True))
+        self._main = _Sink(CheckpointStore(root, create=True, **(storage_options or {})))
         try:
             self._stage = _Sink(CheckpointStore(staging, create=True)) if staging is not None else None
         except BaseException:
