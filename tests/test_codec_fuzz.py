@@ -45,6 +45,7 @@ def _corpus():
         (edge, {"abs_error": 0.05}, {"id": "ebq", "predictor": "lorenzo", "lossless": "lz4"}),
         (smooth[:3], {"rel_error": 0.0}, None),
         (rng.standard_normal((2, 3, 4, 5)).astype(np.float32), {"abs_error": 1e-5}, None),
+        (np.stack([smooth, smooth.T]), {"rel_error": 1e-3}, {"id": "ebq", "predictor": "cubic"}),
     ]
     return [(x, sc.encode(x, codec=c, **b)) for x, b, c in cases]
 

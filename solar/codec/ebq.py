@@ -25,6 +25,8 @@ Format versions (all still decode; golden fixtures in ``tests/fixtures/codec``):
   complement (escape -128) so the decoder widens them with a single conversion.
 * ``ebq/3``: adds nibble mode (code width 0) for low-entropy residuals: 4-bit pairs, with an
   int8 side stream for the values that do not fit (see :func:`_nibbles`).
+* ``ebq/4``: small leading (channel) axes are folded into the batch, so every channel is
+  predicted on its own (``fold`` in the metadata).
 """
 
 from __future__ import annotations
@@ -50,8 +52,12 @@ __all__ = ["EBQCodec"]
 # Private metadata per format version. v1: predictor, lossless, code_bytes, qint_bytes, step,
 # offset, codes_clen, n_esc, esc_clen, n_out, out_clen. v2 adds ``cubic_levels`` (bit l = cubic
 # interpolation on level l) after offset. v3 appends ``n_side`` (nibble mode: count of residuals
-# carried by the int8 side stream).
-_METAS = {1: struct.Struct("<BBBBddQQQQQ"), 2: struct.Struct("<BBBBddQQQQQQ"), 3: struct.Struct("<BBBBddQQQQQQQ")}
+# carried by the int8 side stream). v4 appends ``fold`` (leading axes treated as a batch).
+_METAS = {1: struct.Struct("<BBBBddQQQQQ"), 2: struct.Struct("<BBBBddQQQQQQ"), 3: struct.Struct("<BBBBddQQQQQQQ"),
+          4: struct.Struct("<BBBBddQQQQQQQB")}
+#: Leading axes of at most this size (channels: amplitude/phase, velocity components) are folded
+#: into the batch: each channel is predicted on its own instead of from its neighbour channel.
+_FOLD_MAX = 4
 _META = _METAS[1]
 _WIDTHS = (1, 2, 4, 8)
 _FMAX = {4: float(np.finfo(np.float32).max), 8: float(np.finfo(np.float64).max)}
@@ -121,6 +127,14 @@ def _best_levels(q: np.ndarray) -> int:
     return sum(1 << lv for lv, (lin, cub) in cost.items() if cub < lin)
 
 
+def _fold(shape: tuple[int, ...]) -> int:
+    """How many leading axes are small enough to be channels (at least one axis stays spatial)."""
+    k = 0
+    while k < len(shape) - 1 and shape[k] <= _FOLD_MAX:
+        k += 1
+    return k
+
+
 def _zigzag(r: np.ndarray) -> np.ndarray:
     r = r.astype(np.int64, copy=False)
     return ((r << 1) ^ (r >> 63)).view(np.uint64)
@@ -145,8 +159,8 @@ class EBQCodec(Codec):
     """
 
     codec_id = "ebq"
-    version = 3
-    decodes = frozenset({1, 2, 3})
+    version = 4
+    decodes = frozenset({1, 2, 3, 4})
 
     def __init__(self, predictor: str = "auto", lossless: str | None = None, level: int | None = None):
         if predictor != "auto" and predictor not in pr.PREDICTOR_IDS or predictor == "raw":
@@ -180,12 +194,13 @@ class EBQCodec(Codec):
 
     def _pack_raw(self, array: np.ndarray, abs_error: float) -> bytes:
         data = ll.compress(np.ascontiguousarray(array).tobytes(), self.lossless, self.level)
-        meta = _METAS[3].pack(0, ll.LOSSLESS_IDS[self.lossless], array.dtype.itemsize, 0, 0.0, 0.0, 0,
-                              len(data), 0, 0, 0, 0, 0)
+        meta = _METAS[4].pack(0, ll.LOSSLESS_IDS[self.lossless], array.dtype.itemsize, 0, 0.0, 0.0, 0,
+                              len(data), 0, 0, 0, 0, 0, 0)
         return self._blob(array, abs_error, meta, [data])
 
     def _pack(self, array: np.ndarray, abs_error: float, qz: Quantized, name: str) -> bytes:
-        q = qz.q.reshape((1,) + (qz.q.shape or (1,)))
+        fold = _fold(qz.q.shape)
+        q = qz.q.reshape((-1,) + (qz.q.shape[fold:] or (1,)))
         mask = 0
         if name == "lorenzo":
             r = pr.lorenzo_residuals(q).reshape(-1)
@@ -210,13 +225,13 @@ class EBQCodec(Codec):
             if qz.outliers.size else b""
         qint = 4 if int(np.abs(qz.q).max(initial=0)) <= (1 << 26) else 8
         pid = pr.PREDICTOR_IDS["lorenzo" if name == "lorenzo" else "interp"]
-        meta = _METAS[3].pack(pid, ll.LOSSLESS_IDS[self.lossless], w, qint, qz.step, qz.offset, mask,
-                              len(s_codes), esc_pos.size, len(s_esc), qz.outliers.size, len(s_out), n_side)
+        meta = _METAS[4].pack(pid, ll.LOSSLESS_IDS[self.lossless], w, qint, qz.step, qz.offset, mask,
+                              len(s_codes), esc_pos.size, len(s_esc), qz.outliers.size, len(s_out), n_side, fold)
         return self._blob(array, abs_error, meta, [s_codes, s_esc, s_out])
 
     # ------------------------------------------------------------------ decoder
     def _meta(self, blob: Parsed) -> tuple:
-        """Validated metadata as the v3 tuple (v1 blobs: ``cubic_levels`` from the predictor id)."""
+        """Validated metadata as the v4 tuple (v1 blobs: ``cubic_levels`` from the predictor id)."""
         self.check_version(blob)
         h, what = blob.header, blob.what
         fmt = _METAS[h.version]
@@ -227,7 +242,9 @@ class EBQCodec(Codec):
             m = m[:6] + ((1 << 64) - 1 if m[0] == 2 else 0,) + m[6:]
         if h.version < 3:
             m = m + (0,)
-        pred, lossless, w, qint, step, offset, _, c_len, n_esc, e_len, n_out, o_len, n_side = m
+        if h.version < 4:
+            m = m + (0,)
+        pred, lossless, w, qint, step, offset, _, c_len, n_esc, e_len, n_out, o_len, n_side, fold = m
         n = h.size
         bad = None
         if pred not in pr.PREDICTORS or lossless not in ll.LOSSLESS or (pred in (1, 2, 4)) and (pred == 4) != (h.version >= 2):
@@ -239,6 +256,8 @@ class EBQCodec(Codec):
                 bad = "inconsistent lossless-mode metadata"
         elif (w not in _WIDTHS and not (w == 0 and h.version >= 3)) or qint not in _INT or (qint == 4 and w == 8):
             bad = f"invalid code width {w} / integer width {qint}"
+        elif fold > max(len(h.shape) - 1, 0) or fold > _fold(h.shape):
+            bad = f"invalid folded axis count {fold} for shape {h.shape}"
         elif n_side > n or (n_side and w != 0):
             bad = f"impossible side-stream count {n_side} for {n} values"
         elif not (0 < step <= _FMAX[h.dtype.itemsize] and abs(offset) <= _FMAX[h.dtype.itemsize]):
@@ -255,7 +274,7 @@ class EBQCodec(Codec):
 
     def group_key(self, blob: Parsed):
         m = self._meta(blob)
-        return (m[0], m[2], m[3], m[6])  # predictor, code width, integer width, cubic levels
+        return (m[0], m[2], m[3], m[6], m[13])  # predictor, code/integer width, cubic levels, fold
 
     def decode_group(self, blobs: Sequence[Parsed], device, out=None):
         h0 = blobs[0].header
@@ -276,7 +295,7 @@ class EBQCodec(Codec):
         steps = np.empty(B, h0.dtype)
         offs = np.empty(B, h0.dtype)
         for i, (b, m) in enumerate(zip(blobs, metas)):
-            _, lid, _, _, steps[i], offs[i], _, c_len, n_esc, e_len, n_out, o_len, n_side = m
+            _, lid, _, _, steps[i], offs[i], _, c_len, n_esc, e_len, n_out, o_len, n_side, _ = m
             name, p = ll.LOSSLESS[lid], b.payload
             raw = np.frombuffer(ll.decompress(p[:c_len], name, nb + n_side, b.what), np.uint8)
             planes[i] = raw[:nb]
@@ -304,24 +323,30 @@ class EBQCodec(Codec):
                     "side values; corrupted payload")
             t.view(-1)[marks] = side.view(torch.int8)
             t = t[:, :n]
+        # folded leading (channel) axes: each channel is one more batch row of the predictor
+        fold = metas[0][13]
+        lead = math.prod(shape[:fold])
+        Bp, inner_shape = B * lead, shape[fold:]
         if w in (0, 1) and h0.version >= 2 and pred == 4:
             # int8 codes go straight into the predictor (widened inside its adds); escapes are
             # corrections (true residual - marker) applied pass by pass
             escapes = None
             if esc_idx:
                 escapes = (np.concatenate(esc_idx), np.concatenate(esc_val).astype(np.int64) + 128)
-            q = pr.interp_decode(t.view(torch.int8).view(B, n), shape, mask, t_int, escapes)
+            q = pr.interp_decode(t.view(torch.int8).reshape(Bp, n // lead), inner_shape, mask, t_int, escapes)
         else:
             if w in (0, 1) and h0.version >= 2:
-                r = t.view(torch.int8).view(B, n).to(t_int)
+                r = t.view(torch.int8).reshape(B, n).to(t_int)
             else:
                 r = unzigzag_(join_planes(t.view(B, w, n), t_int))
             patch_(r.view(-1), *_cat(esc_idx, esc_val, dev))
             if pred == 3:
-                q = pr.lorenzo_reconstruct(r.view((B,) + shape))
+                q = pr.lorenzo_reconstruct(r.view((Bp,) + inner_shape))
             else:
-                q = pr.interp_decode(pr.natural_to_stream(r, shape) if h0.version == 1 else r, shape, mask)
-        bshape = (B,) + (1,) * len(shape)
+                r = pr.natural_to_stream(r, shape) if h0.version == 1 else r.view(Bp, n // lead)
+                q = pr.interp_decode(r, inner_shape, mask)
+        q = q.reshape(B, n)
+        bshape = (B, 1)
         offset = None if not offs.any() else torch.from_numpy(offs).to(dev).view(bshape)
         x = dequantize(q, torch.from_numpy(steps).to(dev).view(bshape), offset, TORCH_DTYPES[h0.dtype.itemsize])
         patch_(x.view(-1), *_cat(out_idx, out_val, dev))

@@ -257,5 +257,6 @@ def lorenzo_reconstruct(r):
     import torch
 
     for ax in range(1, r.ndim):
-        r = torch.cumsum(r, dim=ax, dtype=r.dtype)
+        if r.shape[ax] > 1:  # a prefix sum along a length-1 axis is the identity
+            r = torch.cumsum(r, dim=ax, dtype=r.dtype)
     return r
