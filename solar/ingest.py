@@ -519,7 +519,7 @@ def verify_file(path: str, *, plan: Plan | None = None, comm: Any = "auto", batc
     problem: str | None = None
     with HDF5Backend(path) as be:
         n, specs = describe_fields(be, None)
-        if plan is None and be.attrs("/").get("complete") is not True:
+        if plan is None and not bool(be.attrs("/").get("complete", False)):
             problem = f"{path}: root attribute complete is not True; the file was not finished"
         lo, hi = _share(0, n, comm.rank, comm.size)
         for spec in specs if problem is None else ():

@@ -167,12 +167,18 @@ def _describe(url: str, samples: str, wanted, storage_options) -> Source:
             raise InputError(f"{url}: a .npy input holds one array; give one --fields name, got {len(wanted)}")
         names = {(wanted[0][0] if wanted else "x"): key}
     elif wanted:
-        missing = [k for _, k in wanted if k not in avail]
-        if missing:
-            raise InputError(f"{url}: no array {missing[0]!r}; it has: {', '.join(avail) or 'none'}")
-        names = dict(wanted)
+        names = {}
+        for name, k in wanted:
+            # an HDF5 dataset may be named by its full path or, if unambiguous, its last component
+            hits = [k] if k in avail else [a for a in avail if a.rsplit("/", 1)[-1] == k]
+            if len(hits) != 1:
+                raise InputError(f"{url}: no array {k!r}; it has: {', '.join(avail) or 'none'}")
+            names[name] = hits[0]
     else:
         names = {k.rsplit("/", 1)[-1] if kind == "hdf5" else k: k for k in avail}
+        if len(names) != len(avail):
+            raise InputError(f"{url}: datasets {sorted(avail)} share a name in different groups; pick them "
+                             "with --fields NAME=group/path")
     src.keys = names
     src.fields = {n: avail[k] for n, k in names.items()}  # stored shapes; split below
     return src

@@ -1,0 +1,304 @@
+"""`solar ingest`: layout, sample order, fields, bounds, verification, bad input, and a real
+crash (SIGKILL of one rank of `mpirun -n 2 solar ingest`) followed by `--resume`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from solar.errors import ConfigError, CorruptDataError, InputError
+from solar.ingest import ingest, verify_file
+from solar.layout import FORMAT, checksum_key, describe_fields, sample_checksum
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOLAR = os.path.join(os.path.dirname(sys.executable), "solar")
+
+
+def _npy_inputs(d, sizes=(13, 7, 20), shape=(3, 5), seed=0):
+    rng = np.random.default_rng(seed)
+    arrays, paths = [], []
+    for i, n in enumerate(sizes):
+        a = rng.standard_normal((n, *shape)).astype(np.float32)
+        p = os.path.join(d, f"part{i}.npy")
+        np.save(p, a)
+        arrays.append(a)
+        paths.append(p)
+    return paths, np.concatenate(arrays)
+
+
+def _read_field(path, name):
+    from solar import codec
+
+    with h5py.File(path, "r") as f:
+        if isinstance(f[name], h5py.Dataset):
+            return f[name][:]
+        data, off = f[name]["data"][:], f[name]["offsets"][:]
+        return np.stack([codec.decode(data[off[i]:off[i + 1]]).numpy() for i in range(len(off) - 1)])
+
+
+def test_npy_parts_keep_input_order_and_layout(tmp_path):
+    paths, want = _npy_inputs(tmp_path)
+    out = str(tmp_path / "o.h5")
+    rep = ingest(paths[::-1], out, batch_size=8, progress=False)
+    assert rep.num_samples == 40 and rep.fields == ["x"] and rep.world_size == 1
+    expect = np.concatenate([np.load(p) for p in paths[::-1]])
+    with h5py.File(out, "r") as f:  # plain h5py reads it
+        assert f.attrs["solar_format"] == FORMAT and f.attrs["num_samples"] == 40
+        assert bool(f.attrs["complete"])
+        assert json.loads(f.attrs["fields"]) == ["x"]
+        np.testing.assert_array_equal(f["x"][:], expect)
+        sums = f[checksum_key("x")][:]
+        assert all(int(sums[i]) == sample_checksum(expect[i]) for i in range(40))
+        prov = json.loads(f.attrs["provenance"])
+        assert [i["url"] for i in prov["inputs"]] == paths[::-1]
+        assert [i["first_sample"] for i in prov["inputs"]] == [0, 20, 27]
+    assert not os.path.exists(out + ".tmp") and not os.path.exists(out + ".ingest.json")
+    assert verify_file(out) == 40
+
+
+def test_one_sample_per_file_and_field_name(tmp_path):
+    rng = np.random.default_rng(1)
+    samples = [rng.standard_normal((4, 4)).astype(np.float64) for _ in range(6)]
+    paths = []
+    for i, s in enumerate(samples):
+        paths.append(str(tmp_path / f"s{i}.npy"))
+        np.save(paths[-1], s)
+    out = str(tmp_path / "o.h5")
+    ingest(paths, out, fields=["img"], progress=False)  # auto: same shapes -> one sample per file
+    np.testing.assert_array_equal(_read_field(out, "img"), np.stack(samples))
+    out2 = str(tmp_path / "o2.h5")
+    ingest(paths, out2, samples="axis0", progress=False)  # each file's rows are samples
+    assert _read_field(out2, "x").shape == (24, 4)
+
+
+def test_npz_and_hdf5_inputs_with_fields_and_compression(tmp_path):
+    rng = np.random.default_rng(2)
+    img1, img2 = rng.standard_normal((10, 6, 6)).astype(np.float32), rng.standard_normal((15, 6, 6)).astype(np.float32)
+    np.savez(tmp_path / "a.npz", image=img1, label=np.arange(10))
+    with h5py.File(tmp_path / "b.h5", "w") as f:
+        f["grp/image"] = img2
+        f["label"] = np.arange(10, 25)
+        f["junk"] = np.zeros((15, 2))
+    out = str(tmp_path / "o.h5")
+    # b.h5 lists grp/image as a nested dataset: select and rename it per input kind
+    with pytest.raises(InputError, match="b.h5.*fields.*junk.*but .*a.npz has"):
+        ingest([str(tmp_path / "a.npz"), str(tmp_path / "b.h5")], out, progress=False)
+    h5in = f"{tmp_path / 'b.h5'}:/grp/image"
+    ingest([str(tmp_path / "a.npz")], out, fields=["image"], abs_error=1e-2, verify=True, progress=False)
+    got = _read_field(out, "image")
+    assert np.abs(got - img1).max() <= 1e-2
+    with h5py.File(out, "r") as f:
+        g = f["image"]
+        assert g.attrs["codec"].startswith("ebq/") and g.attrs["abs_error"] == pytest.approx(1e-2)
+        assert g["offsets"].shape == (11,) and g["offsets"][-1] == g["data"].shape[0]
+        assert tuple(g.attrs["sample_shape"]) == (6, 6) and g.attrs["dtype"] == "float32"
+    out2 = str(tmp_path / "o2.h5")
+    ingest([h5in], out2, fields=["img=image"], rel_error=1e-3, verify=True, progress=False)
+    with h5py.File(out2, "r") as f:
+        bound = f["img"].attrs["abs_error"]
+        assert bound == pytest.approx(1e-3 * (img2.max() - img2.min()))  # relative to the field's range
+    assert np.abs(_read_field(out2, "img") - img2).max() <= bound
+
+
+def test_integer_fields_stay_raw_when_compressing(tmp_path):
+    np.savez(tmp_path / "a.npz", x=np.ones((5, 3), np.float32), y=np.arange(5))
+    out = str(tmp_path / "o.h5")
+    ingest([str(tmp_path / "a.npz")], out, abs_error=0.1, progress=False)
+    with h5py.File(out, "r") as f:
+        assert isinstance(f["x"], h5py.Group) and isinstance(f["y"], h5py.Dataset)
+
+
+def test_fsspec_inputs(tmp_path):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    a = np.arange(40, dtype=np.float32).reshape(10, 4)
+    buf = __import__("io").BytesIO()
+    np.save(buf, a)
+    fs.pipe("/ingest-in/a.npy", buf.getvalue())
+    out = str(tmp_path / "o.h5")
+    ingest(["memory://ingest-in/a.npy", "memory://ingest-in/a.npy"], out, samples="axis0", progress=False)
+    np.testing.assert_array_equal(_read_field(out, "x"), np.concatenate([a, a]))
+
+
+@pytest.mark.parametrize("case", ["missing", "shape", "dtype", "exists", "both-bounds", "npy-fields", "url-out"])
+def test_bad_input_stops_before_writing(tmp_path, case):
+    paths, _ = _npy_inputs(tmp_path, sizes=(4, 4))
+    out = str(tmp_path / "o.h5")
+    kw: dict = {}
+    if case == "missing":
+        paths.append(str(tmp_path / "gone.npy"))
+        match, err = "gone.npy.*not found", InputError
+    elif case == "shape":
+        np.save(tmp_path / "odd.npy", np.zeros((3, 3, 4), np.float32))
+        paths.append(str(tmp_path / "odd.npy"))
+        match, err = r"odd.npy.*shape \(3, 4\).*part0.npy", InputError
+    elif case == "dtype":
+        np.save(tmp_path / "odd.npy", np.zeros((3, 3, 5), np.float64))
+        paths.append(str(tmp_path / "odd.npy"))
+        match, err = "odd.npy.*float64", InputError
+    elif case == "exists":
+        open(out, "wb").close()
+        match, err = "already exists.*--overwrite", InputError
+    elif case == "both-bounds":
+        kw = {"abs_error": 0.1, "rel_error": 0.1}
+        match, err = "not both", ConfigError
+    elif case == "npy-fields":
+        kw = {"fields": ["a", "b"]}
+        match, err = "part0.npy.*one --fields name", InputError
+    else:
+        out = "s3://bucket/o.h5"
+        match, err = "local", ConfigError
+    before = set(os.listdir(tmp_path))
+    with pytest.raises(err, match=match):
+        ingest(paths, out, progress=False, **kw)
+    after = set(os.listdir(tmp_path))
+    assert after == before, f"files appeared: {after - before}"
+
+
+def test_nan_where_the_codec_cannot_keep_it(tmp_path, monkeypatch):
+    import solar.ingest as ing
+
+    a = np.ones((6, 4), np.float32)
+    a[4, 2] = np.nan
+    np.save(tmp_path / "n.npy", a)
+    out = str(tmp_path / "o.h5")
+    ingest([str(tmp_path / "n.npy")], out, abs_error=0.01, verify=True, progress=False)  # ebq keeps NaN
+    assert np.isnan(_read_field(out, "x")[4, 2])
+    monkeypatch.setattr(ing, "_codec_keeps_nan", lambda: False)
+    with pytest.raises(InputError, match=r"sample 4 of field 'x' \(input .*n.npy, sample 4\) contains NaN"):
+        ingest([str(tmp_path / "n.npy")], str(tmp_path / "o2.h5"), abs_error=0.01, progress=False)
+    assert not os.path.exists(tmp_path / "o2.h5.tmp")
+
+
+def test_verify_catches_damage(tmp_path):
+    paths, _ = _npy_inputs(tmp_path, sizes=(10,))
+    out = str(tmp_path / "o.h5")
+    ingest(paths, out, progress=False)
+    with h5py.File(out, "r+") as f:
+        f["x"][7, 0, 0] += 1
+    with pytest.raises(CorruptDataError, match="field 'x' sample 7: checksum"):
+        verify_file(out)
+
+
+def test_overwrite_replaces_atomically(tmp_path):
+    paths, want = _npy_inputs(tmp_path, sizes=(5,))
+    out = str(tmp_path / "o.h5")
+    with open(out, "w") as fh:
+        fh.write("old")
+    ingest(paths, out, overwrite=True, progress=False)
+    np.testing.assert_array_equal(_read_field(out, "x"), want)
+
+
+def test_resume_continues_from_the_journal(tmp_path, monkeypatch):
+    """A run that died after some batches (simulated in-process) resumes and matches a clean run."""
+    import solar.ingest as ing
+
+    paths, want = _npy_inputs(tmp_path, sizes=(30, 17))
+    out = str(tmp_path / "o.h5")
+    real = ing.sample_checksum
+    calls = {"n": 0}
+
+    def dying(buf):
+        calls["n"] += 1
+        if calls["n"] > 20:  # dies during the third batch of 8
+            raise KeyboardInterrupt
+        return real(buf)
+
+    monkeypatch.setattr(ing, "sample_checksum", dying)
+    with pytest.raises(KeyboardInterrupt):
+        ingest(paths, out, batch_size=8, abs_error=0.05, progress=False)
+    assert not os.path.exists(out) and os.path.exists(out + ".tmp")
+    assert json.load(open(out + ".ingest.json"))["batches_done"] == 2
+    monkeypatch.setattr(ing, "sample_checksum", real)
+    with pytest.raises(InputError, match="already exists|resume"):
+        open(out, "w").close()
+        ingest(paths, out, batch_size=8, abs_error=0.05, progress=False)
+    os.remove(out)
+    rep = ingest(paths, out, batch_size=8, abs_error=0.05, resume=True, verify=True, progress=False)
+    assert rep.resumed_from_batch == 2
+    assert np.abs(_read_field(out, "x") - want).max() <= 0.05
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(p))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+def _mpirun(args, env, **kw):
+    return subprocess.Popen(["mpirun", "-n", "2", "--bind-to", "none", SOLAR, "ingest", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, **kw)
+
+
+@pytest.mark.slow
+def test_sigkill_one_rank_then_resume_under_mpirun(tmp_path):
+    """The real thing: `mpirun -n 2 solar ingest`, SIGKILL of rank 1 mid-run, `--resume --verify`."""
+    paths, want = _npy_inputs(tmp_path, sizes=(64, 40), shape=(8, 8))
+    out = str(tmp_path / "o.h5")
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1", "SOLAR_INGEST_TEST_DELAY": "0.25"}
+    for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_SIZE", "SOLAR_EXPECT_WORLD"):
+        env.pop(var, None)
+    args = [*paths, "-o", out, "--batch-size", "8", "--abs-error", "0.01", "--no-progress"]
+    proc = _mpirun(args, env)
+    journal = out + ".ingest.json"
+    deadline = time.monotonic() + 120
+    done = 0
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            done = json.load(open(journal))["batches_done"]
+        except (OSError, ValueError, KeyError):
+            done = 0
+        if done >= 3:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, f"ingest ended before it could be killed: {proc.communicate()}"
+    ranks = [p for p in _children(proc.pid) if "python" in open(f"/proc/{p}/cmdline").read()]
+    assert len(ranks) == 2, f"expected 2 rank processes under mpirun, found {ranks}"
+    os.kill(max(ranks), signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert not os.path.exists(out), "a killed run must not leave the output"
+    assert os.path.exists(out + ".tmp")
+    killed_at = json.load(open(journal))["batches_done"]
+    assert 3 <= killed_at < 13
+    env["SOLAR_INGEST_TEST_DELAY"] = "0"
+    res = _mpirun([*args, "--resume", "--verify", "--json"], env)
+    stdout, stderr = res.communicate(timeout=120)
+    assert res.returncode == 0, stderr
+    rep = json.loads(stdout.strip().splitlines()[-1])
+    assert rep["resumed_from_batch"] >= killed_at and rep["verified"] and rep["world_size"] == 2
+    got = _read_field(out, "x")
+    assert got.shape == want.shape and np.abs(got - want).max() <= 0.01
+    verify_file(out)
+    assert not os.path.exists(out + ".tmp") and not os.path.exists(journal)
+
+
+def test_cli_serial_and_exit_codes(tmp_path):
+    from solar.cli import main
+
+    paths, want = _npy_inputs(tmp_path, sizes=(6,))
+    out = str(tmp_path / "o.h5")
+    assert main(["ingest", *paths, "-o", out, "--no-progress", "--verify"]) == 0
+    assert main(["ingest", *paths, "-o", out, "--no-progress"]) == 2  # exists
+    with h5py.File(out, "r") as f:
+        from solar.io_backends import open_backend
+
+        n, specs = describe_fields(open_backend(out))
+        assert n == 6 and specs[0].name == "x"
