@@ -291,3 +291,26 @@ def test_distributed_option_takes_rank_from_the_environment(h5path, monkeypatch)
     assert a == [4] * 6 and loader.sampler.epoch == 0
     list(loader)
     assert loader.sampler.epoch == 1  # advanced by itself
+
+
+def test_golden_state_v1_still_loads(tmp_path):
+    """A state saved by SOLAR's first format (committed fixture) resumes at its global position."""
+    import json
+    from pathlib import Path
+
+    state = json.loads((Path(__file__).parent / "fixtures" / "loader" / "state-v1-schedule.json").read_text())
+    path = str(tmp_path / "a.h5")
+    write_ptycho_h5(path, 40, 4, progress=False)
+    ds = solar.H5Dataset(path)
+    loaders = [solar.DataLoader(ds, batch_size=4, buffer=6,
+                                sampler=tud.DistributedSampler(ds, num_replicas=2, rank=r, seed=3)) for r in range(2)]
+    for ld in loaders:
+        ld.load_state_dict(state)
+        assert ld.sampler.epoch == 2
+    got = [list(ld) for ld in loaders]
+    order = solar.schedule.global_order(40, 2, 3, 2)
+    assert len(got[0]) == 3  # 5 steps per epoch, 2 done at position 16
+    for k in range(3):
+        xs = torch.cat([got[r][k][0] for r in range(2)]).flatten(1)
+        want = torch.stack([ds[int(i)][0] for i in order[16 + 8 * k:24 + 8 * k]]).flatten(1)
+        assert torch.equal(torch.sort(xs, dim=0)[0], torch.sort(want, dim=0)[0])

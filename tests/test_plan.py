@@ -63,3 +63,19 @@ def test_nonsense_is_refused_with_a_reason(capsys, args, match):
         base[k] = v
     rc = main(["plan", *[x for kv in base.items() for x in kv]])
     assert rc == 2 and match in capsys.readouterr().err
+
+
+FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "loader"
+
+
+def test_golden_plan_is_stable(tmp_path, capsys):
+    """The committed dump (solar-plan v1) must be reproduced exactly: a changed schedule would change
+    which rank reads what for users resuming or comparing runs across SOLAR versions."""
+    dump = tmp_path / "plan.json"
+    rc = main(["plan", "--samples", "40", "--epochs", "3", "--world-size", "2", "--batch-size", "4",
+               "--buffer", "6", "--seed", "3", "--json", "--dump", str(dump)])
+    assert rc == 0
+    capsys.readouterr()
+    golden = json.loads((FIXTURES / "plan-v1-N40-P2-b4-C6-s3.json").read_text())
+    assert json.loads(dump.read_text()) == golden
+    assert check_dump(golden, capacity=6, batch_size=4)["hits"] > 0
