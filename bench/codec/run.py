@@ -193,12 +193,48 @@ def gpu_decode(x: np.ndarray, eb: float, batch: int = 16, reps: int = 10) -> flo
     return x.nbytes * batch / t / 1e9
 
 
+def batch_rows(reps: int, rel: float, sizes=(64, 128), batch: int = 64) -> list[dict]:
+    """The loader's case: a mini-batch of PtychoNN-like samples (``solar.synthetic``).
+
+    solar decodes the whole batch with one ``decode_batch`` call (one sequence of tensor ops);
+    the others decode sample by sample, as a training loop would have to.
+    """
+    from solar.synthetic import ptycho_block
+
+    rows = []
+    comps = [c for c in (PySZ(), ZFP()) if c.available()]
+    for size in sizes:
+        xs, ys = ptycho_block(0, batch, size=size)
+        for fname, arr in ((f"ptycho x {size}x{size}", xs), (f"ptycho y {size}x{size}", ys)):
+            arr = np.ascontiguousarray(arr, dtype=np.float32)
+            eb = rel * (float(arr.max()) - float(arr.min()))
+            print(f"\n## batch of {batch}: {fname} {arr.shape[1:]} rel {rel:g}")
+            print(f"{'decoder':34s} {'ratio':>8s} {'err/eb':>7s} {'dec MB/s':>9s}")
+            blobs = [sc.encode(a, abs_error=eb) for a in arr]
+            y, t_b = _best(lambda: sc.decode_batch(blobs), reps)
+            _, t_1 = _best(lambda: [sc.decode(b) for b in blobs], reps)
+            err = float(np.max(np.abs(y.numpy().astype(np.float64) - arr)))
+            ratio = arr.nbytes / sum(map(len, blobs))
+            cases = [("solar decode_batch", ratio, err, t_b), ("solar decode, one by one", ratio, err, t_1)]
+            for comp in comps:
+                cb = [comp.compress(a, eb) for a in arr]
+                outs, t = _best(lambda: [comp.decompress(c, a) for c, a in zip(cb, arr)], reps)
+                cerr = max(float(np.max(np.abs(o.astype(np.float64) - a))) for o, a in zip(outs, arr))
+                cases.append((f"{comp.name}, one by one", arr.nbytes / sum(map(len, cb)), cerr, t))
+            for name, r, e, t in cases:
+                rows.append({"field": fname, "batch": batch, "rel": rel, "compressor": name, "ratio": r,
+                             "max_err_over_bound": e / eb, "dec_MBps": arr.nbytes / t / 1e6, "bound_ok": e <= eb})
+                print(f"{name:34s} {r:8.2f} {e / eb:7.4f} {arr.nbytes / t / 1e6:9.0f}")
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rel", type=float, nargs="+", default=[1e-3, 1e-2, 1e-4])
     ap.add_argument("--n", type=int, default=128, help="side of the synthetic 3-D fields")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--fields", nargs="*", help="subset of field names")
+    ap.add_argument("--no-batch", action="store_true", help="skip the mini-batch (loader) section")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -226,6 +262,8 @@ def main(argv=None) -> int:
                 print(f"{comp.name:34s} {r['ratio']:8.2f} {r['max_err_over_bound']:7.4f} {r['psnr']:6.1f} "
                       f"{r['enc_MBps']:9.0f} {r['dec_MBps']:9.0f}{gpu}")
     summary = summarize(rows, args.rel)
+    if not args.no_batch:
+        rows += batch_rows(args.reps, args.rel[0])
     Path(args.out).write_text(json.dumps({
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "note": "shared 2-core machine; best-of-reps timings"},

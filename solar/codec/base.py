@@ -30,6 +30,7 @@ class Parsed:
     header: Header
     payload: memoryview
     what: str  # names the blob/sample in error messages
+    meta: Any = None  # the codec's validated metadata, cached by the codec on first use
 
 
 class Codec(ABC):

@@ -232,6 +232,11 @@ class EBQCodec(Codec):
     # ------------------------------------------------------------------ decoder
     def _meta(self, blob: Parsed) -> tuple:
         """Validated metadata as the v4 tuple (v1 blobs: ``cubic_levels`` from the predictor id)."""
+        if blob.meta is None:
+            blob.meta = self._parse_meta(blob)
+        return blob.meta
+
+    def _parse_meta(self, blob: Parsed) -> tuple:
         self.check_version(blob)
         h, what = blob.header, blob.what
         fmt = _METAS[h.version]
