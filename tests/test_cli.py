@@ -47,3 +47,12 @@ def test_demo_writes_and_reads_back(tmp_path, capsys):
     assert "match" in out and "MISMATCH" not in out
     assert (tmp_path / "ptycho.h5").exists()
     assert not (tmp_path / "ptycho.h5.tmp").exists()
+
+
+def test_bench_lists_and_rejects_unknown(capsys):
+    from solar.cli import bench
+
+    names = bench.available()
+    assert {"loader", "codec", "checkpoint"} <= set(names)
+    assert main(["bench", "no-such-bench"]) == 2
+    assert "choose one of" in capsys.readouterr().err
