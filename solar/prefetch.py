@@ -18,12 +18,15 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2) -> Iterator[R]:
+def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2, cancel: bool = True) -> Iterator[R]:
     """Yield ``fn(item)`` for each item, computing up to ``depth`` items ahead on a background thread.
 
     ``depth=0`` runs ``fn`` inline. Exceptions from ``fn`` are re-raised, with their type, when
-    their item is reached. Closing the generator early cancels what has not started and waits
-    for the running fetch, so no read outlives the epoch.
+    their item is reached. Closing the generator early waits for the running fetch, so no read
+    outlives the epoch; with ``cancel=True`` what has not started is dropped, with ``cancel=False``
+    it still runs. Collective reads need ``cancel=False``: how many fetches were *submitted*
+    depends only on how many results the consumer took, which is the same on every rank, while
+    how many had *started* depends on timing.
     """
     if depth <= 0:
         for item in items:
@@ -40,6 +43,7 @@ def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2) -> Iterat
         while pending:
             yield pending.popleft().result()
     finally:
-        for fut in pending:
-            fut.cancel()
+        if cancel:
+            for fut in pending:
+                fut.cancel()
         pool.shutdown(wait=True)

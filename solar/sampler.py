@@ -220,7 +220,8 @@ class SolarBatchSampler(BatchSampler):
         steps = self._steps(resume, P, rank)
         size = self.group_size(b)
         groups = iter(lambda: list(itertools.islice(steps, size)), [])
-        for group in _prefetch(groups, fetch, 1 if self.prefetch else 0):
+        collective = bool(getattr(getattr(self.dataset, "backend", None), "collective", False))
+        for group in _prefetch(groups, fetch, 1 if self.prefetch else 0, cancel=not collective):
             yield from group
 
     def group_size(self, batch_size: int) -> int:

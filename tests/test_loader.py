@@ -314,3 +314,27 @@ def test_golden_state_v1_still_loads(tmp_path):
         xs = torch.cat([got[r][k][0] for r in range(2)]).flatten(1)
         want = torch.stack([ds[int(i)][0] for i in order[16 + 8 * k:24 + 8 * k]]).flatten(1)
         assert torch.equal(torch.sort(xs, dim=0)[0], torch.sort(want, dim=0)[0])
+
+
+@pytest.mark.parametrize("cancel", [True, False])
+def test_prefetch_order_errors_and_early_close(cancel):
+    from solar.prefetch import prefetch
+
+    ran = []
+
+    def fn(i):
+        ran.append(i)
+        if i == 7:
+            raise KeyError("item 7")
+        return i * 2
+
+    assert list(prefetch(range(5), fn, depth=2, cancel=cancel)) == [0, 2, 4, 6, 8]
+    with pytest.raises(KeyError, match="item 7"):
+        list(prefetch(range(10), fn, depth=3, cancel=cancel))
+    ran.clear()
+    gen = prefetch(range(100), fn, depth=2, cancel=cancel)
+    assert next(gen) == 0
+    gen.close()
+    # items 0..2 were submitted before the first result was handed out; without cancel all of them
+    # run (what every rank can count on), with cancel those not yet started are dropped
+    assert ran == sorted(ran) and set(ran) <= {0, 1, 2} and (cancel or ran == [0, 1, 2])
