@@ -20,9 +20,8 @@ from solar.checkpoint import merkle
 from solar.checkpoint.chunking import hash_chunks, hasher
 from solar.checkpoint.manifest import decode, encode
 from solar.checkpoint.store import CheckpointStore, chunk_key, manifest_key, referenced
-from test_tiers import s3_bucket  # noqa: F401  (fixture: moto S3 on 127.0.0.1)
-
 from solar.errors import CheckpointError, CheckpointLockedError, ConfigError, CorruptDataError, InputError
+from test_tiers import s3_bucket  # noqa: F401  (fixture: moto S3 on 127.0.0.1)
 
 KB = 1024
 
