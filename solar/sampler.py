@@ -122,6 +122,7 @@ class SolarBatchSampler(BatchSampler):
         self._key: Any = None
         self._capacity = 0
         self._resume: dict | None = None
+        self._capacities: dict[tuple[int, int, int], int] = {}
         #: what the running (or last) iteration is: mode, epoch, start position, global batch ...
         self.current: dict[str, Any] = {}
         if self.mode == "schedule":
@@ -149,7 +150,10 @@ class SolarBatchSampler(BatchSampler):
             return min(spec.samples, -(-n // world_size))
         if spec.fraction is not None:
             return int(spec.fraction * n // world_size)
-        return capacity_for_bytes(self.dataset.sample_nbytes(), spec.nbytes, world_size, batch_size)
+        key = (n, world_size, batch_size)
+        if key not in self._capacities:
+            self._capacities[key] = capacity_for_bytes(self.dataset.sample_nbytes(), spec.nbytes, world_size, batch_size)
+        return self._capacities[key]
 
     def plan_config(self) -> PlanConfig:
         """The schedule configuration of the next iteration (schedule mode)."""

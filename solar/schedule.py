@@ -102,6 +102,8 @@ def capacity_for_bytes(sizes: np.ndarray, budget: int, world_size: int, batch_si
     """
     sizes = np.asarray(sizes, dtype=np.int64)
     n = len(sizes)
+    if n and sizes.min() == sizes.max():  # raw fields: every sample costs the same
+        return int(min(-(-n // world_size), budget // max(1, int(sizes[0]))))
 
     def fits(c: int) -> bool:
         m = min(n, world_size * c)
