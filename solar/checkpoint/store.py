@@ -40,8 +40,12 @@ def _local_dir(root: str) -> str | None:
     return None if "://" in root else root
 
 
-def open_tier(root: "str | os.PathLike | Tier", **storage_options) -> Tier:
-    """The tier a checkpoint root lives on: a disk tier for local paths, fsspec for URLs."""
+def open_tier(root: "str | os.PathLike | Tier", *, durable: bool = True, **storage_options) -> Tier:
+    """The tier a checkpoint root lives on: a disk tier for local paths, fsspec for URLs.
+
+    ``durable=False`` skips the fsyncs of a local root: writes stay atomic against crashed
+    processes, but a power loss may lose recent versions.
+    """
     if isinstance(root, Tier):
         return root
     root = os.fspath(root)
@@ -49,7 +53,7 @@ def open_tier(root: "str | os.PathLike | Tier", **storage_options) -> Tier:
     if local is not None:
         from solar.cache.disk import DiskTier
 
-        return DiskTier(local)
+        return DiskTier(local, fsync=durable)
     from solar.cache.fsspec_tier import FsspecTier
 
     return FsspecTier(root, storage_options=storage_options or None)
@@ -150,10 +154,11 @@ class CheckpointStore:
         root: local directory, fsspec URL, or a :class:`~solar.cache.Tier` instance.
     """
 
-    def __init__(self, root: "str | os.PathLike | Tier", *, create: bool = False, **storage_options) -> None:
+    def __init__(self, root: "str | os.PathLike | Tier", *, create: bool = False, durable: bool = True,
+                 **storage_options) -> None:
         if not create and not isinstance(root, Tier):
             _must_exist(os.fspath(root), storage_options)
-        self.tier = open_tier(root, **storage_options)
+        self.tier = open_tier(root, durable=durable, **storage_options)
         self.root = str(getattr(self.tier, "root", None) or getattr(self.tier, "url", None) or root)
         from solar.cache.disk import DiskTier
 
