@@ -117,7 +117,8 @@ def quantize(x: np.ndarray, eb: float) -> Quantized | None:
     y = reconstruct_np(q, step, offset, dtype)
     ok = within_bound(x, y, eb)
     ok &= (y == 0) | (np.abs(y) >= np.finfo(dtype).tiny)  # no subnormal results (FTZ devices)
-    prod = q.astype(dtype) * ft(step)
+    with np.errstate(over="ignore"):  # an overflowing product already failed the bound check
+        prod = q.astype(dtype) * ft(step)
     ok &= (prod == 0) | (np.abs(prod) >= np.finfo(dtype).tiny)
     outliers = np.flatnonzero(~ok)
     return Quantized(q, step, offset, outliers.astype(np.int64))
