@@ -202,8 +202,11 @@ def flatten(state: Any) -> Flat:
     return Flat(skeleton, tensors, blobs)
 
 
-def materialize(refs: list[TensorRef], blob_buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Build the tensors as views over their blobs' (uint8) buffers, so shared storage stays shared."""
+def materialize(refs: list[TensorRef], blob_buffers: "list[torch.Tensor] | dict[int, torch.Tensor]") -> list[torch.Tensor]:
+    """Build the tensors as views over their blobs' (uint8) buffers, so shared storage stays shared.
+
+    ``blob_buffers`` is indexed by blob number: a list of all of them, or a dict of the ones needed.
+    """
     out = []
     for ref in refs:
         buf = blob_buffers[ref.blob]

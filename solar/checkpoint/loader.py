@@ -7,7 +7,7 @@ raises :class:`~solar.errors.CorruptDataError` naming the chunk and the tensors 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -19,8 +19,6 @@ from .manifest import Manifest
 from .store import CheckpointStore
 
 __all__ = ["load", "list_versions", "Reader"]
-
-MapLocation = "str | torch.device | dict[str, str] | Callable[[str], str] | None"
 
 
 def _target_device(saved: str, map_location: Any) -> torch.device:
@@ -92,8 +90,7 @@ class Reader:
         ref = refs[0]
         buf = self.read_blob(ref.blob)
         dev = _target_device(ref.device, map_location)
-        blobs = {ref.blob: buf if dev.type == "cpu" else buf.to(dev)}
-        return materialize([ref], _Lookup(blobs))[0]
+        return materialize([ref], {ref.blob: buf if dev.type == "cpu" else buf.to(dev)})[0]
 
     def state_dict(self, map_location: Any = None, *, progress: bool = False) -> Any:
         m = self.manifest
@@ -113,10 +110,6 @@ class Reader:
             bar.close()
         self._blobs.clear()
         return unflatten(m.skeleton, materialize(m.tensors, buffers))
-
-
-class _Lookup(dict):
-    """A dict that ``materialize`` can index like the list of blob buffers."""
 
 
 def load(root: "str | os.PathLike", step: int | None = None, map_location: Any = None, *, verify: bool = True,
