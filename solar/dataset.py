@@ -198,7 +198,10 @@ class H5Dataset(Dataset):
         lengths = ranges[:, 1] - ranges[:, 0]
         out = np.empty((int(lengths.sum()), *info.row_shape), dtype=info.dtype)
         starts = np.r_[0, np.cumsum(lengths)]
-        cut = np.linspace(0, len(ranges), t + 1).astype(int)
+        # split by rows (bytes), not by range count, so the threads finish together
+        cut = np.r_[0, np.searchsorted(starts[1:], np.linspace(0, starts[-1], t + 1)[1:-1], side="left") + 1,
+                    len(ranges)]
+        cut = np.maximum.accumulate(np.minimum(cut, len(ranges)))
         if self._pool is None:
             import pickle
             from concurrent.futures import ThreadPoolExecutor
