@@ -137,7 +137,8 @@ def predict_odd(E, axis: int, m: int, cubic: bool):
     if m % 2 == 0:
         c = P3[:, n_e - 1]
         c[...] = E3[:, n_e - 1]
-        c *= sign
+        if sign < 0:
+            c *= -1
     return P3, sign
 
 
