@@ -241,6 +241,25 @@ def test_staging_root_drains_to_main_root(tmp_path):
     assert verify(tmp_path / "shared").ok
 
 
+def test_staging_never_drops_a_version_before_it_is_drained(tmp_path):
+    """The staging root runs ahead of a slow drain; keep_last=1 there must not lose versions."""
+    x = torch.randn(16 * KB)
+    with CheckpointWriter(tmp_path / "shared", staging=tmp_path / "local", chunk_size=4 * KB, keep_last=1) as w:
+        release = __import__("threading").Event()
+        w._drain.submit(release.wait)  # hold the drain thread while five versions are staged
+        futures = []
+        for step in range(5):
+            x[step] = 100.0 + step
+            futures.append(w.save({"x": x}, step))
+            futures[-1].staged.result()
+        release.set()
+        results = [f.result() for f in futures]
+    assert [r.step for r in results] == list(range(5))
+    assert list_versions(tmp_path / "shared") == [4] and list_versions(tmp_path / "local") == [4]
+    assert bits(load(tmp_path / "shared")["x"]) == bits(x)
+    assert verify(tmp_path / "shared").ok and verify(tmp_path / "local").ok
+
+
 def test_gc_keeps_every_referenced_chunk(tmp_path):
     x = torch.randn(16 * KB)
     with CheckpointWriter(tmp_path, chunk_size=4 * KB) as w:

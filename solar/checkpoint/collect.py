@@ -30,7 +30,7 @@ class GcReport:
 
 
 def collect(store: CheckpointStore, keep_last: int | None = None, *, dry_run: bool = False,
-            full_sweep: bool = True) -> GcReport:
+            full_sweep: bool = True, protect: "set[int] | frozenset[int]" = frozenset()) -> GcReport:
     """Collect garbage in ``store``; the caller must hold the root's writer lock.
 
     Args:
@@ -40,12 +40,15 @@ def collect(store: CheckpointStore, keep_last: int | None = None, *, dry_run: bo
         full_sweep: list every chunk in the store (also finds chunks of interrupted saves); without
             it only the chunks of the removed versions are candidates, which costs O(manifests)
             instead of a listing of the store: what the writer does after each commit.
+        protect: steps kept whatever ``keep_last`` says (the writer's versions not yet drained
+            from its staging root).
     """
     if keep_last is not None and keep_last < 1:
         raise ConfigError(f"keep_last must be >= 1 (or None to keep every version), got {keep_last}")
     manifests = store.valid_manifests(warn=False)
     valid = {m.step for m in manifests}
-    keep = manifests if keep_last is None else manifests[-keep_last:]
+    newest = {m.step for m in manifests[-keep_last:]} if keep_last is not None else valid
+    keep = [m for m in manifests if m.step in newest or m.step in protect]
     report = GcReport(kept=[m.step for m in keep])
     report.removed_versions = [m.step for m in manifests if m.step not in set(report.kept)]
     report.removed_torn = [s for s in store.steps() if s not in valid]

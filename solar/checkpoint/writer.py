@@ -112,9 +112,9 @@ class _Sink:
             store.tier.cleanup_temp()  # temporaries of a killed writer; safe under the lock
         self.known: set[bytes] = referenced(store.valid_manifests(warn=False))
 
-    def gc(self, keep_last: int | None) -> None:
+    def gc(self, keep_last: int | None, protect: "set[int] | frozenset[int]" = frozenset()) -> None:
         if keep_last is not None:
-            self.known = collect(self.store, keep_last, full_sweep=False).live
+            self.known = collect(self.store, keep_last, full_sweep=False, protect=protect).live
 
 
 class CheckpointWriter:
@@ -185,6 +185,7 @@ class CheckpointWriter:
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="solar-ckpt-io")
         self._futures: list[Future] = []
         self._staged: list[Future] = []
+        self._undrained: set[int] = set()  # staged versions whose drain to the main root is pending
         self._closed = False
         self._mutex = threading.Lock()
 
@@ -298,7 +299,12 @@ class CheckpointWriter:
         manifest_bytes = sink.store.put_manifest(m)
         sink.known |= new_digests
         self._prev_trees, self._prev_step = new_trees, step
-        sink.gc(self.keep_last)
+        with self._mutex:
+            if self._stage is not None:
+                self._undrained.add(step)
+            protect = frozenset(self._undrained)
+        # gc runs here, in the one thread that writes this sink, so it never races a dedup decision
+        sink.gc(self.keep_last, protect)
         return SaveResult(step, m.logical_bytes, written, m.nchunks, nwritten, unchanged, manifest_bytes,
                           stage_seconds, time.perf_counter() - t0, sink.store.root)
 
@@ -372,4 +378,13 @@ class CheckpointWriter:
         dst.store.put_manifest(m)
         dst.known |= todo
         dst.gc(self.keep_last)
+        with self._mutex:
+            self._undrained.discard(step)
+        if self.keep_last is not None:
+            self._persist.submit(self._gc_staging)  # in the thread that writes the staging root
         return written
+
+    def _gc_staging(self) -> None:
+        with self._mutex:
+            protect = frozenset(self._undrained)
+        self._stage.gc(self.keep_last, protect)
