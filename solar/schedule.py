@@ -352,18 +352,6 @@ class Planner:
         self._planned += 1
         return EpochPlan(epoch, start, G, P, samples, rank, hit, keep)
 
-    def truncate(self, plan: EpochPlan, steps_done: int) -> None:
-        """Undo the keeps of ``plan``'s steps from ``steps_done`` on (the epoch stopped early).
-
-        Pinned keeps are first loads, so undoing them restores the residency exactly; every rank
-        must call it with the same ``steps_done`` to keep the plans identical.
-        """
-        if self.config.policy != "solar":
-            return
-        lo = min(len(plan.samples), steps_done * plan.global_batch)
-        undo = plan.samples[lo:][plan.keep[lo:]]
-        self._resident[undo] = False
-
     def reset(self) -> None:
         """Forget residency (buffers emptied, e.g. a new process)."""
         self._resident[:] = False
