@@ -13,6 +13,16 @@ NOTE [ One collective read per step ]
     keys, in the same order, the same number of times, passing an empty range list when it has
     nothing to read (the selection is then ``H5Sselect_none`` and the rank still joins the call).
     The class flag ``collective = True`` tells the loader so.
+
+NOTE [ Collective or independent transfer ]
+    The call is collective in both modes; what changes is the MPI-IO transfer. Collective
+    (two-phase) transfers pay when ranks' requests interleave densely in the file (many ranks,
+    large contiguous extents on a striped PFS): aggregators turn them into few large reads. For
+    sparse random rows -- a shuffled epoch -- they can cost more than they save: the aggregators
+    exchange data and may read the holes between rows. On this project's 2-core test machine
+    (local disk, OpenMPI 4.1 OMPIO) bench/io measured the independent union read several times
+    faster than the collective one; both make the same single call per rank and step. Measure on
+    your system (``bench/io/run.py``) and set ``transfer=`` or ``SOLAR_MPIIO_TRANSFER``.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from solar.errors import MPIUnavailableError
+from solar.errors import ConfigError, MPIUnavailableError
 
 from .hdf5 import HDF5Backend
 
@@ -60,9 +70,11 @@ class MPIHDF5Backend(HDF5Backend):
         comm: an mpi4py communicator (default ``MPI.COMM_WORLD``); not pickled.
         mpi_hints: MPI-IO hints (``MPI.Info``), e.g. ``{"romio_cb_read": "enable",
             "cb_buffer_size": "16777216"}``; strings only.
-        collective: ``True`` (default) for ``H5FD_MPIO_COLLECTIVE`` transfers; ``False`` makes the
-            same single union-selection read independent (for comparison in benchmarks). The
-            call is then still made by every rank, so the contract does not change.
+        transfer: ``"collective"`` (default; ``H5FD_MPIO_COLLECTIVE``, MPI-IO may aggregate with
+            two-phase I/O) or ``"independent"`` (the same single union-selection read per rank,
+            ``H5FD_MPIO_INDEPENDENT``). The environment variable ``SOLAR_MPIIO_TRANSFER`` sets
+            the default. Either way every rank makes every call, so switching needs no other
+            change. See NOTE [ Collective or independent transfer ].
     """
 
     name = "mpi-hdf5"
@@ -70,7 +82,12 @@ class MPIHDF5Backend(HDF5Backend):
 
     def __init__(self, url, comm=None, **options: Any) -> None:
         require_parallel_hdf5(f"backend 'mpi-hdf5' for {url}")
+        transfer = options.pop("transfer", None) or os.environ.get("SOLAR_MPIIO_TRANSFER", "collective")
+        if transfer not in ("collective", "independent"):
+            raise ConfigError(f"transfer must be 'collective' or 'independent' (also via SOLAR_MPIIO_TRANSFER), "
+                              f"got {transfer!r}")
         super().__init__(url, **options)
+        self.transfer = transfer
         self._comm = comm
 
     def _handle_attrs(self):
@@ -96,8 +113,8 @@ class MPIHDF5Backend(HDF5Backend):
         f = h5py.File(self.url, "r", driver="mpio", comm=self.comm,
                       rdcc_nbytes=self.options.get("rdcc_nbytes", 4 << 20), **kw)
         self._dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
-        mode = h5py.h5fd.MPIO_COLLECTIVE if self.options.get("collective", True) else h5py.h5fd.MPIO_INDEPENDENT
-        self._dxpl.set_dxpl_mpio(mode)
+        self._dxpl.set_dxpl_mpio(h5py.h5fd.MPIO_COLLECTIVE if self.transfer == "collective"
+                                 else h5py.h5fd.MPIO_INDEPENDENT)
         return f
 
     def _open(self) -> None:
