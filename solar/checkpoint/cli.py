@@ -167,10 +167,12 @@ def _export_safetensors(reader, path: str) -> int:
 
     from .flatten import materialize
 
+    from tqdm import tqdm
+
     m = reader.manifest
     buffers = {}
     tensors = {}
-    for ref in m.tensors:
+    for ref in tqdm(m.tensors, desc=f"export step {m.step}", unit="tensor", leave=False, disable=None):
         if ref.blob not in buffers:
             buffers[ref.blob] = reader.read_blob(ref.blob)
         (t,) = materialize([ref], buffers)
