@@ -182,6 +182,18 @@ class Backend(ABC):
     def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
         """Fill ``out`` with the rows of ``ranges`` (already checked); count ``stats.read_calls``."""
 
+    def read_fields(self, keys: Sequence[str], ranges: Sequence[Sequence[int]] | np.ndarray,
+                    out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """The same row ranges of several arrays (the fields of one step), key -> buffer.
+
+        ``out`` may hold preallocated buffers for some or all keys. On a collective backend this
+        is one collective call per key, in the order given, so every rank must pass the same keys.
+        """
+        out = dict(out or {})
+        for key in keys:
+            out[key] = self.read_ranges(key, ranges, out=out.get(key))
+        return out
+
     def read_all(self, key: str) -> np.ndarray:
         """Read a whole (small) array, e.g. an offsets index."""
         n = self.info(key).shape[0]

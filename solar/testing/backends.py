@@ -157,6 +157,15 @@ class BackendTests:
         assert got is out
         np.testing.assert_array_equal(out, self.expect(arrays["x"], ranges))
 
+    def test_read_fields_into_buffers(self, backend, arrays):
+        ranges = self.mine(backend, [(0, 2), (30, 33)])
+        n = sum(e - s for s, e in ranges)
+        xbuf = np.zeros((n, 3, 4), np.float32)
+        got = backend.read_fields(["x", "y"], ranges, out={"x": xbuf})
+        assert got["x"] is xbuf and list(got) == ["x", "y"]
+        for key in ("x", "y"):
+            np.testing.assert_array_equal(got[key], self.expect(arrays[key], ranges))
+
     def test_out_of_wrong_shape_or_dtype(self, backend):
         with pytest.raises(ValueError, match="out has shape"):
             backend.read_ranges("x", [(0, 2)], out=np.empty((3, 3, 4), np.float32))
