@@ -115,6 +115,18 @@ def test_diff_against_a_dcp_checkpoint(root, tmp_path, capsys):
     assert {c["name"] for c in json.loads(out)["changed"]} == {"model.w", "model.b"}
 
 
+def test_diff_across_chunk_sizes_rehashes(root, tmp_path, capsys):
+    path, state = root
+    with CheckpointWriter(tmp_path / "other", chunk_size=16 * KB) as wr:
+        wr.save(state, 1)
+    code, out, _ = run_cli(capsys, "diff", f"{path}@30", f"{tmp_path / 'other'}@1", "--json")
+    rep = json.loads(out)
+    assert rep["identical"] and rep["unchanged"] == 3
+    code, out, _ = run_cli(capsys, "diff", f"{path}@10", f"{tmp_path / 'other'}@1", "--json")
+    (w,) = [c for c in json.loads(out)["changed"] if c["name"] == "model.w"]
+    assert w["chunks"] == 1 and w["total_chunks"] == 4  # counted in B's 16 KiB chunks
+
+
 def test_show(root, capsys):
     path, _ = root
     code, out, _ = run_cli(capsys, "show", f"{path}@30")

@@ -244,11 +244,15 @@ def diff(a: "str | TensorTable", b: "str | TensorTable", *, values: bool = False
         ib = tb.tensors.get(name)
         if ib is None:
             continue
-        if comparable and ia.exact != ib.exact:  # a view in a SOLAR blob vs a plain file's tensor
-            side, table = (ta, ia) if not ia.exact else (tb, ib)
-            fresh = _tensor_info(side.loader(name), side.chunk_size, hasher(side.hash))
-            ia, ib = (fresh, ib) if table is ia else (ia, fresh)
-        if comparable and ia.root == ib.root and ia.dtype == ib.dtype and ia.shape == ib.shape:
+        if not comparable or ia.exact != ib.exact:
+            # different chunkings, or a view inside a larger SOLAR blob against a tensor's own
+            # bytes: hash what is needed of the tensors themselves with B's chunking
+            digest = hasher(tb.hash)
+            if not comparable or not ia.exact:
+                ia = _tensor_info(ta.loader(name), tb.chunk_size, digest)
+            if not ib.exact:
+                ib = _tensor_info(tb.loader(name), tb.chunk_size, digest)
+        if ia.root == ib.root and ia.dtype == ib.dtype and ia.shape == ib.shape:
             rep.unchanged += 1
             continue
         entry: dict[str, Any] = {"name": name}
@@ -256,7 +260,7 @@ def diff(a: "str | TensorTable", b: "str | TensorTable", *, values: bool = False
             entry["dtype"] = [ia.dtype, ib.dtype]
         if ia.shape != ib.shape:
             entry["shape"] = [ia.shape, ib.shape]
-        if comparable and len(ia.digests) == len(ib.digests):
+        if len(ia.digests) == len(ib.digests):
             nchg = int((ia.digests != ib.digests).any(axis=1).sum())
         else:
             nchg = max(len(ia.digests), len(ib.digests))
