@@ -3,7 +3,8 @@
 A "zygote" process imports torch once and forks one saver per cycle, so a cycle costs
 milliseconds instead of a Python start-up; the test SIGKILLs the saver after a random 0-200 ms
 (while it is hashing, writing chunks, committing a manifest or collecting garbage), then checks
-that the newest committed version loads bit-exact and that ``verify`` passes.
+that the newest committed version loads bit-exact and that ``verify`` passes. Every sixth cycle
+kills a full ``gc`` instead, which must never leave a manifest whose chunks are gone.
 """
 
 from __future__ import annotations
@@ -33,17 +34,21 @@ def make_state(step):
 
 ZYGOTE_SRC = '''
 import os, random, signal, sys
-from solar.checkpoint import CheckpointWriter, list_versions
+from solar.checkpoint import CheckpointWriter, gc, list_versions
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps killed savers
 root = sys.argv[1]
 print("ready", flush=True)
 for line in sys.stdin:
-    seed = int(line)
+    job, seed = line.split()
+    seed = int(seed)
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
             rng = random.Random(seed)
+            if job == "gc":  # a full collection (lists every chunk), killed part-way
+                gc(root, keep_last=rng.choice([1, 2]))
+                os._exit(0)
             writer = CheckpointWriter(root, chunk_size=16 * 1024, keep_last=rng.choice([None, 2, 3]))
             versions = list_versions(root)
             step = versions[-1] + 1 if versions else 0
@@ -85,11 +90,12 @@ def test_sigkill_while_saving_never_loses_the_last_committed_version(tmp_path):
     kills, with_temporaries, last = 0, 0, -1
     try:
         assert zygote.stdout.readline().strip() == "ready"
-        for cycle in range(55):
-            zygote.stdin.write(f"{cycle}\n")
+        for cycle in range(60):
+            job = "gc" if cycle % 6 == 5 else "save"
+            zygote.stdin.write(f"{job} {cycle}\n")
             zygote.stdin.flush()
             pid = int(zygote.stdout.readline())
-            time.sleep(rng.uniform(0.0, 0.2))
+            time.sleep(rng.uniform(0.0, 0.2 if job == "save" else 0.02))
             os.kill(pid, signal.SIGKILL)
             kills += 1
             _gone(pid)
@@ -97,7 +103,7 @@ def test_sigkill_while_saving_never_loses_the_last_committed_version(tmp_path):
             versions = list_versions(root)
             if not versions:
                 continue
-            assert versions[-1] >= last, "a committed version disappeared"
+            assert versions[-1] >= last, "the newest committed version disappeared"
             last = versions[-1]
             got = load(root)
             want = make_state(last)
@@ -110,6 +116,6 @@ def test_sigkill_while_saving_never_loses_the_last_committed_version(tmp_path):
     finally:
         zygote.stdin.close()
         zygote.wait(timeout=60)
-    assert kills >= 50
+    assert kills >= 60
     assert last > 10, "the savers barely committed anything; the test did not exercise increments"
     print(f"{kills} SIGKILLs, newest step {last}, {with_temporaries} kills left torn temporaries behind")
