@@ -257,13 +257,14 @@ class H5Dataset(Dataset):
                     "damaged: re-create it (solar ingest) or pass verify=False to read it anyway")
 
     def fetch_stored(self, indices: Sequence[int], buffer=None, keep: Callable[[np.ndarray], np.ndarray] | None = None,
-                     shared: bool = False) -> StoredBatch:
+                     shared: bool = False, evict: Sequence[int] | None = None) -> StoredBatch:
         """Load the stored bytes of ``indices`` (batch order; repeats allowed).
 
         Hits come from ``buffer`` (a :class:`solar.cache.Tier` keyed by ``(field, index)``);
         misses are sorted, coalesced into runs and read with one ``read_ranges`` call per field
         (see NOTE [ Collective-safe reads ]). Misses for which ``keep(indices)`` is true are put
-        in ``buffer``. ``shared=True`` allocates raw outputs in shared memory (for workers).
+        in ``buffer``, after the samples in ``evict`` left it (hits are taken first).
+        ``shared=True`` allocates raw outputs in shared memory (for workers).
         """
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         self._check_index(idx)
@@ -283,6 +284,8 @@ class H5Dataset(Dataset):
             data = self._read_field(spec, miss)
             hits = {int(u): buffer.get((spec.name, int(uniq[u]))) for u in np.flatnonzero(resident)}
             if buffer is not None:
+                for i in (evict if evict is not None else ()):
+                    buffer.delete((spec.name, int(i)))
                 for j in np.flatnonzero(kept).tolist():
                     buffer.put((spec.name, int(miss[j])), np.array(data[j], copy=True))
             out.fields[spec.name] = self._assemble(spec, data, hits, mrank, inv, shared)
@@ -292,12 +295,13 @@ class H5Dataset(Dataset):
         self.stats.steps += 1
         return out
 
-    def fetch_steps(self, steps: Sequence[Sequence[int]], buffer=None, keep=None, shared: bool = False) -> list[StoredBatch]:
+    def fetch_steps(self, steps: Sequence[Sequence[int]], buffer=None, keep=None, shared: bool = False,
+                    evict: Sequence[int] | None = None) -> list[StoredBatch]:
         """:meth:`fetch_stored` for several steps in one pass (one ``read_ranges`` per field for all
         of them, so runs and sieving span steps), split back into one batch per step."""
         lengths = [len(s) for s in steps]
         flat = [int(i) for s in steps for i in s]
-        whole = self.fetch_stored(flat, buffer=buffer, keep=keep, shared=shared)
+        whole = self.fetch_stored(flat, buffer=buffer, keep=keep, shared=shared, evict=evict)
         bounds = np.r_[0, np.cumsum(lengths)].tolist()
         out = []
         for a, b in zip(bounds[:-1], bounds[1:]):

@@ -195,14 +195,14 @@ class SolarBatchSampler(BatchSampler):
             plan = self._planner.plan(epoch, start)
             self.current = {"mode": "schedule", "epoch": epoch, "start": start, "global_batch": plan.global_batch,
                             "world_size": P, "plan": plan}
-            for step in plan.rank_steps(rank):
-                yield step.tolist()
+            for step, (keep, evict) in zip(plan.rank_steps(rank), plan.rank_actions(rank)):
+                yield step.tolist(), keep, evict
             return
         skip = int(resume["batches"]) if resume and resume.get("mode") == "passthrough" else 0
         self.current = {"mode": "passthrough", "start": skip}
         for k, batch in enumerate(self.inner):
             if k >= skip:
-                yield list(batch)
+                yield list(batch), None, None
 
     def __iter__(self) -> Iterator[list[int]]:
         from solar.dataset import StepBatch
@@ -211,12 +211,23 @@ class SolarBatchSampler(BatchSampler):
         P, rank = self._prepare()
         b, C = self._geometry()[2], self._capacity
 
-        def keep(miss: np.ndarray) -> np.ndarray:
-            return owner_of(miss, P, b, C) == rank
+        def fetch(group: list[tuple]) -> list[StepBatch]:
+            # schedule mode: the plan says what this rank keeps and evicts (ownership moves, see
+            # NOTE [ Rebalancing ... ] in solar/schedule.py); passthrough: it keeps what it owns
+            if group[0][1] is None:
+                def keep(miss: np.ndarray) -> np.ndarray:
+                    return owner_of(miss, P, b, C) == rank
+                evict = None
+            else:
+                evict = np.concatenate([g[2] for g in group])
+                # a group spans steps: what the buffer must hold after them is (kept - evicted)
+                wanted = np.setdiff1d(np.concatenate([g[1] for g in group]), evict)
 
-        def fetch(group: list[list[int]]) -> list[StepBatch]:
-            stored = self.dataset.fetch_steps(group, buffer=self.buffer, keep=keep, shared=self.shared)
-            out = [StepBatch(indices) for indices in group]
+                def keep(miss: np.ndarray) -> np.ndarray:
+                    return np.isin(miss, wanted)
+            steps = [g[0] for g in group]
+            stored = self.dataset.fetch_steps(steps, buffer=self.buffer, keep=keep, shared=self.shared, evict=evict)
+            out = [StepBatch(indices) for indices in steps]
             for batch, st in zip(out, stored):
                 batch.stored = st
             return out

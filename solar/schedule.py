@@ -28,6 +28,16 @@ NOTE [ Pinned residency: why the bound is reached ]
     Residency never needs the future order, which is also why the dataset can decide hits online
     ("is it in my buffer?") and keeps ("do I own it?") and always agree with the plan.
 
+NOTE [ Rebalancing with the next epoch's order ]
+    A fixed owner per sample loses the hits a rank cannot take because more than ``b`` of its
+    residents fall in one step (a binomial tail: large for small ``b`` or ``P*C/N`` near 1). The
+    plan knows the next epoch's order, so while planning epoch ``e`` it finds the residents that
+    would overflow in epoch ``e+1`` and swaps each for a sample its owner *reads anyway* in epoch
+    ``e`` (a plain miss, at or after the dropped sample's last use in ``e``) that lands in a step of
+    ``e+1`` where that rank has room: the owner evicts one and keeps the other. Capacity never
+    grows, no hit of epoch ``e`` is lost, and the plan lists the evictions so each rank's buffer
+    follows them exactly. If the next epoch turns out different, nothing becomes invalid.
+
 Baselines for comparison (``policy="lru"`` and ``policy="fifo"``) are simulated step by step in
 Python; they exist for ``solar plan`` and ``bench/plan`` only.
 """
@@ -213,6 +223,11 @@ class EpochPlan:
     rank: np.ndarray  # assigned rank per position
     hit: np.ndarray  # bool: served from that rank's buffer
     keep: np.ndarray  # bool: read and kept in that rank's buffer
+    #: evictions: at step ``evict_step[i]`` rank ``evict_rank[i]`` drops ``evict_sample[i]`` (before
+    #: that step's keeps); only the solar policy's rebalancing evicts
+    evict_step: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    evict_rank: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    evict_sample: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     _by_rank: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -239,6 +254,17 @@ class EpochPlan:
             bounds = np.searchsorted(pos, np.arange(1, self.num_steps) * self.global_batch)
             self._by_rank[rank] = [self.samples[p] for p in np.split(pos, bounds)]
         return self._by_rank[rank]
+
+    def rank_actions(self, rank: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per step, what ``rank``'s buffer does: ``(samples to keep after reading, samples to evict)``."""
+        pos = np.flatnonzero((self.rank == rank) & self.keep)
+        ksteps = pos // self.global_batch
+        mine = self.evict_rank == rank
+        esteps, esamples = self.evict_step[mine], self.evict_sample[mine]
+        out = []
+        for k in range(self.num_steps):
+            out.append((self.samples[pos[ksteps == k]], esamples[esteps == k]))
+        return out
 
     def read_calls(self) -> int:
         """Coalesced range reads this epoch needs: runs of consecutive indices per (step, rank)."""
@@ -274,6 +300,18 @@ def _step_quota(n: int, G: int, P: int) -> np.ndarray:
         quota[-1] = last // P
         quota[-1, : last % P] += 1
     return quota
+
+
+def _grouped_accept(items: np.ndarray, key: np.ndarray, free: np.ndarray) -> np.ndarray:
+    """Mask over ``items`` (in priority order): per ``key``, the first ``free[key]`` are accepted."""
+    o = np.argsort(key, kind="stable")
+    k = key[o]
+    first = np.ones(len(k), dtype=bool)
+    first[1:] = k[1:] != k[:-1]
+    start = np.maximum.accumulate(np.where(first, np.arange(len(k)), 0))
+    ok = np.zeros(len(k), dtype=bool)
+    ok[o] = (np.arange(len(k)) - start) < free[k]
+    return ok
 
 
 def _assign_pinned(samples: np.ndarray, G: int, P: int, owner: np.ndarray, resident: np.ndarray):
@@ -320,18 +358,23 @@ class Planner:
     from empty buffers, which is what a freshly started or resumed process has.
     """
 
+    #: move ownership with the next epoch's order (NOTE [ Rebalancing ... ]); off = plain pinning
+    rebalance: bool = True
+
     def __init__(self, config: PlanConfig) -> None:
         self.config = config
         c = config
         self._resident = np.zeros(c.num_samples, dtype=bool)  # solar policy: resident on owner
+        self._owner = owner_of(np.arange(c.num_samples), c.world_size, c.batch_size, c.capacity)
         self._planned = 0  # plans made so far (the first is the fill epoch of the baselines)
         if c.policy != "solar":
             self._caches = [collections.OrderedDict() for _ in range(c.world_size)]
             self._holder: dict[int, int] = {}
 
     def owners(self, indices: np.ndarray) -> np.ndarray:
-        c = self.config
-        return owner_of(indices, c.world_size, c.batch_size, c.capacity)
+        """Current owner (keeper) of each index, -1 for none. Starts as :func:`owner_of`; the
+        rebalancing moves ownership between samples (see NOTE [ Rebalancing ... ])."""
+        return self._owner[np.asarray(indices, dtype=np.int64)]
 
     def order(self, epoch: int) -> np.ndarray:
         c = self.config
@@ -347,14 +390,86 @@ class Planner:
         G, P = c.global_batch, c.world_size
         if c.policy == "solar":
             rank, hit, keep = self._plan_pinned(samples, G, P)
+            plan = EpochPlan(epoch, start, G, P, samples, rank, hit, keep)
+            if self.rebalance and P > 1 and c.capacity:
+                self._rebalance(plan, self.order(epoch + 1))
         else:
             rank, hit, keep = self._plan_baseline(samples, G, P, epoch)
+            plan = EpochPlan(epoch, start, G, P, samples, rank, hit, keep)
         self._planned += 1
-        return EpochPlan(epoch, start, G, P, samples, rank, hit, keep)
+        return plan
+
+    def _rebalance(self, plan: EpochPlan, nxt: np.ndarray) -> None:
+        """See NOTE [ Rebalancing with the next epoch's order ]; edits ``plan`` and the residency."""
+        c = self.config
+        N, P, G = c.num_samples, c.world_size, c.global_batch
+        samples = plan.samples
+        kn = np.full(N, -1, dtype=np.int64)  # step of each sample's first occurrence in the next epoch
+        kn[nxt[::-1]] = np.arange(len(nxt) - 1, -1, -1) // G
+        room = _step_quota(len(nxt), G, P).reshape(-1).copy()
+        res = np.flatnonzero(self._resident & (kn >= 0))
+        cell = kn[res] * P + self._owner[res]
+        room -= np.bincount(cell, minlength=room.size)
+        if room.min(initial=0) >= 0:
+            return  # nothing would overflow next epoch
+        once = np.bincount(samples, minlength=N) == 1  # appears once this epoch (no padding repeat)
+        first_pos = np.full(N, -1, dtype=np.int64)
+        first_pos[samples] = np.arange(len(samples))  # position of each (once-appearing) sample
+        ke = np.where(first_pos >= 0, first_pos // G, -1)  # and its step, this epoch
+        # drop candidates: residents of overflowing next-epoch cells, earliest used this epoch first
+        cand = res[(room[cell] < 0) & once[res] & (ke[res] >= 0)]
+        ccell = kn[cand] * P + self._owner[cand]
+        cand, ccell = cand[np.lexsort((ke[cand], ccell))], ccell[np.lexsort((ke[cand], ccell))]
+        drops = cand[_grouped_accept(np.arange(len(cand)), ccell, -np.minimum(room, 0))]
+        # adoption candidates: plain reads this epoch of unowned samples, landing next epoch in a
+        # (step, rank) cell with room
+        pos = np.flatnonzero(~plan.hit & ~plan.keep)
+        u = samples[pos]
+        ok = (self._owner[u] < 0) & once[u] & (kn[u] >= 0)
+        pos, u = pos[ok], u[ok]
+        ucell = kn[u] * P + plan.rank[pos]
+        pos, u, ucell = pos[room[ucell] > 0], u[room[ucell] > 0], ucell[room[ucell] > 0]
+        ev_step, ev_rank, ev_sample = [], [], []
+        by_rank = np.argsort(plan.rank[pos], kind="stable")  # positions stay ascending within a rank
+        pos, u, ucell = pos[by_rank], u[by_rank], ucell[by_rank]
+        bounds = np.searchsorted(plan.rank[pos], np.arange(P + 1))
+        drop_owner = self._owner[drops]
+        for r in np.unique(drop_owner).tolist():
+            d = drops[drop_owner == r]
+            up, uu, uc = (a[bounds[r]:bounds[r + 1]] for a in (pos, u, ucell))
+            if not len(up):
+                continue
+            d = d[np.argsort(ke[d], kind="stable")]
+            ustep = up // G
+            # drop i takes the first unused read at or after its own step: j_i = max(ss_i, j_{i-1} + 1)
+            ss = np.searchsorted(ustep, ke[d], side="left")
+            j = np.maximum.accumulate(ss - np.arange(len(d))) + np.arange(len(d))
+            m = j < len(up)
+            d, j = d[m], j[m]
+            okr = _grouped_accept(np.arange(len(j)), uc[j], room)
+            d, j = d[okr], j[okr]
+            room -= np.bincount(uc[j], minlength=room.size)
+            plan.keep[up[j]] = True
+            self._owner[uu[j]] = r
+            self._resident[uu[j]] = True
+            self._owner[d] = -1
+            self._resident[d] = False
+            # a dropped sample first loaded this epoch is simply not kept; the others are evicted
+            loaded_now = plan.keep[first_pos[d]]
+            plan.keep[first_pos[d[loaded_now]]] = False
+            ev_step.append(ustep[j][~loaded_now])
+            ev_rank.append(np.full(int((~loaded_now).sum()), r, dtype=np.int64))
+            ev_sample.append(d[~loaded_now])
+        if ev_step:
+            plan.evict_step = np.concatenate(ev_step)
+            plan.evict_rank = np.concatenate(ev_rank)
+            plan.evict_sample = np.concatenate(ev_sample)
 
     def reset(self) -> None:
         """Forget residency (buffers emptied, e.g. a new process)."""
         self._resident[:] = False
+        c = self.config
+        self._owner = owner_of(np.arange(c.num_samples), c.world_size, c.batch_size, c.capacity)
         self._planned = 0
         if self.config.policy != "solar":
             self._caches = [collections.OrderedDict() for _ in range(self.config.world_size)]

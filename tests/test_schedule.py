@@ -25,6 +25,22 @@ def torch_global_batches(n, P, b, seed, epoch, shuffle, drop_last, drop_last_bat
     return [sorted(x for r in range(P) for x in per[r][k * b:(k + 1) * b]) for k in range(steps)]
 
 
+def replay_buffers(plan, kept, capacity):
+    """What each rank's buffer does at run time: per step, hits must be held; then it evicts and
+    keeps what the plan says; it may never hold more than ``capacity`` samples."""
+    actions = [plan.rank_actions(r) for r in range(plan.world_size)]
+    for k in range(plan.num_steps):
+        sl = plan.step_slice(k)
+        for r in range(plan.world_size):
+            mine = plan.rank[sl] == r
+            for sample in plan.samples[sl][mine & plan.hit[sl]].tolist():
+                assert sample in kept[r], f"step {k} rank {r}: planned hit {sample} is not in the buffer"
+            keep, evict = actions[r][k]
+            kept[r] -= set(evict.tolist())
+            kept[r] |= set(keep.tolist())
+            assert len(kept[r]) <= capacity, f"step {k} rank {r}: {len(kept[r])} samples kept > {capacity}"
+
+
 configs = st.builds(
     lambda n, P, b, frac, seed, shuffle, dl, dlb: (n, P, b, frac, seed, shuffle, dl, dlb),
     st.integers(1, 160), st.integers(1, 6), st.integers(1, 9), st.floats(0, 1), st.integers(0, 2**31),
@@ -46,6 +62,7 @@ def test_plan_keeps_torch_global_batches_balances_ranks_and_only_claims_valid_hi
     c = make_config(*cfg, policy=policy)
     planner = Planner(c)
     dump = {"epochs": []}
+    kept = [set() for _ in range(c.world_size)]
     for e in range(3):
         plan = planner.plan(e)
         want = torch_global_batches(c.num_samples, c.world_size, c.batch_size, c.seed, e, c.shuffle, c.drop_last,
@@ -59,6 +76,8 @@ def test_plan_keeps_torch_global_batches_balances_ranks_and_only_claims_valid_hi
                 assert sizes == {c.batch_size}
             assert sorted(np.concatenate([batches[r][k] for r in range(c.world_size)]).tolist()) == g
         dump["epochs"].append(plan.to_dump())
+        if policy == "solar":
+            replay_buffers(plan, kept, c.capacity)
     stats = check_dump(dump, c.capacity, c.batch_size)
     assert stats["max_kept"] <= c.capacity
     if c.capacity == 0:
@@ -76,6 +95,17 @@ def test_pinned_policy_reaches_the_bound_and_beats_the_baselines():
         bound = P * C / n
         assert rates["solar"] >= 0.97 * bound, (frac, rates)
         assert rates["solar"] > 1.5 * max(rates["lru"], rates["fifo"]), (frac, rates)
+
+
+def test_rebalancing_recovers_the_overflow_of_small_batches():
+    n, P, b, C = 16384, 16, 4, 512  # P*C/N = 0.5 with 4 samples per rank and step
+    rates = {}
+    for rebalance in (False, True):
+        planner = Planner(PlanConfig(n, P, b, C, seed=3))
+        planner.rebalance = rebalance
+        rates[rebalance] = [planner.plan(e).hit_rate for e in range(4)]
+    assert rates[False][-1] < 0.97 * 0.5  # a fixed owner per sample overflows
+    assert rates[True][-1] >= 0.99 * 0.5 and rates[True][-1] > rates[False][-1]
 
 
 def test_fill_epoch_has_no_hits_and_world_size_one_keeps_torch_order():
