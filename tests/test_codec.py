@@ -18,7 +18,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "codec"
 
 # every registered codec runs the shipped conformance suite, with each of its main configurations
 CONFIGS = [{"id": "ebq", "predictor": p, "lossless": l}
-           for p, l in [("auto", "zstd"), ("cubic", "lz4"), ("linear", "zstd"), ("lorenzo", "none")]]
+           for p, l in [("auto", "zstd"), ("fine", "lz4"), ("interp", "zstd"), ("cubic", "lz4"),
+                        ("linear", "zstd"), ("lorenzo", "none")]]
 CONFIGS += [{"id": name} for name in sc.registry.names() if name != "ebq"]
 
 
@@ -80,6 +81,14 @@ def test_bad_inputs_raise_config_error():
         sc.decode_batch([123])
 
 
+def test_device_argument_forms():
+    blob = sc.encode(np.linspace(0, 1, 50, dtype=np.float32), abs_error=1e-3)
+    a = sc.decode(blob, device=torch.device("cpu"))
+    out = torch.empty(50)
+    assert torch.equal(sc.decode(blob, device="cpu", out=out), a)
+    assert torch.equal(sc.decode_batch([blob, blob], device=torch.device("cpu"))[1], a)
+
+
 def test_big_endian_and_non_contiguous_inputs():
     x = np.arange(24, dtype=">f8").reshape(4, 6)[:, ::2]
     y = sc.decode(sc.encode(x, abs_error=1e-9)).numpy()
@@ -130,3 +139,6 @@ def test_cuda_decode_matches_cpu():
     cpu = sc.decode_batch(blobs)
     gpu = sc.decode_batch(blobs, device="cuda")
     assert gpu.device.type == "cuda" and torch.equal(gpu.cpu(), cpu)
+    out = torch.empty((16, 16, 16), dtype=torch.float32, device="cuda")
+    assert sc.decode(blobs[0], device="cuda", out=out).data_ptr() == out.data_ptr()
+    assert torch.equal(out.cpu(), cpu[0])

@@ -139,8 +139,9 @@ def _check_out(out, h: Header, device) -> None:
     from .torch_ops import TORCH_DTYPES
 
     want = TORCH_DTYPES[h.dtype.itemsize]
-    if tuple(out.shape) != h.shape or out.dtype != want or out.device != torch.device(device) \
-            or not out.is_contiguous():
+    dev = torch.device(device)
+    same_device = out.device.type == dev.type and (dev.index is None or out.device.index == dev.index)
+    if tuple(out.shape) != h.shape or out.dtype != want or not same_device or not out.is_contiguous():
         raise ConfigError(
             f"out= must be a contiguous {want} tensor of shape {h.shape} on {device}, got "
             f"{out.dtype} {tuple(out.shape)} on {out.device}")

@@ -27,6 +27,10 @@ Format versions (all still decode; golden fixtures in ``tests/fixtures/codec``):
   int8 side stream for the values that do not fit (see :func:`_nibbles`).
 * ``ebq/4``: small leading (channel) axes are folded into the batch, so every channel is
   predicted on its own (``fold`` in the metadata).
+* ``ebq/5``: the ``fine`` predictor (SZ-style: predict from reconstructed values, quantize the
+  prediction error; integers in units of bin / 2**kshift, see
+  :func:`solar.codec.predict.interp_fine_stream`). It removes the white rounding noise that
+  pre-quantization leaves on smooth fields at loose bounds.
 """
 
 from __future__ import annotations
@@ -52,9 +56,10 @@ __all__ = ["EBQCodec"]
 # Private metadata per format version. v1: predictor, lossless, code_bytes, qint_bytes, step,
 # offset, codes_clen, n_esc, esc_clen, n_out, out_clen. v2 adds ``cubic_levels`` (bit l = cubic
 # interpolation on level l) after offset. v3 appends ``n_side`` (nibble mode: count of residuals
-# carried by the int8 side stream). v4 appends ``fold`` (leading axes treated as a batch).
+# carried by the int8 side stream). v4 appends ``fold`` (leading axes treated as a batch), v5
+# ``kshift`` (the ``fine`` predictor's K = 2**kshift; ``step`` is then the unit u = bin / K).
 _METAS = {1: struct.Struct("<BBBBddQQQQQ"), 2: struct.Struct("<BBBBddQQQQQQ"), 3: struct.Struct("<BBBBddQQQQQQQ"),
-          4: struct.Struct("<BBBBddQQQQQQQB")}
+          4: struct.Struct("<BBBBddQQQQQQQB"), 5: struct.Struct("<BBBBddQQQQQQQBB")}
 #: Leading axes of at most this size (channels: amplitude/phase, velocity components) are folded
 #: into the batch: each channel is predicted on its own instead of from its neighbour channel.
 _FOLD_MAX = 4
@@ -127,6 +132,29 @@ def _best_levels(q: np.ndarray) -> int:
     return sum(1 << lv for lv, (lin, cub) in cost.items() if cub < lin)
 
 
+#: The ``fine`` predictor's sub-bin resolution: K = 2**_KSHIFT units per bin.
+_KSHIFT = 4
+
+
+def _fine(array: np.ndarray, eb: float, qz: Quantized, bshape: tuple[int, ...]):
+    """Residuals of the ``fine`` predictor, or None when the data's range does not fit its grid."""
+    from .quantize import QMAX, verify
+
+    dtype = array.dtype
+    K = 1 << _KSHIFT
+    u = float(dtype.type(qz.step / K))
+    gmax = QMAX[dtype]
+    x = array.reshape(-1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        xu = (x.astype(np.float64) - qz.offset) / u
+    fin = np.isfinite(xu)
+    if u < float(np.finfo(dtype).tiny) or (fin.any() and np.abs(xu[fin]).max() >= gmax - K):
+        return None
+    r, G, mask = pr.interp_fine_stream(xu.reshape(bshape), K, gmax)
+    outliers = verify(x, G.reshape(-1), u, qz.offset, eb)
+    return r, mask, _KSHIFT, u, outliers, int(np.abs(G).max(initial=0))
+
+
 def _fold(shape: tuple[int, ...]) -> int:
     """How many leading axes are small enough to be channels (at least one axis stays spatial)."""
     k = 0
@@ -152,19 +180,22 @@ class EBQCodec(Codec):
     """Error-bounded quantizer with a GPU-parallel (torch ops) decoder.
 
     Args:
-        predictor: ``"auto"`` (try cubic interpolation and Lorenzo, keep the smaller blob),
-            ``"cubic"``, ``"linear"``, ``"lorenzo"``.
+        predictor: ``"auto"`` (try the ``fine`` interpolation predictor and Lorenzo, keep the
+            smaller blob), ``"fine"`` (SZ-style interpolation from reconstructed values),
+            ``"interp"`` (interpolation on pre-quantized integers, cubic/linear per level),
+            ``"cubic"``, ``"linear"`` (the same, one kind everywhere), ``"lorenzo"``.
         lossless: ``"zstd"`` (default when installed: best ratio), ``"lz4"`` (fastest), ``"none"``.
         level: lossless compression level (zstd 1..22, default 9; decode speed barely changes).
     """
 
     codec_id = "ebq"
-    version = 4
-    decodes = frozenset({1, 2, 3, 4})
+    version = 5
+    decodes = frozenset({1, 2, 3, 4, 5})
 
     def __init__(self, predictor: str = "auto", lossless: str | None = None, level: int | None = None):
         if predictor != "auto" and predictor not in pr.PREDICTOR_IDS or predictor == "raw":
-            raise ConfigError(f"ebq predictor must be 'auto', 'cubic', 'linear' or 'lorenzo', got {predictor!r}")
+            raise ConfigError("ebq predictor must be 'auto', 'fine', 'interp', 'cubic', 'linear' or 'lorenzo', "
+                              f"got {predictor!r}")
         lossless = lossless or ll.default_lossless()
         if lossless not in ll.LOSSLESS_IDS:
             raise ConfigError(f"ebq lossless must be one of {sorted(ll.LOSSLESS_IDS)}, got {lossless!r}")
@@ -179,13 +210,18 @@ class EBQCodec(Codec):
     def encode(self, array: np.ndarray, abs_error: float) -> bytes:
         x = np.ascontiguousarray(array).reshape(-1) if array.ndim == 0 else np.ascontiguousarray(array)
         qz = quantize(x, abs_error)
-        raw = self._pack_raw(array, abs_error)
         if qz is None:
-            return raw
-        names = ["cubic", "lorenzo"] if self.predictor == "auto" else [self.predictor]
+            return self._pack_raw(array, abs_error)
+        names = ["fine", "lorenzo"] if self.predictor == "auto" else [self.predictor]
         if self.predictor == "auto" and x.size < 64:
             names = ["lorenzo"]
-        best = min((self._pack(array, abs_error, qz, name) for name in names), key=len)
+        blobs = [self._pack(array, abs_error, qz, name) for name in names]
+        best = min((b for b in blobs if b is not None), key=len, default=None)
+        if best is None:  # "fine" alone, and the data's range does not fit its integer grid
+            best = self._pack(array, abs_error, qz, "interp")
+        if len(best) * 8 < array.nbytes:  # raw lossless is only worth trying when quantizing did poorly
+            return best
+        raw = self._pack_raw(array, abs_error)  # e.g. very tight bounds: quantizing does not pay
         return best if len(best) < len(raw) else raw
 
     def _blob(self, array, abs_error, meta: bytes, sections: list[bytes]) -> bytes:
@@ -194,18 +230,24 @@ class EBQCodec(Codec):
 
     def _pack_raw(self, array: np.ndarray, abs_error: float) -> bytes:
         data = ll.compress(np.ascontiguousarray(array).tobytes(), self.lossless, self.level)
-        meta = _METAS[4].pack(0, ll.LOSSLESS_IDS[self.lossless], array.dtype.itemsize, 0, 0.0, 0.0, 0,
-                              len(data), 0, 0, 0, 0, 0, 0)
+        meta = _METAS[5].pack(0, ll.LOSSLESS_IDS[self.lossless], array.dtype.itemsize, 0, 0.0, 0.0, 0,
+                              len(data), 0, 0, 0, 0, 0, 0, 0)
         return self._blob(array, abs_error, meta, [data])
 
-    def _pack(self, array: np.ndarray, abs_error: float, qz: Quantized, name: str) -> bytes:
+    def _pack(self, array: np.ndarray, abs_error: float, qz: Quantized, name: str) -> bytes | None:
         fold = _fold(qz.q.shape)
         q = qz.q.reshape((-1,) + (qz.q.shape[fold:] or (1,)))
-        mask = 0
-        if name == "lorenzo":
+        mask, kshift, step, outliers, qmax = 0, 0, qz.step, qz.outliers, int(np.abs(qz.q).max(initial=0))
+        if name == "fine":
+            fine = _fine(array, abs_error, qz, q.shape)
+            if fine is None:
+                return None
+            r, mask, kshift, step, outliers, qmax = fine
+            r = r.reshape(-1)
+        elif name == "lorenzo":
             r = pr.lorenzo_residuals(q).reshape(-1)
         else:
-            mask = {"cubic": -1, "linear": 0}.get(name)
+            mask = {"cubic": -1, "linear": 0}.get(name)  # "interp": chosen per level
             if mask is None:
                 mask = _best_levels(q)
             mask &= (1 << 64) - 1
@@ -220,13 +262,13 @@ class EBQCodec(Codec):
                 (w, codes, esc_pos, n_side), s_codes = alt, s_alt
         esc_val = r[esc_pos].astype(np.int64)
         s_esc = ll.compress(_deltas(esc_pos).tobytes() + esc_val.tobytes(), self.lossless, lvl) if esc_pos.size else b""
-        out_vals = array.reshape(-1)[qz.outliers]
-        s_out = ll.compress(_deltas(qz.outliers).tobytes() + out_vals.tobytes(), self.lossless, lvl) \
-            if qz.outliers.size else b""
-        qint = 4 if int(np.abs(qz.q).max(initial=0)) <= (1 << 26) else 8
-        pid = pr.PREDICTOR_IDS["lorenzo" if name == "lorenzo" else "interp"]
-        meta = _METAS[4].pack(pid, ll.LOSSLESS_IDS[self.lossless], w, qint, qz.step, qz.offset, mask,
-                              len(s_codes), esc_pos.size, len(s_esc), qz.outliers.size, len(s_out), n_side, fold)
+        out_vals = array.reshape(-1)[outliers]
+        s_out = ll.compress(_deltas(outliers).tobytes() + out_vals.tobytes(), self.lossless, lvl) \
+            if outliers.size else b""
+        qint = 4 if qmax <= (1 << 26) else 8
+        pid = pr.PREDICTOR_IDS[name if name in ("lorenzo", "fine") else "interp"]
+        meta = _METAS[5].pack(pid, ll.LOSSLESS_IDS[self.lossless], w, qint, step, qz.offset, mask,
+                              len(s_codes), esc_pos.size, len(s_esc), outliers.size, len(s_out), n_side, fold, kshift)
         return self._blob(array, abs_error, meta, [s_codes, s_esc, s_out])
 
     # ------------------------------------------------------------------ decoder
@@ -249,7 +291,9 @@ class EBQCodec(Codec):
             m = m + (0,)
         if h.version < 4:
             m = m + (0,)
-        pred, lossless, w, qint, step, offset, _, c_len, n_esc, e_len, n_out, o_len, n_side, fold = m
+        if h.version < 5:
+            m = m + (0,)
+        pred, lossless, w, qint, step, offset, _, c_len, n_esc, e_len, n_out, o_len, n_side, fold, kshift = m
         n = h.size
         bad = None
         if pred not in pr.PREDICTORS or lossless not in ll.LOSSLESS or (pred in (1, 2, 4)) and (pred == 4) != (h.version >= 2):
@@ -261,6 +305,8 @@ class EBQCodec(Codec):
                 bad = "inconsistent lossless-mode metadata"
         elif (w not in _WIDTHS and not (w == 0 and h.version >= 3)) or qint not in _INT or (qint == 4 and w == 8):
             bad = f"invalid code width {w} / integer width {qint}"
+        elif (pred == 5) != (kshift > 0) or kshift > 16 or (pred == 5 and h.version < 5):
+            bad = f"invalid fine-predictor resolution {kshift} for predictor {pred}"
         elif fold > max(len(h.shape) - 1, 0) or fold > _fold(h.shape):
             bad = f"invalid folded axis count {fold} for shape {h.shape}"
         elif n_side > n or (n_side and w != 0):
@@ -279,7 +325,7 @@ class EBQCodec(Codec):
 
     def group_key(self, blob: Parsed):
         m = self._meta(blob)
-        return (m[0], m[2], m[3], m[6], m[13])  # predictor, code/integer width, cubic levels, fold
+        return (m[0], m[2], m[3], m[6], m[13], m[14])  # predictor, widths, cubic levels, fold, kshift
 
     def decode_group(self, blobs: Sequence[Parsed], device, out=None):
         h0 = blobs[0].header
@@ -300,7 +346,7 @@ class EBQCodec(Codec):
         steps = np.empty(B, h0.dtype)
         offs = np.empty(B, h0.dtype)
         for i, (b, m) in enumerate(zip(blobs, metas)):
-            _, lid, _, _, steps[i], offs[i], _, c_len, n_esc, e_len, n_out, o_len, n_side, _ = m
+            _, lid, _, _, steps[i], offs[i], _, c_len, n_esc, e_len, n_out, o_len, n_side, _, _ = m
             name, p = ll.LOSSLESS[lid], b.payload
             raw = np.frombuffer(ll.decompress(p[:c_len], name, nb + n_side, b.what), np.uint8)
             planes[i] = raw[:nb]
@@ -333,13 +379,14 @@ class EBQCodec(Codec):
         fold = metas[0][13]
         lead = math.prod(shape[:fold])
         Bp, inner_shape = B * lead, shape[fold:]
-        if w in (0, 1) and h0.version >= 2 and pred == 4:
+        K = 1 << metas[0][14]
+        if w in (0, 1) and h0.version >= 2 and pred in (4, 5):
             # int8 codes go straight into the predictor (widened inside its adds); escapes are
             # corrections (true residual - marker) applied pass by pass
             escapes = None
             if esc_idx:
                 escapes = (np.concatenate(esc_idx), np.concatenate(esc_val).astype(np.int64) + 128)
-            q = pr.interp_decode(t.view(torch.int8).reshape(Bp, n // lead), inner_shape, mask, t_int, escapes)
+            q = pr.interp_decode(t.view(torch.int8).reshape(Bp, n // lead), inner_shape, mask, t_int, escapes, K)
         else:
             if w in (0, 1) and h0.version >= 2:
                 r = t.view(torch.int8).reshape(B, n).to(t_int)
@@ -350,7 +397,7 @@ class EBQCodec(Codec):
                 q = pr.lorenzo_reconstruct(r.view((Bp,) + inner_shape))
             else:
                 r = pr.natural_to_stream(r, shape) if h0.version == 1 else r.view(Bp, n // lead)
-                q = pr.interp_decode(r, inner_shape, mask)
+                q = pr.interp_decode(r, inner_shape, mask, K=K)
         q = q.reshape(B, n)
         bshape = (B, 1)
         offset = None if not offs.any() else torch.from_numpy(offs).to(dev).view(bshape)

@@ -33,7 +33,7 @@ __all__ = ["PREDICTORS", "Step", "interp_plan", "predict_odd", "interp_stream", 
            "natural_to_stream", "lorenzo_residuals", "lorenzo_reconstruct"]
 
 #: id in the blob -> name. Never renumber: ids are part of the on-disk format.
-PREDICTORS = {0: "raw", 1: "linear", 2: "cubic", 3: "lorenzo", 4: "interp"}
+PREDICTORS = {0: "raw", 1: "linear", 2: "cubic", 3: "lorenzo", 4: "interp", 5: "fine"}
 PREDICTOR_IDS = {v: k for k, v in PREDICTORS.items()}
 
 
@@ -77,7 +77,7 @@ def _3d(t, axis: int):
     return t.reshape(outer, t.shape[axis], -1)
 
 
-def predict_odd(E, axis: int, m: int, cubic: bool):
+def predict_odd(E, axis: int, m: int, cubic: bool, positive: bool = False):
     """Integer predictions of the ``m // 2`` odd points from the ``(m + 1) // 2`` even points ``E``.
 
     ``E`` is contiguous (numpy or torch). Returns ``(P, sign)``: an ``(outer, n_e, inner)`` array
@@ -91,6 +91,9 @@ def predict_odd(E, axis: int, m: int, cubic: bool):
       integer (floor identities), in 5 vector passes instead of 7
     * ``k = 0`` and ``k = n_e - 2`` on cubic levels, every ``k`` on linear ones: ``(E[k] + E[k+1]) >> 1``
     * ``k = n_e - 1`` (only when ``m`` is even): ``E[k]``
+
+    ``positive=True`` computes the cubic bulk directly (6 passes, sign +1), for callers that
+    cannot absorb the sign in their final op.
     """
     n_e = (m + 1) // 2
     E3 = _3d(E, axis)
@@ -109,7 +112,18 @@ def predict_odd(E, axis: int, m: int, cubic: bool):
         P = scratch.get("pred", L, Ef.dtype, Ef.device)
         add = torch.add
     P3 = P.reshape(E3.shape)
-    if cubic and n_e >= 4:
+    if cubic and n_e >= 4 and positive:
+        sign = 1
+        lo, hi = inner, L - 2 * inner
+        t = P[lo:hi]
+        add(Ef[lo:hi], Ef[lo + inner:hi + inner], out=t)
+        t *= 9
+        t -= Ef[lo - inner:hi - inner]
+        t -= Ef[lo + 2 * inner:hi + 2 * inner]
+        t += 8
+        t >>= 4
+        cols = (0, n_e - 2)
+    elif cubic and n_e >= 4:
         sign = -1
         lo, hi = inner, L - 2 * inner
         t = P[lo:hi]
@@ -133,7 +147,8 @@ def predict_odd(E, axis: int, m: int, cubic: bool):
         c = P3[:, k]
         add(E3[:, k], E3[:, k + 1], out=c)
         c >>= 1
-        c *= sign
+        if sign < 0:
+            c *= -1
     if m % 2 == 0:
         c = P3[:, n_e - 1]
         c[...] = E3[:, n_e - 1]
@@ -156,6 +171,68 @@ def interp_stream(q, cubic_levels: int):
         P, sign = predict_odd(E, st.axis, st.m, bool(cubic_levels >> st.level & 1))
         parts.append((O - sign * P[:, :st.m // 2]).reshape(B, -1))
     return np.concatenate(parts, axis=1)
+
+
+def interp_fine_stream(xu: np.ndarray, K: int, gmax: int, cubic_levels: int | None = None):
+    """Encoder of the ``fine`` predictor: SZ-style prediction from *reconstructed* values.
+
+    ``xu`` (batched, float64) is the data in units of ``u = step / K``. Every pass predicts its odd
+    points from the reconstructed grid ``G`` (integers in units of ``u``), quantizes the
+    prediction error to ``r = round((xu - pred) / K)`` and reconstructs ``G = pred + K r``, so
+    ``|xu - G| <= K / 2`` (half a bin). Unlike pre-quantization, a smooth field whose prediction
+    error is below the bound costs zero residuals instead of the white noise of rounding every
+    value to a bin. The decoder repeats the integer passes exactly (:func:`interp_decode` with
+    ``K``). ``cubic_levels=None`` chooses cubic or linear per level by residual cost.
+
+    Returns ``(stream (B, n) int64, G, cubic_levels)``.
+    """
+    B = xu.shape[0]
+    shape = tuple(xu.shape[1:])
+    G = np.zeros(xu.shape, np.int64)
+    anchor = (slice(None),) + (0,) * len(shape)
+    r0 = _round_residual(xu[anchor], 0, K, gmax)
+    G[anchor] = r0 * K
+    parts = [r0.reshape(B, 1)]
+    plan = interp_plan(shape)
+    mask = 0
+    for level in sorted({st.level for st in plan}, reverse=True):
+        steps = [st for st in plan if st.level == level]
+        if cubic_levels is None:
+            cost = {c: _fine_level(xu, G, K, gmax, steps, c)[1] for c in (False, True)}
+            cubic = cost[True] < cost[False]
+        else:
+            cubic = bool(cubic_levels >> level & 1)
+        level_parts, _ = _fine_level(xu, G, K, gmax, steps, cubic)
+        parts += level_parts
+        mask |= int(cubic) << level
+    return np.concatenate(parts, axis=1), G, mask
+
+
+def _round_residual(xo: np.ndarray, pred, K: int, gmax: int) -> np.ndarray:
+    with np.errstate(invalid="ignore", over="ignore"):
+        r = np.rint((xo - pred) / K)
+        lim_lo, lim_hi = np.floor((-gmax - pred) / K), np.floor((gmax - pred) / K)
+    r = np.where(np.isfinite(r), r, 0.0)  # NaN/Inf: predicted value here, exact outlier later
+    return np.clip(r, lim_lo, lim_hi).astype(np.int64)
+
+
+def _fine_level(xu, G, K, gmax, steps, cubic):
+    """Run one level's passes in place on ``G``; returns (residual blocks, log-magnitude cost)."""
+    B = xu.shape[0]
+    parts, cost = [], 0.0
+    for st in steps:
+        n_o = st.m // 2
+        V = G[st.sel]
+        E = np.ascontiguousarray(_take(V, st.axis, 0, (st.m + 1) // 2, 2, 0))
+        P, _ = predict_odd(E, st.axis, st.m, cubic, positive=True)
+        pred = P[:, :n_o]
+        xo = _3d(np.ascontiguousarray(_take(xu[st.sel], st.axis, 0, n_o, 2, 1)), st.axis)
+        r = _round_residual(xo, pred, K, gmax)
+        odd = _take(V, st.axis, 0, n_o, 2, 1)
+        odd[...] = (pred + K * r).reshape(odd.shape)
+        parts.append(r.reshape(B, -1))
+        cost += float(np.log2(1.0 + 2.0 * np.abs(r)).sum())
+    return parts, cost
 
 
 def _escape_targets(esc: np.ndarray, n: int, shape: tuple[int, ...]):
@@ -185,7 +262,7 @@ def _escape_targets(esc: np.ndarray, n: int, shape: tuple[int, ...]):
     return sid, flat
 
 
-def interp_decode(R, shape: tuple[int, ...], cubic_levels: int, itype=None, escapes=None):
+def interp_decode(R, shape: tuple[int, ...], cubic_levels: int, itype=None, escapes=None, K: int = 1):
     """Decoder: residual stream ``R`` (``(B, n)`` integer tensor) -> ``q`` of ``(B, *shape)``.
 
     Polyphase: the grid refined so far is kept contiguous; each pass predicts its odd points
@@ -193,6 +270,7 @@ def interp_decode(R, shape: tuple[int, ...], cubic_levels: int, itype=None, esca
     of the next grid, next to a strided copy of the even ones. ``R`` may be int8 (1-byte codes):
     the add widens it on the fly to ``itype``. ``escapes`` = (positions in the flattened stream,
     int64 corrections) for codes that did not fit; each is added right after its pass.
+    ``K > 1`` decodes the ``fine`` predictor: ``odd = prediction + K * residual``.
     """
     import torch
 
@@ -206,21 +284,27 @@ def interp_decode(R, shape: tuple[int, ...], cubic_levels: int, itype=None, esca
         sid, flat = _escape_targets(escapes[0], n, shape)
         for s in np.unique(sid):
             sel = sid == s
-            fix[int(s)] = (torch.from_numpy(flat[sel]).to(dev), torch.from_numpy(escapes[1][sel]).to(dev, itype))
+            fix[int(s)] = (torch.from_numpy(flat[sel]).to(dev),
+                           torch.from_numpy(escapes[1][sel] * K).to(dev, itype))
     C = R[:, :1].to(itype).reshape((B,) + (1,) * len(shape))
+    if K != 1:
+        C *= K
     if -1 in fix:
         C.view(-1).index_add_(0, *fix[-1])
     pos = 1
     for i, st in enumerate(interp_plan(tuple(shape))):
         n_o = st.m // 2
-        P, sign = predict_odd(C, st.axis, st.m, bool(cubic_levels >> st.level & 1))
+        P, sign = predict_odd(C, st.axis, st.m, bool(cubic_levels >> st.level & 1), positive=K != 1)
         outer, n_e, inner = P.shape
         cnt = outer * n_o * inner // B
         O = R[:, pos:pos + cnt].reshape(outer, n_o, inner)
         pos += cnt
         out = scratch.get("grid%d" % (i % 2), outer * st.m * inner, itype, dev).view(outer, st.m, inner)
         out[:, 0::2] = C.reshape(outer, n_e, inner)
-        (torch.add if sign > 0 else torch.sub)(O, P[:, :n_o], out=out[:, 1::2])
+        if K != 1:
+            torch.add(P[:, :n_o], O, alpha=K, out=out[:, 1::2])
+        else:
+            (torch.add if sign > 0 else torch.sub)(O, P[:, :n_o], out=out[:, 1::2])
         if i in fix:
             out.view(-1).index_add_(0, *fix[i])
         C = out.reshape(C.shape[:st.axis] + (st.m,) + C.shape[st.axis + 1:])

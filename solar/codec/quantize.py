@@ -18,7 +18,7 @@ import numpy as np
 
 from solar.errors import ConfigError
 
-__all__ = ["resolve_bound", "Quantized", "quantize", "reconstruct_np", "within_bound"]
+__all__ = ["resolve_bound", "Quantized", "quantize", "verify", "reconstruct_np", "within_bound"]
 
 #: Largest |q| per dtype for which int -> float conversion is exact on every device.
 QMAX = {np.dtype("<f4"): (1 << 24) - 1, np.dtype("<f8"): (1 << 52) - 1}
@@ -114,11 +114,19 @@ def quantize(x: np.ndarray, eb: float) -> Quantized | None:
     if not all_finite:
         qf[~finite] = 0
     q = qf.astype(itype)
+    return Quantized(q, step, offset, verify(x.reshape(-1), q.reshape(-1), step, offset, eb))
+
+
+def verify(x: np.ndarray, q: np.ndarray, step: float, offset: float, eb: float) -> np.ndarray:
+    """Flat indices where the decoder's reconstruction of integers ``q`` misses the bound on ``x``.
+
+    Also flags subnormal results and products, which a flush-to-zero device could alter.
+    """
+    dtype = x.dtype
     y = reconstruct_np(q, step, offset, dtype)
     ok = within_bound(x, y, eb)
-    ok &= (y == 0) | (np.abs(y) >= np.finfo(dtype).tiny)  # no subnormal results (FTZ devices)
+    ok &= (y == 0) | (np.abs(y) >= np.finfo(dtype).tiny)
     with np.errstate(over="ignore"):  # an overflowing product already failed the bound check
-        prod = q.astype(dtype) * ft(step)
+        prod = q.astype(dtype) * dtype.type(step)
     ok &= (prod == 0) | (np.abs(prod) >= np.finfo(dtype).tiny)
-    outliers = np.flatnonzero(~ok)
-    return Quantized(q, step, offset, outliers.astype(np.int64))
+    return np.flatnonzero(~ok).astype(np.int64)
