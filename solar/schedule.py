@@ -342,7 +342,7 @@ def _assign_pinned(samples: np.ndarray, G: int, P: int, owner: np.ndarray, resid
         taken = np.zeros(quota.size, dtype=np.int64)
     free = quota.reshape(-1) - taken
     left = np.flatnonzero(rank < 0)
-    left = left[np.lexsort((samples[left], step[left]))]  # index order within each step
+    left = left[np.argsort(step[left] * (int(samples.max(initial=0)) + 1) + samples[left], kind="stable")]  # index order per step
     rank[left] = np.repeat(np.tile(np.arange(P, dtype=np.int64), len(quota)), free)
     return rank, hit, keep
 
@@ -378,7 +378,12 @@ class Planner:
 
     def order(self, epoch: int) -> np.ndarray:
         c = self.config
-        return global_order(c.num_samples, c.world_size, c.seed, epoch, c.shuffle, c.drop_last)[: c.epoch_length]
+        cached = self.__dict__.get("_order_cache")
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
+        out = global_order(c.num_samples, c.world_size, c.seed, epoch, c.shuffle, c.drop_last)[: c.epoch_length]
+        self._order_cache = (epoch, out)  # the rebalancing reads epoch e+1, which is planned next
+        return out
 
     def plan(self, epoch: int, start: int = 0) -> EpochPlan:
         """The plan of ``epoch`` from global position ``start``; updates the residency."""
