@@ -89,6 +89,22 @@ def test_device_argument_forms():
     assert torch.equal(sc.decode_batch([blob, blob], device=torch.device("cpu"))[1], a)
 
 
+def test_concurrent_threads_decode_identically():
+    """Scratch buffers and zstd contexts are per thread: concurrent decodes must not interfere."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(5)
+    xs = [np.cumsum(rng.standard_normal((40, 30)), 1).astype(np.float32) for _ in range(6)]
+    blobs = [sc.encode(x, rel_error=1e-3) for x in xs]
+    want = [sc.decode(b) for b in blobs]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            got = list(pool.map(sc.decode, blobs))
+            assert all(torch.equal(a, b) for a, b in zip(want, got))
+            enc = list(pool.map(lambda x: sc.encode(x, rel_error=1e-3), xs))
+            assert enc == blobs
+
+
 def test_big_endian_and_non_contiguous_inputs():
     x = np.arange(24, dtype=">f8").reshape(4, 6)[:, ::2]
     y = sc.decode(sc.encode(x, abs_error=1e-9)).numpy()

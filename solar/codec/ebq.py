@@ -1,15 +1,16 @@
-"""``ebq``: error-bounded quantization + integer prediction + byte planes + CPU lossless stage.
+"""``ebq``: error-bounded prediction on integers + compact residual codes + a CPU lossless stage.
 
 Pipeline (encoder, numpy, CPU)::
 
-    x --quantize/double-check--> q (int), exact outliers
-      --predict (interpolation or Lorenzo, on integers)--> residuals r
-      --zigzag, narrow to w bytes (rare large residuals escape)--> codes
-      --byte planes--> lz4 / zstd
+    x --predict level by level (interpolation from reconstructed values, "fine"; or Lorenzo on
+        pre-quantized integers), quantize the prediction error--> integer residuals r
+      --exact bound check with the decoder's arithmetic--> exact outliers
+      --4-bit pairs / int8 / zigzag byte planes (rare large residuals escape)--> codes
+      --> zstd / lz4 / none
 
-Decoder: lossless stage on the CPU per blob, then one sequence of torch ops per batch: join
-planes, un-zigzag, patch escapes, inverse prediction (level-by-level interpolation, or one prefix
-sum per axis), ``q * step + offset``, patch exact outliers.
+Decoder: lossless stage on the CPU per blob, then one sequence of torch ops per batch: unpack
+codes, inverse prediction (level-by-level interpolation, or one prefix sum per axis) with escape
+corrections, ``G * u (+ offset)``, patch exact outliers.
 
 Payload: ``codes | escapes | outliers``, each section compressed on its own. ``escapes`` holds
 int64 position deltas then int64 residuals; ``outliers`` int64 position deltas then the verbatim
@@ -63,7 +64,6 @@ _METAS = {1: struct.Struct("<BBBBddQQQQQ"), 2: struct.Struct("<BBBBddQQQQQQ"), 3
 #: Leading axes of at most this size (channels: amplitude/phase, velocity components) are folded
 #: into the batch: each channel is predicted on its own instead of from its neighbour channel.
 _FOLD_MAX = 4
-_META = _METAS[1]
 _WIDTHS = (1, 2, 4, 8)
 _FMAX = {4: float(np.finfo(np.float32).max), 8: float(np.finfo(np.float64).max)}
 _INT = {4: (np.int32, torch.int32), 8: (np.int64, torch.int64)}
