@@ -215,7 +215,7 @@ def test_resume_continues_from_the_journal(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ing, "sample_checksum", dying)
     with pytest.raises(KeyboardInterrupt):
-        ingest(paths, out, batch_size=8, abs_error=0.05, progress=False)
+        ingest(paths, out, batch_size=8, abs_error=0.05, progress=False, commit_interval=0)
     assert not os.path.exists(out) and os.path.exists(out + ".tmp")
     assert json.load(open(out + ".ingest.json"))["batches_done"] == 2
     monkeypatch.setattr(ing, "sample_checksum", real)
@@ -255,7 +255,7 @@ def test_sigkill_one_rank_then_resume_under_mpirun(tmp_path):
            "OMPI_MCA_rmaps_base_oversubscribe": "1", "SOLAR_INGEST_TEST_DELAY": "0.25"}
     for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_SIZE", "SOLAR_EXPECT_WORLD"):
         env.pop(var, None)
-    args = [*paths, "-o", out, "--batch-size", "8", "--abs-error", "0.01", "--no-progress"]
+    args = [*paths, "-o", out, "--batch-size", "8", "--abs-error", "0.01", "--no-progress", "--commit-interval", "0"]
     proc = _mpirun(args, env)
     journal = out + ".ingest.json"
     deadline = time.monotonic() + 120

@@ -31,7 +31,9 @@ def configure(p) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (atomically, at the end)")
     p.add_argument("--verify", action="store_true",
                    help="read everything back before the rename: checksums, and values within the bound")
-    p.add_argument("--batch-size", type=int, default=256, help="samples per committed batch (default 256)")
+    p.add_argument("--batch-size", type=int, default=256, help="samples written per collective step (default 256)")
+    p.add_argument("--commit-interval", type=float, default=2.0,
+                   help="seconds between commits (flush + journal) that --resume restarts from (default 2; 0: every batch)")
     p.add_argument("--samples", choices=("auto", "file", "axis0"), default="auto",
                    help="file: each .npy/.npz file is one sample; axis0: arrays have a leading sample axis; "
                         "auto (default): file when several inputs all have the same shape")
@@ -52,7 +54,7 @@ def run(args) -> int:
         rep = ingest(args.inputs, args.output, fields=args.fields, abs_error=args.abs_error,
                      rel_error=args.rel_error, resume=args.resume, overwrite=args.overwrite, verify=args.verify,
                      batch_size=args.batch_size, samples=args.samples, progress=not args.no_progress,
-                     storage_options=args.storage_options)
+                     storage_options=args.storage_options, commit_interval=args.commit_interval)
     except (InputError, ConfigError, MPIUnavailableError) as exc:  # raised on every rank alike
         if rank == 0:
             print(f"solar ingest: {exc}", file=sys.stderr)
