@@ -159,12 +159,28 @@ class DataLoader(tud.DataLoader):
                               start=int(resume["position"]) if resume and resume.get("mode") == "schedule" else 0)
         if resume and resume.get("mode") == "schedule" and resume["epoch"] != self._progress["epoch"]:
             self._progress["start"] = 0
-        if resume and resume.get("mode") == "passthrough" and self.solar_sampler is None:
-            self._pending_skip = _SkipOnce(super()._index_sampler, int(resume["batches"]))
+        if resume and self.solar_sampler is None:
+            self._pending_skip = _SkipOnce(super()._index_sampler, self._plain_skip(resume))
         try:
             return _TrackedIter(super().__iter__(), self)
         finally:
             self._pending_skip = None
+
+    def _plain_skip(self, resume: dict[str, Any]) -> int:
+        """Batches a plain (not storage-backed) dataset skips to resume: torch's own batches."""
+        if resume["mode"] == "passthrough":
+            return int(resume["batches"])
+        if self._progress["start"] == 0:
+            return 0
+        G = self.sampler.num_replicas * self.batch_size
+        if self._progress["start"] % G:
+            raise ConfigError(f"load_state_dict: the state stopped at global position {self._progress['start']}, "
+                              f"inside a global batch of {G} (world size x batch size); a dataset that is not "
+                              "storage-backed can only resume there with the world size and batch size it was "
+                              "saved with")
+        self._progress["start"] = 0  # counted in batches from here on
+        self._progress["batches"] = resume["position"] // G
+        return self._progress["batches"]
 
     @property
     def _index_sampler(self):

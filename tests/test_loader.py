@@ -357,3 +357,11 @@ def test_buffers_follow_the_plan_exactly_when_ownership_moves(h5path):
                 assert len(ld.solar_sampler.buffer) <= 2 * C  # two fields per sample
     assert evictions > 0  # the case under test really happened
     assert sum(ld.dataset.stats.hits for ld in loaders) == planned
+
+
+def test_save_load_state_on_a_plain_dataset_with_distributed_sampler():
+    def make():
+        ds = Squares(40)
+        return solar.DataLoader(ds, batch_size=3, sampler=tud.DistributedSampler(ds, num_replicas=2, rank=1, seed=6))
+
+    assert check_save_load_state(make) == 8
