@@ -197,8 +197,8 @@ def interp_fine_stream(xu: np.ndarray, K: int, gmax: int, cubic_levels: int | No
     mask = 0
     for level in sorted({st.level for st in plan}, reverse=True):
         steps = [st for st in plan if st.level == level]
-        if cubic_levels is None:
-            cost = {c: _fine_level(xu, G, K, gmax, steps, c)[1] for c in (False, True)}
+        if cubic_levels is None:  # decided on the level's first pass (its points depend on no other)
+            cost = {c: _fine_level(xu, G, K, gmax, steps[:1], c)[1] for c in (False, True)}
             cubic = cost[True] < cost[False]
         else:
             cubic = bool(cubic_levels >> level & 1)
@@ -209,10 +209,19 @@ def interp_fine_stream(xu: np.ndarray, K: int, gmax: int, cubic_levels: int | No
 
 
 def _round_residual(xo: np.ndarray, pred, K: int, gmax: int) -> np.ndarray:
+    """``round((xo - pred) / K)``, keeping ``pred + K r`` inside ``[-gmax, gmax]``.
+
+    Finite ``xo`` (the caller guarantees ``|xo| < gmax - K``) already satisfy that; NaN/Inf get
+    ``r = 0`` (their exact value is stored as an outlier) and the clip, so repeated predictions
+    over a run of non-finite values cannot grow without bound.
+    """
     with np.errstate(invalid="ignore", over="ignore"):
         r = np.rint((xo - pred) / K)
-        lim_lo, lim_hi = np.floor((-gmax - pred) / K), np.floor((gmax - pred) / K)
-    r = np.where(np.isfinite(r), r, 0.0)  # NaN/Inf: predicted value here, exact outlier later
+    fin = np.isfinite(r)
+    if fin.all():
+        return r.astype(np.int64)
+    r[~fin] = 0.0
+    lim_lo, lim_hi = np.floor((-gmax - pred) / K), np.floor((gmax - pred) / K)
     return np.clip(r, lim_lo, lim_hi).astype(np.int64)
 
 
