@@ -186,7 +186,9 @@ class SolarBatchSampler(BatchSampler):
         self._resume = state
 
     # -- iteration ------------------------------------------------------------------------------
-    def _steps(self, resume: dict | None, P: int, rank: int) -> Iterator[list[int]]:
+    def _steps(self, resume: dict | None, P: int, rank: int) -> Iterator[tuple[list[int], Any, Any]]:
+        """This rank's steps: ``(indices, samples to keep, samples to evict)``; the last two are
+        ``None`` in passthrough mode (keep what this process owns, never evict)."""
         if self.mode == "schedule":
             epoch = int(self.sampler.epoch)
             start = 0
