@@ -255,7 +255,10 @@ def _create(f, plan: Plan) -> None:
     for fp in plan.fields:
         if fp.compress:
             g = f.create_group(fp.name)
-            g.create_dataset("data", shape=(0,), maxshape=(None,), chunks=(DATA_CHUNK,), dtype=np.uint8)
+            # Chunks are allocated whole: 1 MiB, or less for a small field (raw size / 16, >= 4 KiB).
+            raw = n * int(np.prod(fp.shape, dtype=np.int64)) * np.dtype(fp.dtype).itemsize
+            chunk = int(min(DATA_CHUNK, max(4096, 1 << max(0, (raw // 16).bit_length() - 1))))
+            g.create_dataset("data", shape=(0,), maxshape=(None,), chunks=(chunk,), dtype=np.uint8)
             g.create_dataset("offsets", shape=(n + 1,), dtype=np.int64, fill_time="never")
             g.attrs["sample_shape"] = np.asarray(fp.shape, np.int64)
             g.attrs["dtype"] = np.dtype(fp.dtype).name
