@@ -19,6 +19,9 @@ each paying the full latency per request, so neither side gets more than the ran
 Both loaders run in this one process, one after the other per storage, for ``--epochs`` epochs;
 the steady-state epoch time is the mean over epochs >= 2 (the first epoch fills SOLAR's buffer).
 The machine is shared, so compare ratios, not absolute times. Prints a table and writes JSON.
+
+Under ``mpirun -n P`` every rank runs both loaders on its DistributedSampler share (SOLAR through
+parallel HDF5 with collective reads and its schedule); epoch times are the slowest rank's.
 """
 
 from __future__ import annotations
@@ -36,18 +39,19 @@ import torch.utils.data as tud
 
 import solar
 from solar.cli.plan import write_text_atomic
-from solar.io_backends import Backend
+from solar.dist import mpi_comm
+from solar.io_backends import Backend, open_backend
 from solar.io_backends.hdf5 import HDF5Backend
 from solar.synthetic import write_ptycho_h5
 from solar.testing.baselines import PerSampleH5
 
 
-def throttled(path: str, bandwidth: float | None, latency: float) -> Backend:
+def throttled(inner: Backend, bandwidth: float | None, latency: float) -> Backend:
     try:
         from solar.io_backends.throttled import ThrottledBackend
     except ImportError:  # pragma: no cover - the backends issue ships it
         ThrottledBackend = _LocalThrottle
-    return ThrottledBackend(HDF5Backend(path), bandwidth=bandwidth, latency=latency)
+    return ThrottledBackend(inner, bandwidth=bandwidth, latency=latency)
 
 
 class _LocalThrottle(Backend):
@@ -83,7 +87,8 @@ class _LocalThrottle(Backend):
         self.stats.read_calls += calls
 
 
-def run_epochs(loader, epochs: int) -> list[float]:
+def run_epochs(loader, epochs: int, comm=None) -> list[float]:
+    """Seconds per epoch; under MPI the slowest rank's (a step waits for every rank)."""
     times = []
     for e in range(epochs):
         loader.sampler.set_epoch(e)
@@ -91,7 +96,12 @@ def run_epochs(loader, epochs: int) -> list[float]:
         n = 0
         for x, _y in loader:
             n += len(x)
-        times.append(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        if comm is not None:
+            from mpi4py import MPI
+
+            dt = comm.allreduce(dt, op=MPI.MAX)
+        times.append(dt)
     return times
 
 
@@ -113,64 +123,78 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    comm = mpi_comm()
+    P, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
+    say = print if rank == 0 else (lambda *a, **k: None)
 
     if not os.path.exists(args.data):
-        os.makedirs(os.path.dirname(args.data) or ".", exist_ok=True)
-        write_ptycho_h5(args.data, args.samples, args.size, seed=0)
-    ds_probe = solar.H5Dataset(args.data)
+        if rank == 0:
+            os.makedirs(os.path.dirname(args.data) or ".", exist_ok=True)
+        if comm is not None:
+            comm.Barrier()
+        write_ptycho_h5(args.data, args.samples, args.size, seed=0, comm=comm, progress=rank == 0)
+    ds_probe = solar.H5Dataset(args.data, backend="hdf5")
     n, sample_bytes = len(ds_probe), int(ds_probe.sample_nbytes()[0])
-    print(f"dataset {args.data}: {n} samples x {sample_bytes / 1024:.0f} KiB = {n * sample_bytes / 2**20:.0f} MiB; "
+    say(f"{P} rank(s); dataset {args.data}: {n} samples x {sample_bytes / 1024:.0f} KiB = {n * sample_bytes / 2**20:.0f} MiB; "
           f"SOLAR buffer {args.buffer:.0%} of it; batch {args.batch_size}; {args.epochs} epochs; shared 2-core machine")
     results = {"config": vars(args), "machine": platform.platform(), "samples": n, "sample_bytes": sample_bytes,
-               "runs": {}}
+               "world_size": P, "runs": {}}
     for storage in args.storage:
-        def backend(readers: int) -> Backend:
+        def backend(readers: int, solar_side: bool = False) -> Backend:
+            # under mpirun SOLAR reads through parallel HDF5 (collective, one reader per rank)
+            inner = open_backend(args.data, "auto") if solar_side else HDF5Backend(args.data)
             if storage == "local":
-                return HDF5Backend(args.data)
-            return throttled(args.data, args.bandwidth / readers, args.latency)
+                return inner
+            return throttled(inner, args.bandwidth / readers, args.latency)
 
         base_ds = PerSampleH5(backend(args.workers))
         base = tud.DataLoader(base_ds, batch_size=args.batch_size, num_workers=args.workers, persistent_workers=True,
-                              sampler=tud.DistributedSampler(base_ds, num_replicas=1, rank=0, seed=0))
-        t_torch = run_epochs(base, args.epochs)
+                              sampler=tud.DistributedSampler(base_ds, num_replicas=P, rank=rank, seed=0))
+        t_torch = run_epochs(base, args.epochs, comm)
         base._iterator = None  # stop the persistent workers before SOLAR runs
 
         sieve = args.sieve if args.sieve is not None else (
             64 << 10 if storage == "local" else args.latency * args.bandwidth / args.io_threads)
-        ds = solar.H5Dataset(args.data, backend=backend(args.io_threads), io_threads=args.io_threads,
+        readers = 1 if P > 1 else args.io_threads  # collective parallel HDF5 does not use request threads
+        ds = solar.H5Dataset(args.data, backend=backend(readers, solar_side=True), io_threads=args.io_threads,
                              sieve_bytes=int(sieve))
         loader = solar.DataLoader(ds, batch_size=args.batch_size, buffer=args.buffer,
-                                  sampler=tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=0))
-        t_solar = run_epochs(loader, args.epochs)
+                                  sampler=tud.DistributedSampler(ds, num_replicas=P, rank=rank, seed=0))
+        t_solar = run_epochs(loader, args.epochs, comm)
         st = ds.stats
+        hits, misses, s_calls, s_bytes, t_calls, t_bytes = (
+            comm.allreduce(v) if comm is not None else v
+            for v in (st.hits, st.misses, st.read_calls, st.bytes_in, base_ds.calls, base_ds.bytes))
+        ds.close()
         steady = lambda ts: float(np.mean(ts[1:])) if len(ts) > 1 else ts[0]  # noqa: E731
         run = {
             "torch_epoch_s": t_torch, "solar_epoch_s": t_solar,
             "torch_steady_s": steady(t_torch), "solar_steady_s": steady(t_solar),
             "speedup_steady": steady(t_torch) / steady(t_solar), "speedup_total": sum(t_torch) / sum(t_solar),
-            "solar_hit_rate_after_fill": st.hits / max(1, st.hits + st.misses - n),
+            "solar_hit_rate_after_fill": hits / max(1, hits + misses - n),
             "hit_rate_bound": min(1.0, args.buffer),
-            "solar_read_calls": st.read_calls, "solar_bytes_read": st.bytes_in,
-            "torch_read_calls": base_ds.calls, "torch_bytes_read": base_ds.bytes,
+            "solar_read_calls": s_calls, "solar_bytes_read": s_bytes,
+            "torch_read_calls": t_calls, "torch_bytes_read": t_bytes,
         }
         results["runs"][storage] = run
-        print(f"\n[{storage}]" + ("" if storage == "local" else
+        say(f"\n[{storage}]" + ("" if storage == "local" else
               f" {args.bandwidth / 1e6:.0f} MB/s per rank, {args.latency * 1e3:.1f} ms per request"))
-        print(f"  {'epoch':>5} {'torch s':>9} {'solar s':>9} {'ratio':>7}")
+        say(f"  {'epoch':>5} {'torch s':>9} {'solar s':>9} {'ratio':>7}")
         for e, (a, b) in enumerate(zip(t_torch, t_solar)):
-            print(f"  {e:>5} {a:>9.3f} {b:>9.3f} {a / b:>6.2f}x")
-        print(f"  steady-state speedup (epochs >= 2): {run['speedup_steady']:.2f}x   whole run: {run['speedup_total']:.2f}x")
-        print(f"  storage calls: torch {run['torch_read_calls']}, solar {run['solar_read_calls']}; "
+            say(f"  {e:>5} {a:>9.3f} {b:>9.3f} {a / b:>6.2f}x")
+        say(f"  steady-state speedup (epochs >= 2): {run['speedup_steady']:.2f}x   whole run: {run['speedup_total']:.2f}x")
+        say(f"  storage calls: torch {run['torch_read_calls']}, solar {run['solar_read_calls']}; "
               f"bytes: torch {run['torch_bytes_read'] / 2**20:.0f} MiB, solar {run['solar_bytes_read'] / 2**20:.0f} MiB; "
               f"SOLAR hit rate after the fill epoch {run['solar_hit_rate_after_fill']:.3f} (bound {run['hit_rate_bound']:.3f})")
     if "throttled" in results["runs"]:
         r = results["runs"]["throttled"]["speedup_steady"]
         results["target"] = {"what": "steady-state speedup on throttled storage at buffer 50%", "target": 2.0,
                              "measured": r, "met": bool(r >= 2.0 and abs(args.buffer - 0.5) < 1e-9)}
-        print(f"\ntarget >= 2x on throttled storage at buffer 50%: measured {r:.2f}x -> "
+        say(f"\ntarget >= 2x on throttled storage at buffer 50%: measured {r:.2f}x -> "
               f"{'MET' if results['target']['met'] else 'NOT MET'}")
-    write_text_atomic(args.out, json.dumps(results, indent=1))
-    print(f"wrote {args.out}")
+    if rank == 0:
+        write_text_atomic(args.out, json.dumps(results, indent=1))
+        print(f"wrote {args.out}")
     return 0
 
 
