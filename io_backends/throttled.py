@@ -9,10 +9,13 @@ on a PFS.
 NOTE [ Throttle model ]
     A call that made ``k`` storage requests and moved ``b`` bytes takes at least
     ``k * latency + b / bandwidth`` seconds; if the real read was faster, the wrapper sleeps for
-    the difference. Requests are what the inner backend counts in ``stats.read_calls`` (one per
-    contiguous range for h5py, one per collective call for parallel HDF5, one per byte range for
-    fsspec), so coalescing ranges pays fewer latencies, exactly as on real storage. The model is
-    per process: with ``P`` ranks sharing an aggregate bandwidth ``B``, pass ``bandwidth=B / P``.
+    the difference. ``k`` is one request per contiguous range of the call (one per call when the
+    inner backend is collective), ``b`` the bytes of the call's buffer, so coalescing ranges pays
+    fewer latencies, exactly as on real storage. Both come from the call itself, not from the
+    inner backend's shared counters, so concurrent callers (a loader's I/O threads) are each
+    charged only their own requests, like a PFS client with several outstanding requests. The
+    model is per process: with ``P`` ranks sharing an aggregate bandwidth ``B``, pass
+    ``bandwidth=B / P`` (and divide again among concurrent readers to keep the rank's share).
 
 Use it directly, ``ThrottledBackend(HDF5Backend(path), bandwidth=200e6, latency=2e-3)``, or by
 name, ``open_backend(path, "throttled", inner="hdf5", bandwidth=200e6, latency=2e-3)``.
@@ -96,12 +99,11 @@ class ThrottledBackend(Backend):
         return t
 
     def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
-        calls0, bytes0 = self.inner.stats.read_calls, self.inner.stats.bytes_read
         t0 = time.perf_counter()
         self.inner.read_ranges(key, ranges, out=out)
         spent = time.perf_counter() - t0
-        calls = self.inner.stats.read_calls - calls0
-        wait = self.delay_for(calls, self.inner.stats.bytes_read - bytes0) - spent
+        calls = 1 if self.collective else len(ranges)
+        wait = self.delay_for(calls, out.nbytes) - spent
         if wait > 0:
             time.sleep(wait)
             self.stats.extra["throttle_sleep_us"] = self.stats.extra.get("throttle_sleep_us", 0) + int(wait * 1e6)
