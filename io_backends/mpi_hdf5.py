@@ -18,11 +18,12 @@ NOTE [ Collective or independent transfer ]
     The call is collective in both modes; what changes is the MPI-IO transfer. Collective
     (two-phase) transfers pay when ranks' requests interleave densely in the file (many ranks,
     large contiguous extents on a striped PFS): aggregators turn them into few large reads. For
-    sparse random rows -- a shuffled epoch -- they can cost more than they save: the aggregators
-    exchange data and may read the holes between rows. On this project's 2-core test machine
-    (local disk, OpenMPI 4.1 OMPIO) bench/io measured the independent union read several times
-    faster than the collective one; both make the same single call per rank and step. Measure on
-    your system (``bench/io/run.py``) and set ``transfer=`` or ``SOLAR_MPIIO_TRANSFER``.
+    sparse random rows -- a shuffled epoch -- they have less to gain, and every call waits for
+    the slowest rank (OpenMPI busy-polls meanwhile), so oversubscribed CPUs hurt: on this
+    project's 2-core machine bench/io measured both transfers within 10% when the machine was
+    quiet, and the collective one 2.8-4.5x slower while other jobs kept both cores busy. Both
+    make the same single call per rank and step. Measure on your system (``bench/io/run.py``)
+    and set ``transfer=`` or ``SOLAR_MPIIO_TRANSFER``.
 """
 
 from __future__ import annotations
