@@ -127,8 +127,11 @@ def s3_root() -> Iterator[tuple[str, dict[str, Any]]]:
         import s3fs
 
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
-        fs.mkdir("solar-test")
-        yield "s3://solar-test", opts
+        # moto keeps its state per process, shared by every server it runs: a fresh bucket name
+        # keeps test modules that each import this fixture apart
+        bucket = f"solar-test-{uuid.uuid4().hex[:8]}"
+        fs.mkdir(bucket)
+        yield f"s3://{bucket}", opts
 
 
 @dataclass
