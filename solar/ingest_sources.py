@@ -150,7 +150,7 @@ class Source:
         return h.read_ranges(key, [(lo, hi)])
 
 
-def _describe(url: str, samples: str, wanted, storage_options) -> Source:
+def _describe(url: str, wanted, storage_options) -> Source:
     kind = input_kind(url)
     src = Source(url, kind, False, {}, storage_options=dict(storage_options))
     try:
@@ -197,7 +197,7 @@ def open_sources(urls: list[str], *, fields: list[str] | None = None, samples: s
     if not urls:
         raise InputError("no inputs given")
     wanted = parse_field_args(fields)
-    sources = [_describe(u, samples, wanted, storage_options or {}) for u in urls]
+    sources = [_describe(u, wanted, storage_options or {}) for u in urls]
     plain = [s for s in sources if s.kind in ("npy", "npz")]
     per_file = samples == "file" or (
         samples == "auto" and len(plain) >= 2 and len({tuple(sorted((n, f.shape) for n, f in s.fields.items()))

@@ -322,3 +322,10 @@ def test_inputs_over_every_fsspec_protocol(tmp_path, place):
     out = str(tmp_path / "o.h5")
     ingest([u1, u2], out, storage_options=place.storage_options, verify=True, progress=False)
     np.testing.assert_array_equal(_read_field(out, "x"), np.concatenate([a, b]))
+
+
+def test_progress_bar_shows_samples_and_megabytes_per_second(tmp_path, capsys):
+    paths, _ = _npy_inputs(tmp_path, sizes=(20,))
+    ingest(paths, str(tmp_path / "o.h5"), batch_size=5, progress=True)
+    err = capsys.readouterr().err
+    assert "20/20" in err and "sample/s" in err and "MB/s" in err
