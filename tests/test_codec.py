@@ -89,6 +89,23 @@ def test_device_argument_forms():
     assert torch.equal(sc.decode_batch([blob, blob], device=torch.device("cpu"))[1], a)
 
 
+def test_mixed_batch_decodes_like_single_blobs():
+    """A batch mixing nibble/int8 codes and per-level cubic/linear choices decodes in one group."""
+    from solar.codec.ebq import _METAS
+    from solar.codec.header import read_header
+    from solar.synthetic import ptycho_block
+
+    xs, _ = ptycho_block(0, 24, size=64)
+    eb = 1e-3 * float(xs.max() - xs.min())
+    blobs = [sc.encode(x, abs_error=eb, codec={"id": "ebq", "predictor": "fine"}) for x in xs]
+    metas = [_METAS[5].unpack(read_header(b).meta) for b in blobs]
+    assert len({m[2] for m in metas}) > 1 and len({m[6] for m in metas}) > 1  # the mix is really there
+    batch = sc.decode_batch(blobs)
+    for b, x, y in zip(blobs, xs, batch):
+        assert torch.equal(sc.decode(b), y)
+        assert_within_bound(x, y.numpy(), eb)
+
+
 def test_concurrent_threads_decode_identically():
     """Scratch buffers and zstd contexts are per thread: concurrent decodes must not interfere."""
     from concurrent.futures import ThreadPoolExecutor

@@ -324,13 +324,17 @@ class EBQCodec(Codec):
         return m
 
     def group_key(self, blob: Parsed):
-        m = self._meta(blob)
-        return (m[0], m[2], m[3], m[6], m[13], m[14])  # predictor, widths, cubic levels, fold, kshift
+        """Blobs decoded together: int8 and nibble codes mix (both become an int8 stream), and so
+        do per-level cubic/linear choices of the interpolation predictors (selected per row)."""
+        pred, _, w, qint, _, _, mask, *_, fold, kshift = self._meta(blob)
+        v2 = blob.header.version >= 2
+        wkey = "int8" if v2 and w in (0, 1) else w
+        return (pred, wkey, qint, None if v2 and pred in (4, 5) else mask, fold, kshift)
 
     def decode_group(self, blobs: Sequence[Parsed], device, out=None):
         h0 = blobs[0].header
         metas = [self._meta(b) for b in blobs]
-        pred, _, w, qint, _, _, mask = metas[0][:7]
+        pred, _, w, qint = metas[0][:4]
         shape = h0.shape or (1,)
         n, B = math.prod(shape), len(blobs)
         dev = torch.device(device)
@@ -340,16 +344,20 @@ class EBQCodec(Codec):
                 raw[i] = np.frombuffer(ll.decompress(b.payload, ll.LOSSLESS[m[1]], h0.nbytes, b.what), h0.dtype)
             return _into(out, torch.from_numpy(raw).to(dev).view((B,) + h0.shape))
         np_int, t_int = _INT[qint]
-        nb = _code_len(w, n)
-        planes = np.empty((B, nb), np.uint8)
+        int8_stream = h0.version >= 2 and w in (0, 1)
+        kinds = [m[2] for m in metas] if int8_stream else [w] * B
+        rows = {k: [i for i, kk in enumerate(kinds) if kk == k] for k in sorted(set(kinds))}
+        planes = {k: np.empty((len(r), _code_len(k, n)), np.uint8) for k, r in rows.items()}
+        slot = {i: j for r in rows.values() for j, i in enumerate(r)}
         esc_idx, esc_val, out_idx, out_val, sides = [], [], [], [], []
         steps = np.empty(B, h0.dtype)
         offs = np.empty(B, h0.dtype)
         for i, (b, m) in enumerate(zip(blobs, metas)):
-            _, lid, _, _, steps[i], offs[i], _, c_len, n_esc, e_len, n_out, o_len, n_side, _, _ = m
+            _, lid, wi, _, steps[i], offs[i], _, c_len, n_esc, e_len, n_out, o_len, n_side, _, _ = m
             name, p = ll.LOSSLESS[lid], b.payload
+            nb = _code_len(wi, n)
             raw = np.frombuffer(ll.decompress(p[:c_len], name, nb + n_side, b.what), np.uint8)
-            planes[i] = raw[:nb]
+            planes[wi][slot[i]] = raw[:nb]
             if n_side:
                 sides.append(raw[nb:])
             if n_esc:
@@ -362,33 +370,43 @@ class EBQCodec(Codec):
                 pos, val = _sparse(p[c_len + e_len:], name, n_out, h0.dtype, n, b.what)
                 out_idx.append(pos + i * n)
                 out_val.append(val)
-        # ---- from here on: one sequence of tensor ops for the whole group, on `device`
-        if w == 0:  # where the side values go: found on the packed bytes, before they leave the CPU
-            marks = _nibble_markers(planes)
+        if 0 in planes:  # where the side values go: found on the packed bytes, before they leave the CPU
+            marks = _nibble_markers(planes[0])
             side = np.concatenate(sides) if sides else np.empty(0, np.uint8)
             if marks.size != side.size:
                 raise CorruptDataError(
                     f"{blobs[0].what}: nibble stream has {marks.size} side markers for {side.size} "
                     "side values; corrupted payload")
-        t = torch.from_numpy(planes).to(dev, non_blocking=True)
-        if w == 0:
-            t = unpack_nibbles(t.view(torch.int8))
-            t.view(-1)[torch.from_numpy(marks).to(dev)] = torch.from_numpy(side).to(dev).view(torch.int8)
-            t = t[:, :n]
+        # ---- from here on: one sequence of tensor ops for the whole group, on `device`
+        parts = {}
+        for k, arr in planes.items():
+            t = torch.from_numpy(arr).to(dev, non_blocking=True)
+            if k == 0:
+                t = unpack_nibbles(t.view(torch.int8))
+                t.view(-1)[torch.from_numpy(marks).to(dev)] = torch.from_numpy(side).to(dev).view(torch.int8)
+                t = t[:, :n]
+            parts[k] = t
+        if len(parts) == 1:
+            t = parts[kinds[0]]
+        else:  # int8 and nibble blobs in one batch: one int8 stream
+            t = torch.empty((B, n), dtype=torch.int8, device=dev)
+            for k, part in parts.items():
+                t[torch.tensor(rows[k], device=dev)] = part.view(torch.int8)
         # folded leading (channel) axes: each channel is one more batch row of the predictor
         fold = metas[0][13]
         lead = math.prod(shape[:fold])
         Bp, inner_shape = B * lead, shape[fold:]
         K = 1 << metas[0][14]
-        if w in (0, 1) and h0.version >= 2 and pred in (4, 5):
+        masks = np.repeat(np.array([m[6] for m in metas], dtype=np.uint64), lead)
+        if int8_stream and pred in (4, 5):
             # int8 codes go straight into the predictor (widened inside its adds); escapes are
             # corrections (true residual - marker) applied pass by pass
             escapes = None
             if esc_idx:
                 escapes = (np.concatenate(esc_idx), np.concatenate(esc_val).astype(np.int64) + 128)
-            q = pr.interp_decode(t.view(torch.int8).reshape(Bp, n // lead), inner_shape, mask, t_int, escapes, K)
+            q = pr.interp_decode(t.view(torch.int8).reshape(Bp, n // lead), inner_shape, masks, t_int, escapes, K)
         else:
-            if w in (0, 1) and h0.version >= 2:
+            if int8_stream:
                 r = t.view(torch.int8).reshape(B, n).to(t_int)
             else:
                 r = unzigzag_(join_planes(t.view(B, w, n), t_int))
@@ -397,7 +415,7 @@ class EBQCodec(Codec):
                 q = pr.lorenzo_reconstruct(r.view((Bp,) + inner_shape))
             else:
                 r = pr.natural_to_stream(r, shape) if h0.version == 1 else r.view(Bp, n // lead)
-                q = pr.interp_decode(r, inner_shape, mask, K=K)
+                q = pr.interp_decode(r, inner_shape, masks, K=K)
         q = q.reshape(B, n)
         bshape = (B, 1)
         offset = None if not offs.any() else torch.from_numpy(offs).to(dev).view(bshape)

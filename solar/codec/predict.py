@@ -271,7 +271,7 @@ def _escape_targets(esc: np.ndarray, n: int, shape: tuple[int, ...]):
     return sid, flat
 
 
-def interp_decode(R, shape: tuple[int, ...], cubic_levels: int, itype=None, escapes=None, K: int = 1):
+def interp_decode(R, shape: tuple[int, ...], cubic_levels, itype=None, escapes=None, K: int = 1):
     """Decoder: residual stream ``R`` (``(B, n)`` integer tensor) -> ``q`` of ``(B, *shape)``.
 
     Polyphase: the grid refined so far is kept contiguous; each pass predicts its odd points
@@ -280,6 +280,9 @@ def interp_decode(R, shape: tuple[int, ...], cubic_levels: int, itype=None, esca
     the add widens it on the fly to ``itype``. ``escapes`` = (positions in the flattened stream,
     int64 corrections) for codes that did not fit; each is added right after its pass.
     ``K > 1`` decodes the ``fine`` predictor: ``odd = prediction + K * residual``.
+    ``cubic_levels`` is one mask, or a numpy array of one mask per batch row (blobs whose
+    encoders chose differently still decode together; a pass where they disagree computes both
+    predictions and selects per row).
     """
     import torch
 
@@ -300,10 +303,18 @@ def interp_decode(R, shape: tuple[int, ...], cubic_levels: int, itype=None, esca
         C *= K
     if -1 in fix:
         C.view(-1).index_add_(0, *fix[-1])
+    masks = np.atleast_1d(np.asarray(cubic_levels, dtype=np.uint64))
     pos = 1
     for i, st in enumerate(interp_plan(tuple(shape))):
         n_o = st.m // 2
-        P, sign = predict_odd(C, st.axis, st.m, bool(cubic_levels >> st.level & 1), positive=K != 1)
+        bits = (masks >> np.uint64(st.level)) & np.uint64(1)
+        if bits.min() == bits.max():
+            P, sign = predict_odd(C, st.axis, st.m, bool(bits[0]), positive=K != 1)
+        else:  # mixed batch: both predictions, chosen per row
+            Pc = predict_odd(C, st.axis, st.m, True, positive=True)[0].clone()
+            Pl, sign = predict_odd(C, st.axis, st.m, False, positive=True)
+            rows = torch.from_numpy(bits.astype(bool)).to(dev).view(B, 1)
+            P = torch.where(rows, Pc.view(B, -1), Pl.view(B, -1)).view(Pl.shape)
         outer, n_e, inner = P.shape
         cnt = outer * n_o * inner // B
         O = R[:, pos:pos + cnt].reshape(outer, n_o, inner)
