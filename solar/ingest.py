@@ -360,6 +360,12 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
     out, tmp, journal = plan.output, plan.output + TMP_SUFFIX, plan.output + JOURNAL_SUFFIX
     fp = plan.fingerprint()
 
+    done = comm.bcast(comm.rank == 0 and resume and not os.path.exists(journal) and _finished_by(out, fp), root=0)
+    if done:  # --resume of a job that already finished: nothing to redo
+        if verify:
+            verify_file(out, plan=plan, comm=comm)
+        return IngestReport(out, plan.num_samples, [x.name for x in plan.fields], 0, 0,
+                            time.perf_counter() - t0, plan.num_batches, verify, comm.size)
     # where to start
     start, sizes = 0, {f.name: 0 for f in plan.fields if f.compress}
     if comm.rank == 0 and resume:
@@ -453,6 +459,18 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
     row_stored = comm.bcast(row_stored, root=0)
     return IngestReport(out, plan.num_samples, [x.name for x in plan.fields], row_bytes * plan.num_samples,
                         row_stored, time.perf_counter() - t0, start, verify, comm.size)
+
+
+def _finished_by(path: str, fingerprint: str) -> bool:
+    """True if ``path`` is a complete SOLAR file written by the job with this fingerprint."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            prov = json.loads(f.attrs.get("provenance", "{}"))
+            return bool(f.attrs.get("complete", False)) and prov.get("fingerprint") == fingerprint
+    except (OSError, ValueError):
+        return False
 
 
 def _min_op(parallel: bool):

@@ -228,6 +228,11 @@ def test_resume_continues_from_the_journal(tmp_path, monkeypatch):
     rep = ingest(paths, out, batch_size=8, abs_error=0.05, resume=True, verify=True, progress=False)
     assert rep.resumed_from_batch == 2
     assert np.abs(_read_field(out, "x") - want).max() <= 0.05
+    mtime = os.stat(out).st_mtime_ns
+    again = ingest(paths, out, batch_size=8, abs_error=0.05, resume=True, verify=True, progress=False)
+    assert again.resumed_from_batch == 6 and os.stat(out).st_mtime_ns == mtime  # finished: nothing redone
+    other = ingest(paths[:1], out, batch_size=8, abs_error=0.05, resume=True, progress=False)
+    assert other.num_samples == 30  # a different job with --resume rewrites the output
 
 
 def _children(pid: int) -> list[int]:
