@@ -360,8 +360,12 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
     out, tmp, journal = plan.output, plan.output + TMP_SUFFIX, plan.output + JOURNAL_SUFFIX
     fp = plan.fingerprint()
 
-    done = comm.bcast(comm.rank == 0 and resume and not os.path.exists(journal) and _finished_by(out, fp), root=0)
-    if done:  # --resume of a job that already finished: nothing to redo
+    # --resume of a job that already finished (even if it died between the rename and removing
+    # the journal): nothing to redo
+    done = comm.bcast(comm.rank == 0 and resume and not os.path.exists(tmp) and _finished_by(out, fp), root=0)
+    if done:
+        if comm.rank == 0 and os.path.exists(journal):
+            os.remove(journal)
         if verify:
             verify_file(out, plan=plan, comm=comm)
         return IngestReport(out, plan.num_samples, [x.name for x in plan.fields], 0, 0,
