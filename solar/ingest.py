@@ -111,6 +111,7 @@ class Plan:
     rel_error: float | None
     abs_error: float | None
     starts: list[int] = field(default_factory=list)  # first global sample of each source
+    _released: int = 0  # sources below this index are closed (reads move forward)
 
     @property
     def num_batches(self) -> int:
@@ -121,11 +122,19 @@ class Plan:
                 "fields": [asdict(f) for f in self.fields], "batch_size": self.batch_size}
         return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
+    def _release_before(self, i: int) -> None:
+        """Close the inputs a forward pass has left behind: thousands of inputs must not hold
+        thousands of open files. A later pass (verification) reopens them lazily."""
+        for k in range(self._released, i):
+            self.sources[k].close()
+        self._released = i
+
     def read(self, name: str, lo: int, hi: int) -> np.ndarray:
         """Global samples ``[lo, hi)`` of field ``name``, across input boundaries."""
         f = next(f for f in self.fields if f.name == name)
         parts = []
         i = max(0, int(np.searchsorted(self.starts, lo, side="right")) - 1)
+        self._release_before(i)
         while lo < hi and i < len(self.sources):
             s0 = self.starts[i]
             stop = min(hi, s0 + self.sources[i].n)

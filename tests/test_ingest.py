@@ -334,3 +334,22 @@ def test_progress_bar_shows_samples_and_megabytes_per_second(tmp_path, capsys):
     ingest(paths, str(tmp_path / "o.h5"), batch_size=5, progress=True)
     err = capsys.readouterr().err
     assert "20/20" in err and "sample/s" in err and "MB/s" in err
+
+
+def test_many_inputs_do_not_stay_open(tmp_path):
+    """Inputs behind the write position are closed: a run over many files holds few handles."""
+    from solar.ingest import _validate
+
+    paths = []
+    for i in range(12):
+        paths.append(str(tmp_path / f"in{i}.h5"))
+        with h5py.File(paths[-1], "w") as f:
+            f["x"] = np.full((3, 2), i, np.float32)
+    plan = _validate(paths, str(tmp_path / "o.h5"), None, None, None, False, False, 4, "auto", None)
+    for lo in range(0, 36, 4):
+        np.testing.assert_array_equal(plan.read("x", lo, lo + 4)[:, 0], np.arange(lo, lo + 4) // 3)
+        assert sum(s._handle is not None for s in plan.sources) <= 2
+    np.testing.assert_array_equal(plan.read("x", 0, 3)[:, 0], 0)  # a new pass reopens lazily
+    out = str(tmp_path / "o.h5")
+    ingest(paths, out, batch_size=4, verify=True, progress=False)
+    np.testing.assert_array_equal(_read_field(out, "x")[:, 0], np.arange(36) // 3)
