@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 
+from solar.cli.plan import write_text_atomic
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOLAR = os.path.join(os.path.dirname(sys.executable), "solar")
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
@@ -60,10 +62,7 @@ def main(argv=None) -> int:
                 print(f"{key:<22} {rep['seconds']:7.2f} s  {runs[key]['input_MBps']:8.1f} MB/s in  "
                       f"{runs[key]['stored_MB']:8.1f} MB stored (x{rep['ratio']:.1f})", flush=True)
     result = {"config": vars(args), "machine": platform.platform(), "runs": runs}
-    tmp_out = args.out + ".tmp"
-    with open(tmp_out, "w") as fh:
-        json.dump(result, fh, indent=2)
-    os.replace(tmp_out, args.out)
+    write_text_atomic(args.out, json.dumps(result, indent=2))
     print(f"wrote {args.out} (shared 2-core machine: compare ratios)")
     return 0
 
