@@ -32,6 +32,8 @@ Format versions (all still decode; golden fixtures in ``tests/fixtures/codec``):
   prediction error; integers in units of bin / 2**kshift, see
   :func:`solar.codec.predict.interp_fine_stream`). It removes the white rounding noise that
   pre-quantization leaves on smooth fields at loose bounds.
+* ``ebq/6``: interpolation passes refine the innermost axis first within each level
+  (:func:`solar.codec.predict.interp_plan`, ``reverse``): fewer strided decoder passes.
 """
 
 from __future__ import annotations
@@ -59,8 +61,10 @@ __all__ = ["EBQCodec"]
 # interpolation on level l) after offset. v3 appends ``n_side`` (nibble mode: count of residuals
 # carried by the int8 side stream). v4 appends ``fold`` (leading axes treated as a batch), v5
 # ``kshift`` (the ``fine`` predictor's K = 2**kshift; ``step`` is then the unit u = bin / K).
+# v6 has v5's layout; only the interpolation pass order differs (innermost axis first).
 _METAS = {1: struct.Struct("<BBBBddQQQQQ"), 2: struct.Struct("<BBBBddQQQQQQ"), 3: struct.Struct("<BBBBddQQQQQQQ"),
-          4: struct.Struct("<BBBBddQQQQQQQB"), 5: struct.Struct("<BBBBddQQQQQQQBB")}
+          4: struct.Struct("<BBBBddQQQQQQQB"), 5: struct.Struct("<BBBBddQQQQQQQBB"),
+          6: struct.Struct("<BBBBddQQQQQQQBB")}
 #: Leading axes of at most this size (channels: amplitude/phase, velocity components) are folded
 #: into the batch: each channel is predicted on its own instead of from its neighbour channel.
 _FOLD_MAX = 4
@@ -117,10 +121,10 @@ def _codes(r: np.ndarray, nibble: bool = False) -> tuple[int, np.ndarray, np.nda
     return w, np.ascontiguousarray(codes.astype(f"<u{w}").view(np.uint8).reshape(-1, w).T), esc, 0
 
 
-def _best_levels(q: np.ndarray) -> int:
+def _best_levels(q: np.ndarray, reverse: bool = False) -> int:
     """Per level, cubic or linear interpolation: whichever gives cheaper residuals (log-magnitude proxy)."""
     cost: dict[int, list[float]] = {}
-    for st in pr.interp_plan(tuple(q.shape[1:])):
+    for st in pr.interp_plan(tuple(q.shape[1:]), reverse):
         V = q[st.sel]
         E = np.ascontiguousarray(pr._take(V, st.axis, 0, (st.m + 1) // 2, 2, 0))
         O = pr._3d(np.ascontiguousarray(pr._take(V, st.axis, 0, st.m // 2, 2, 1)), st.axis).astype(np.int64)
@@ -150,7 +154,7 @@ def _fine(array: np.ndarray, eb: float, qz: Quantized, bshape: tuple[int, ...]):
     fin = np.isfinite(xu)
     if u < float(np.finfo(dtype).tiny) or (fin.any() and np.abs(xu[fin]).max() >= gmax - K):
         return None
-    r, G, mask = pr.interp_fine_stream(xu.reshape(bshape), K, gmax)
+    r, G, mask = pr.interp_fine_stream(xu.reshape(bshape), K, gmax, reverse=True)
     outliers = verify(x, G.reshape(-1), u, qz.offset, eb)
     return r, mask, _KSHIFT, u, outliers, int(np.abs(G).max(initial=0))
 
@@ -189,8 +193,8 @@ class EBQCodec(Codec):
     """
 
     codec_id = "ebq"
-    version = 5
-    decodes = frozenset({1, 2, 3, 4, 5})
+    version = 6
+    decodes = frozenset({1, 2, 3, 4, 5, 6})
 
     def __init__(self, predictor: str = "auto", lossless: str | None = None, level: int | None = None):
         if predictor != "auto" and predictor not in pr.PREDICTOR_IDS or predictor == "raw":
@@ -230,7 +234,7 @@ class EBQCodec(Codec):
 
     def _pack_raw(self, array: np.ndarray, abs_error: float) -> bytes:
         data = ll.compress(np.ascontiguousarray(array).tobytes(), self.lossless, self.level)
-        meta = _METAS[5].pack(0, ll.LOSSLESS_IDS[self.lossless], array.dtype.itemsize, 0, 0.0, 0.0, 0,
+        meta = _METAS[6].pack(0, ll.LOSSLESS_IDS[self.lossless], array.dtype.itemsize, 0, 0.0, 0.0, 0,
                               len(data), 0, 0, 0, 0, 0, 0, 0)
         return self._blob(array, abs_error, meta, [data])
 
@@ -249,9 +253,9 @@ class EBQCodec(Codec):
         else:
             mask = {"cubic": -1, "linear": 0}.get(name)  # "interp": chosen per level
             if mask is None:
-                mask = _best_levels(q)
+                mask = _best_levels(q, reverse=True)
             mask &= (1 << 64) - 1
-            r = pr.interp_stream(q, mask).reshape(-1)
+            r = pr.interp_stream(q, mask, reverse=True).reshape(-1)
         lvl = self.level
         w, codes, esc_pos, n_side = _codes(r)
         s_codes = ll.compress(codes, self.lossless, lvl)
@@ -267,7 +271,7 @@ class EBQCodec(Codec):
             if outliers.size else b""
         qint = 4 if qmax <= (1 << 26) else 8
         pid = pr.PREDICTOR_IDS[name if name in ("lorenzo", "fine") else "interp"]
-        meta = _METAS[5].pack(pid, ll.LOSSLESS_IDS[self.lossless], w, qint, step, qz.offset, mask,
+        meta = _METAS[6].pack(pid, ll.LOSSLESS_IDS[self.lossless], w, qint, step, qz.offset, mask,
                               len(s_codes), esc_pos.size, len(s_esc), outliers.size, len(s_out), n_side, fold, kshift)
         return self._blob(array, abs_error, meta, [s_codes, s_esc, s_out])
 
@@ -398,13 +402,15 @@ class EBQCodec(Codec):
         Bp, inner_shape = B * lead, shape[fold:]
         K = 1 << metas[0][14]
         masks = np.repeat(np.array([m[6] for m in metas], dtype=np.uint64), lead)
+        rev = h0.version >= 6
         if int8_stream and pred in (4, 5):
             # int8 codes go straight into the predictor (widened inside its adds); escapes are
             # corrections (true residual - marker) applied pass by pass
             escapes = None
             if esc_idx:
                 escapes = (np.concatenate(esc_idx), np.concatenate(esc_val).astype(np.int64) + 128)
-            q = pr.interp_decode(t.view(torch.int8).reshape(Bp, n // lead), inner_shape, masks, t_int, escapes, K)
+            q = pr.interp_decode(t.view(torch.int8).reshape(Bp, n // lead), inner_shape, masks, t_int, escapes, K,
+                                 rev)
         else:
             if int8_stream:
                 r = t.view(torch.int8).reshape(B, n).to(t_int)
@@ -415,7 +421,7 @@ class EBQCodec(Codec):
                 q = pr.lorenzo_reconstruct(r.view((Bp,) + inner_shape))
             else:
                 r = pr.natural_to_stream(r, shape) if h0.version == 1 else r.view(Bp, n // lead)
-                q = pr.interp_decode(r, inner_shape, masks, K=K)
+                q = pr.interp_decode(r, inner_shape, masks, K=K, reverse=rev)
         q = q.reshape(B, n)
         bshape = (B, 1)
         offset = None if not offs.any() else torch.from_numpy(offs).to(dev).view(bshape)

@@ -53,18 +53,27 @@ class Step:
 
 
 @lru_cache(maxsize=256)
-def interp_plan(shape: tuple[int, ...]) -> tuple[Step, ...]:
-    """The ordered passes that refine the anchor ``q[0, ..., 0]`` into the full grid."""
+def interp_plan(shape: tuple[int, ...], reverse: bool = False) -> tuple[Step, ...]:
+    """The ordered passes that refine the anchor ``q[0, ..., 0]`` into the full grid.
+
+    ``reverse`` (format ``ebq/6``): within a level, refine the innermost axis first. Its passes
+    are the only ones with strided, latency-bound interleaves; done first they touch a grid that
+    is still coarse along the other axes (a quarter of the points in 3-D instead of all of them),
+    and the last, largest pass of each level becomes the outermost axis, whose interleave is a
+    copy of long contiguous blocks.
+    """
     if not shape or min(shape) == 0:
         return ()
     level = 0
     while (1 << level) < max(shape):
         level += 1
     steps: list[Step] = []
+    axes = list(range(len(shape)))[::-1] if reverse else list(range(len(shape)))
     for lv in range(level - 1, -1, -1):
         s = 1 << lv
-        for a in range(len(shape)):
-            sel = (slice(None),) + tuple(slice(0, None, s if b <= a else 2 * s) for b in range(len(shape)))
+        for j, a in enumerate(axes):
+            done = set(axes[:j + 1])
+            sel = (slice(None),) + tuple(slice(0, None, s if b in done else 2 * s) for b in range(len(shape)))
             m = len(range(0, shape[a], s))
             if m // 2:
                 steps.append(Step(sel, a + 1, lv, m))
@@ -157,14 +166,14 @@ def predict_odd(E, axis: int, m: int, cubic: bool, positive: bool = False):
     return P3, sign
 
 
-def interp_stream(q, cubic_levels: int):
+def interp_stream(q, cubic_levels: int, reverse: bool = False):
     """Encoder: the residual stream of batched ``q`` (anchor, then each pass's odd block in C order).
 
     ``cubic_levels`` is a bit mask: bit ``l`` set = cubic interpolation on level ``l``.
     """
     B = q.shape[0]
     parts = [q.reshape(B, -1)[:, :1]]
-    for st in interp_plan(tuple(q.shape[1:])):
+    for st in interp_plan(tuple(q.shape[1:]), reverse):
         V = q[st.sel]
         E = np.ascontiguousarray(_take(V, st.axis, 0, (st.m + 1) // 2, 2, 0))
         O = _3d(np.ascontiguousarray(_take(V, st.axis, 0, st.m // 2, 2, 1)), st.axis)
@@ -173,7 +182,8 @@ def interp_stream(q, cubic_levels: int):
     return np.concatenate(parts, axis=1)
 
 
-def interp_fine_stream(xu: np.ndarray, K: int, gmax: int, cubic_levels: int | None = None):
+def interp_fine_stream(xu: np.ndarray, K: int, gmax: int, cubic_levels: int | None = None,
+                       reverse: bool = False):
     """Encoder of the ``fine`` predictor: SZ-style prediction from *reconstructed* values.
 
     ``xu`` (batched, float64) is the data in units of ``u = step / K``. Every pass predicts its odd
@@ -193,7 +203,7 @@ def interp_fine_stream(xu: np.ndarray, K: int, gmax: int, cubic_levels: int | No
     r0 = _round_residual(xu[anchor], 0, K, gmax)
     G[anchor] = r0 * K
     parts = [r0.reshape(B, 1)]
-    plan = interp_plan(shape)
+    plan = interp_plan(shape, reverse)
     mask = 0
     for level in sorted({st.level for st in plan}, reverse=True):
         steps = [st for st in plan if st.level == level]
@@ -244,14 +254,14 @@ def _fine_level(xu, G, K, gmax, steps, cubic):
     return parts, cost
 
 
-def _escape_targets(esc: np.ndarray, n: int, shape: tuple[int, ...]):
+def _escape_targets(esc: np.ndarray, n: int, shape: tuple[int, ...], reverse: bool = False):
     """Host side: map escape positions of a ``(B, n)`` stream to (pass id, flat index in that pass's grid).
 
     Pass id -1 is the anchor. Escapes are rare, so this small numpy computation replaces a full
     widening pass over the stream.
     """
     b, j = np.divmod(esc, n)
-    plan = interp_plan(tuple(shape))
+    plan = interp_plan(tuple(shape), reverse)
     starts, geo = [1], []
     sizes = [1] * len(shape)  # grid extent per axis so far
     for st in plan:
@@ -271,7 +281,8 @@ def _escape_targets(esc: np.ndarray, n: int, shape: tuple[int, ...]):
     return sid, flat
 
 
-def interp_decode(R, shape: tuple[int, ...], cubic_levels, itype=None, escapes=None, K: int = 1):
+def interp_decode(R, shape: tuple[int, ...], cubic_levels, itype=None, escapes=None, K: int = 1,
+                  reverse: bool = False):
     """Decoder: residual stream ``R`` (``(B, n)`` integer tensor) -> ``q`` of ``(B, *shape)``.
 
     Polyphase: the grid refined so far is kept contiguous; each pass predicts its odd points
@@ -293,7 +304,7 @@ def interp_decode(R, shape: tuple[int, ...], cubic_levels, itype=None, escapes=N
     dev = R.device
     fix: dict[int, tuple] = {}
     if escapes is not None and len(escapes[0]):
-        sid, flat = _escape_targets(escapes[0], n, shape)
+        sid, flat = _escape_targets(escapes[0], n, shape, reverse)
         for s in np.unique(sid):
             sel = sid == s
             fix[int(s)] = (torch.from_numpy(flat[sel]).to(dev),
@@ -305,7 +316,7 @@ def interp_decode(R, shape: tuple[int, ...], cubic_levels, itype=None, escapes=N
         C.view(-1).index_add_(0, *fix[-1])
     masks = np.atleast_1d(np.asarray(cubic_levels, dtype=np.uint64))
     pos = 1
-    for i, st in enumerate(interp_plan(tuple(shape))):
+    for i, st in enumerate(interp_plan(tuple(shape), reverse)):
         n_o = st.m // 2
         bits = (masks >> np.uint64(st.level)) & np.uint64(1)
         if bits.min() == bits.max():
