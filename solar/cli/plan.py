@@ -59,6 +59,8 @@ def _balanced(plan) -> bool:
 
 def simulate(args: argparse.Namespace, policy: str, dump: list | None = None) -> dict:
     """Plan ``args.epochs`` epochs with ``policy``; the JSON report (and the dump, if a list is given)."""
+    import torch  # noqa: F401  (imported before timing: its ~3 s import is not planning time)
+
     from solar.schedule import Planner
 
     cfg = _config(args, policy)
