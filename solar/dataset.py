@@ -352,8 +352,8 @@ class H5Dataset(Dataset):
                 from solar.codec import decode_batch
 
                 flat, off = val
-                fa, oa = flat.numpy(), off.numpy()
-                blobs = [fa[oa[i]:oa[i + 1]].tobytes() for i in range(stored.n)]
+                fa, oa = flat.numpy(), off.numpy().tolist()
+                blobs = [fa[a:b] for a, b in zip(oa[:-1], oa[1:])]  # views: the codec reads arrays in place
                 names = [f"{i} of {self.path}:{spec.name}" for i in stored.indices] if stored.indices else None
                 dec = decode_batch(blobs, device=self.device, names=names) if blobs else torch.empty(
                     (0, *spec.sample_shape), dtype=_torch_dtype(spec.dtype))
