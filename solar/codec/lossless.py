@@ -36,7 +36,7 @@ def _zstd():
         import zstandard
     except ImportError as exc:  # pragma: no cover - zstandard ships in the test env
         raise MissingDependencyError(
-            "the zstd lossless stage needs the 'zstandard' package: pip install 'solar-loader[zstd]'"
+            "the zstd lossless stage needs the 'zstandard' package: pip install zstandard"
         ) from exc
     return zstandard
 
