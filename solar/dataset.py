@@ -12,6 +12,10 @@ NOTE [ Stored vs decoded ]
     ``solar-h5/1`` (``solar/layout.py``). Decoding is one per-batch step (:meth:`decode`, with
     ``device=``) done where the batch is assembled (a DataLoader worker or the main process), so a
     byte budget holds ratio-times more compressed samples and decoding can run on the GPU.
+    Without workers, :meth:`fetch_steps` decodes a whole prefetch pass at once on the prefetch
+    thread (``decode=True``): one ``decode_batch`` call per field for several steps amortizes
+    the codec's per-call cost (about 1.6x faster per sample on the CPU at 256 vs 32 samples) and
+    overlaps decoding with the training step; the buffer still holds only compressed bytes.
 
 NOTE [ Collective-safe reads ]
     :meth:`fetch_stored` calls ``backend.read_ranges`` exactly once per field, in field order,
@@ -35,6 +39,9 @@ from solar.errors import CorruptDataError, InputError
 from solar.layout import FieldSpec, checksum_key, describe_fields, sample_checksum
 
 __all__ = ["H5Dataset", "StoredBatch", "StepBatch", "coalesce"]
+
+#: Smallest piece a range is cut into to spread one read over several request threads.
+SPLIT_BYTES = 64 << 10
 
 
 def coalesce(sorted_rows: np.ndarray) -> np.ndarray:
@@ -71,6 +78,7 @@ class StoredBatch:
     fields: dict[str, Any] = field(default_factory=dict)
     hits: int = 0
     indices: list[int] = field(default_factory=list)  # for error messages
+    decoded: dict[str, torch.Tensor] | None = None  # already decoded (fetch_steps(decode=True))
 
 
 class StepBatch(list):
@@ -190,18 +198,29 @@ class H5Dataset(Dataset):
     def _read(self, key: str, ranges: np.ndarray) -> np.ndarray:
         """One logical ``read_ranges`` per field and fetch; split over ``io_threads`` concurrent
         requests when the backend is not collective (each thread reads its share of the ranges
-        straight into its slice of the output)."""
-        t = min(self.io_threads, len(ranges))
-        if t <= 1 or self.backend.collective:
+        straight into its slice of the output).
+
+        The shares are equal in rows (bytes), cutting a range in two where needed: a sieved pass
+        is often one long range, which one request stream would read at one reader's bandwidth.
+        Pieces stay at least ``SPLIT_BYTES`` long unless the ranges are already that many.
+        """
+        lengths = ranges[:, 1] - ranges[:, 0]
+        starts = np.r_[0, np.cumsum(lengths)]
+        total = int(starts[-1])
+        if self.io_threads <= 1 or self.backend.collective or total <= 1:
             return self.backend.read_ranges(key, ranges)
         info = self.backend.info(key)
-        lengths = ranges[:, 1] - ranges[:, 0]
-        out = np.empty((int(lengths.sum()), *info.row_shape), dtype=info.dtype)
-        starts = np.r_[0, np.cumsum(lengths)]
-        # split by rows (bytes), not by range count, so the threads finish together
-        cut = np.r_[0, np.searchsorted(starts[1:], np.linspace(0, starts[-1], t + 1)[1:-1], side="left") + 1,
-                    len(ranges)]
-        cut = np.maximum.accumulate(np.minimum(cut, len(ranges)))
+        row_bytes = int(np.prod(info.row_shape, dtype=np.int64)) * info.dtype.itemsize
+        t = min(self.io_threads, total, max(len(ranges), total * row_bytes // SPLIT_BYTES))
+        if t <= 1:
+            return self.backend.read_ranges(key, ranges)
+        out = np.empty((total, *info.row_shape), dtype=info.dtype)
+        cut = np.linspace(0, total, t + 1).round().astype(np.int64)  # output rows of each thread
+        edges = np.union1d(starts, cut)  # pieces: the ranges, cut where a thread's share ends
+        lo, hi = edges[:-1], edges[1:]
+        r = np.searchsorted(starts, lo, side="right") - 1
+        pieces = np.stack([ranges[r, 0] + lo - starts[r], ranges[r, 0] + hi - starts[r]], axis=1)
+        first = np.searchsorted(lo, cut)  # each thread's first piece
         if self._pool is None:
             import pickle
             from concurrent.futures import ThreadPoolExecutor
@@ -210,8 +229,8 @@ class H5Dataset(Dataset):
             # One backend per request thread (unpickled copies open their own handles): handles and
             # per-backend counters are then never shared between threads.
             self._clones = [pickle.loads(pickle.dumps(self.backend)) for _ in range(self.io_threads)]
-        futs = [self._pool.submit(self._clones[i].read_ranges, key, ranges[a:b], out[starts[a]:starts[b]])
-                for i, (a, b) in enumerate(zip(cut[:-1], cut[1:])) if b > a]
+        futs = [self._pool.submit(self._clones[i].read_ranges, key, pieces[a:b], out[cut[i]:cut[i + 1]])
+                for i, (a, b) in enumerate(zip(first[:-1], first[1:])) if b > a]
         for f in futs:
             f.result()
         return out
@@ -295,14 +314,29 @@ class H5Dataset(Dataset):
         self.stats.steps += 1
         return out
 
+    @property
+    def compressed(self) -> bool:
+        """True when some field is stored as codec blobs (batches then need :meth:`decode`)."""
+        return any(s.kind == "codec" for s in self.specs)
+
     def fetch_steps(self, steps: Sequence[Sequence[int]], buffer=None, keep=None, shared: bool = False,
-                    evict: Sequence[int] | None = None) -> list[StoredBatch]:
+                    evict: Sequence[int] | None = None, decode: bool = False) -> list[StoredBatch]:
         """:meth:`fetch_stored` for several steps in one pass (one ``read_ranges`` per field for all
-        of them, so runs and sieving span steps), split back into one batch per step."""
+        of them, so runs and sieving span steps), split back into one batch per step.
+
+        ``decode=True`` also decodes the whole pass with one :meth:`decode` (one ``decode_batch``
+        per field) and gives each step its share as ``decoded`` (views; see NOTE [ Stored vs
+        decoded ]); the steps then carry no stored bytes.
+        """
         lengths = [len(s) for s in steps]
         flat = [int(i) for s in steps for i in s]
         whole = self.fetch_stored(flat, buffer=buffer, keep=keep, shared=shared, evict=evict)
         bounds = np.r_[0, np.cumsum(lengths)].tolist()
+        if decode:
+            tensors = self.decode(whole)
+            return [StoredBatch(b - a, hits=0, indices=whole.indices[a:b],
+                                decoded={name: t[a:b] for name, t in tensors.items()})
+                    for a, b in zip(bounds[:-1], bounds[1:])]
         out = []
         for a, b in zip(bounds[:-1], bounds[1:]):
             part = StoredBatch(b - a, indices=whole.indices[a:b])
@@ -373,7 +407,8 @@ class H5Dataset(Dataset):
         stored = getattr(indices, "stored", None)
         if stored is None:
             stored = self.fetch_stored(indices)
-        return self._samples(self.decode(stored), stored.n)
+        tensors = stored.decoded if stored.decoded is not None else self.decode(stored)
+        return self._samples(tensors, stored.n)
 
     def __getitem__(self, index: int):
         if not isinstance(index, (int, np.integer)):

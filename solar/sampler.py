@@ -20,7 +20,8 @@ NOTE [ Buffer and workers ]
     The rank buffer, the storage reads and the prefetch thread all live in the main process, in
     this object; DataLoader workers receive each step's loaded bytes inside the batch they are sent
     (raw fields and codec blobs as tensors in shared memory: ``StepBatch.stored``) and do only the
-    per-sample work (decode, transform, collate). So the buffer is never copied into, or lost
+    per-sample work (decode, transform, collate). Without workers, compressed passes are decoded
+    on the prefetch thread, a whole pass per ``decode_batch`` (NOTE [ Stored vs decoded ]). So the buffer is never copied into, or lost
     with, worker processes, and worker count does not multiply its memory; h5py handles are opened
     lazily in the process that reads (the backend checks the pid), which is this one.
 """
@@ -228,7 +229,8 @@ class SolarBatchSampler(BatchSampler):
                 def keep(miss: np.ndarray) -> np.ndarray:
                     return np.isin(miss, wanted)
             steps = [g[0] for g in group]
-            stored = self.dataset.fetch_steps(steps, buffer=self.buffer, keep=keep, shared=self.shared, evict=evict)
+            stored = self.dataset.fetch_steps(steps, buffer=self.buffer, keep=keep, shared=self.shared, evict=evict,
+                                              **({"decode": True} if self._decode_ahead else {}))
             out = [StepBatch(indices) for indices in steps]
             for batch, st in zip(out, stored):
                 batch.stored = st
@@ -241,9 +243,21 @@ class SolarBatchSampler(BatchSampler):
         for group in _prefetch(groups, fetch, 1 if self.prefetch else 0, cancel=not collective):
             yield from group
 
+    @property
+    def _decode_ahead(self) -> bool:
+        """Decode whole passes on the prefetch thread: compressed data and no workers (workers
+        decode their own batches in parallel, and shipping decoded tensors to them would cost
+        ratio-times more shared memory)."""
+        return not self.shared and bool(getattr(self.dataset, "compressed", False))
+
     def group_size(self, batch_size: int) -> int:
-        """Steps read in one pass: ``prefetch``, but at most ``GROUP_BYTES`` of stored data."""
+        """Steps read in one pass: ``prefetch``, but at most ``GROUP_BYTES`` of stored data (of
+        decoded data when the pass is decoded ahead)."""
         if not self.prefetch:
             return 1
-        per_step = max(1, int(batch_size * self.dataset.sample_nbytes().mean()))
+        if self._decode_ahead:
+            nbytes = sum(int(np.prod(s.sample_shape, dtype=np.int64)) * s.dtype.itemsize for s in self.dataset.specs)
+        else:
+            nbytes = self.dataset.sample_nbytes().mean()
+        per_step = max(1, int(batch_size * nbytes))
         return max(1, min(self.prefetch, GROUP_BYTES // per_step))

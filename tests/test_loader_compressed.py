@@ -131,3 +131,27 @@ def test_capacity_for_variable_sizes_is_the_largest_that_fits(sizes, budget, wor
         assert not fits(C + 1)
     halved = capacity_for_bytes(np.maximum(1, sizes // 2), budget, world, batch)
     assert halved >= C
+
+
+@pytest.fixture(scope="module")
+def bytes_file(tmp_path_factory):
+    """One uint8 field of 300 kB: rows are bytes, like a compressed field's blob data."""
+    path = str(tmp_path_factory.mktemp("bytes") / "bytes.h5")
+    data = np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8)
+    with h5py.File(path, "w") as f:
+        f["x"] = data
+    return path, data
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 300_000), min_size=2, max_size=12, unique=True), st.integers(1, 5))
+def test_threaded_reads_split_long_ranges_exactly(bytes_file, edges, threads):
+    """Reads over ``io_threads`` request threads cut long (sieved) ranges into equal shares; the
+    bytes come back exactly, in order, however the ranges and thread shares fall."""
+    path, data = bytes_file
+    e = np.sort(np.array(edges, dtype=np.int64))
+    ranges = np.stack([e[:-1:2], e[1::2]], axis=1)
+    ds = solar.H5Dataset(path, fields="x", backend="hdf5", io_threads=threads)
+    got = ds._read("x", ranges)
+    ds.close()
+    np.testing.assert_array_equal(got, np.concatenate([data[a:b] for a, b in ranges]))

@@ -1,7 +1,8 @@
 """Loader benchmark: ``solar.DataLoader`` vs ``torch.utils.data.DataLoader`` on the same HDF5 file.
 
 Run: ``.venv/bin/python bench/loader/run.py [--samples 2048] [--size 64] [--epochs 3] [--buffer 0.5]
-[--bandwidth 200e6] [--latency 1e-3] [--rel-error 1e-3 | --abs-error E] [--out bench/loader/results.json]``
+[--bandwidth 200e6] [--latency 1e-3] [--rel-error 1e-3 | --abs-error E | --uncompressed-only]
+[--out bench/loader/results.json]``
 
 The baseline is what training scripts do today: a map-style dataset that reads one sample per
 ``__getitem__`` (one h5py read per field), the file opened lazily in each of ``num_workers=2``
@@ -20,7 +21,7 @@ Both loaders run in this one process, one after the other per storage, for ``--e
 the steady-state epoch time is the mean over epochs >= 2 (the first epoch fills SOLAR's buffer).
 The machine is shared, so compare ratios, not absolute times. Prints a table and writes JSON.
 
-Compressed mode (``--rel-error R`` or ``--abs-error E``): the same file is first compressed with
+Compressed mode (``--rel-error R``, default 1e-3, or ``--abs-error E``): the same file is first compressed with
 ``solar ingest`` (its Python API; cached next to ``--data``), and a third loader joins the
 comparison: ``solar.DataLoader`` on the compressed file with the *same buffer byte budget* as on the
 uncompressed one (``--buffer`` of the uncompressed dataset's bytes). The buffer keeps compressed
@@ -188,10 +189,14 @@ def main(argv=None) -> int:
     bound.add_argument("--rel-error", type=float, default=None,
                        help="also run SOLAR on a copy compressed by solar ingest with this relative bound")
     bound.add_argument("--abs-error", type=float, default=None, help="... or with this absolute bound")
+    bound.add_argument("--uncompressed-only", action="store_true",
+                       help="skip the compressed run (default: --rel-error 1e-3)")
     ap.add_argument("--device", default="cpu", help="where SOLAR decodes compressed batches")
     ap.add_argument("--data", default="out/bench/loader.h5")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results.json"))
     args = ap.parse_args(argv)
+    if args.rel_error is None and args.abs_error is None and not args.uncompressed_only:
+        args.rel_error = 1e-3
     torch.set_num_threads(1)
     comm = mpi_comm()
     P, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
