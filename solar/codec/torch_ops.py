@@ -31,15 +31,23 @@ def join_planes(planes: torch.Tensor, itype: torch.dtype) -> torch.Tensor:
 def unpack_nibbles(b: torch.Tensor) -> torch.Tensor:
     """``(B, k)`` int8 bytes of 4-bit two's complement pairs (low nibble first) -> ``(B, 2k)`` int8.
 
-    Sign extension is two shifts in int8 (``(b << 4) >> 4`` for the low nibble, ``b >> 4`` for
-    the high one); the result lives in a scratch buffer and never leaves the decoder.
+    Why int16: each packed byte becomes one little-endian int16 word whose low byte is the
+    sign-extended low nibble and whose high byte is the sign-extended high nibble, so the int8
+    view of the words *is* the interleaved stream. Every op is a contiguous vector pass
+    (about 4x faster on a CPU than writing the two nibbles through stride-2 int8 views). The
+    result lives in a scratch buffer and never leaves the decoder.
     """
     B, k = b.shape
-    out = scratch.get("nibbles", B * 2 * k, torch.int8, b.device).view(B, k, 2)
-    torch.bitwise_left_shift(b, 4, out=out[:, :, 0])
-    out[:, :, 0] >>= 4
-    torch.bitwise_right_shift(b, 4, out=out[:, :, 1])
-    return out.view(B, 2 * k)
+    w = scratch.get("nibbles", B * k, torch.int16, b.device).view(B, k)
+    hi = scratch.get("nibbles_hi", B * k, torch.int16, b.device).view(B, k)
+    w.copy_(b)  # sign-extending widen
+    torch.bitwise_right_shift(w, 4, out=hi)  # high nibble, sign-extended
+    hi <<= 8
+    w <<= 12
+    w >>= 12  # low nibble, sign-extended over 16 bits
+    w &= 0xFF
+    w |= hi
+    return w.view(torch.int8).view(B, 2 * k)
 
 
 def unzigzag_(u: torch.Tensor) -> torch.Tensor:
@@ -66,7 +74,8 @@ def dequantize(q: torch.Tensor, step: torch.Tensor, offset: torch.Tensor | None,
     None means zero (the encoder prefers it: one pass less, one rounding less).
     """
     x = torch.empty(q.shape, dtype=dtype, device=q.device)
-    torch.mul(q, step, out=x)  # int -> float conversion (exact) and one rounded multiply per element
+    x.copy_(q)  # exact int -> float conversion (|q| <= 2**24 / 2**52), a vectorized contiguous pass
+    x.mul_(step)  # one rounded multiply per element (faster than a mixed-dtype mul with promotion)
     if offset is not None:
         x.add_(offset)
     return x
