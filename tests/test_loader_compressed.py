@@ -111,6 +111,28 @@ def test_same_byte_budget_more_resident_samples_and_hits(files):
     assert cds.stats.bytes_in < rds.stats.bytes_in
 
 
+class CountingDataset(solar.H5Dataset):
+    def decode(self, stored):
+        self.decode_calls = getattr(self, "decode_calls", 0) + 1
+        return super().decode(stored)
+
+
+@pytest.mark.parametrize("prefetch", [4, 0])
+def test_without_workers_a_whole_pass_is_decoded_at_once(files, prefetch):
+    """No workers: one decode per prefetch pass of ``prefetch`` steps (inline: one per step)."""
+    _, comp = files
+    ds = CountingDataset(comp, backend="hdf5", io_threads=1)
+    loader = solar.DataLoader(ds, batch_size=BATCH, buffer="1MB", prefetch=prefetch,
+                              sampler=tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=SEED))
+    with h5py.File(files[0], "r") as f:
+        x = f["x"][...]
+    got = np.concatenate([b[0].numpy() for b in loader])
+    steps = N // BATCH
+    assert ds.decode_calls == (-(-steps // prefetch) if prefetch else steps)
+    np.testing.assert_allclose(got, x[np.concatenate(torch_order(1))], atol=ds.specs[0].abs_error, rtol=0)
+    ds.close()
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 500), min_size=1, max_size=80), st.integers(0, 20000), st.integers(1, 4),
        st.integers(1, 8))
