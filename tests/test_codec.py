@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import solar
 import solar.codec as sc
@@ -104,6 +106,33 @@ def test_mixed_batch_decodes_like_single_blobs():
     for b, x, y in zip(blobs, xs, batch):
         assert torch.equal(sc.decode(b), y)
         assert_within_bound(x, y.numpy(), eb)
+
+
+@pytest.mark.parametrize("max_runs", [0, 64])
+def test_mixed_batch_row_slices_match_per_row_selection(monkeypatch, max_runs):
+    """Decoding a mixed batch by sorted row slices and by per-row selection gives identical integers."""
+    from solar.codec import predict as pr
+    from solar.synthetic import ptycho_block
+
+    _, xs = ptycho_block(1, 16, size=32)
+    eb = 1e-2 * float(xs.max() - xs.min())
+    blobs = [sc.encode(x, abs_error=eb, codec={"id": "ebq", "predictor": "fine"}) for x in xs]
+    want = torch.stack([sc.decode(b) for b in blobs])
+    monkeypatch.setattr(pr, "_MAX_RUNS", max_runs)
+    assert torch.equal(sc.decode_batch(blobs), want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 255), min_size=1, max_size=40))
+def test_mask_order_makes_fine_levels_contiguous(masks):
+    """mask_order is a permutation; level l's choices form at most 2**(l+1) runs (level 0: two)."""
+    from solar.codec.predict import _runs, mask_order
+
+    order = mask_order(masks)
+    assert sorted(order.tolist()) == list(range(len(masks)))
+    m = np.asarray(masks, np.uint64)[order]
+    for level in range(3):
+        assert len(_runs(m, level)) <= 2 ** (level + 1)
 
 
 def test_concurrent_threads_decode_identically():

@@ -336,6 +336,17 @@ class EBQCodec(Codec):
         return (pred, wkey, qint, None if v2 and pred in (4, 5) else mask, fold, kshift)
 
     def decode_group(self, blobs: Sequence[Parsed], device, out=None):
+        metas = [self._meta(b) for b in blobs]
+        if len(blobs) > 1 and metas[0][0] in (4, 5) and len({m[6] for m in metas}) > 1:
+            # mixed per-level cubic/linear choices: decode in an order where equal choices are
+            # contiguous row slices (one prediction kind each), then put rows back in input order
+            order = pr.mask_order([m[6] for m in metas])
+            x = self._decode_sorted([blobs[i] for i in order], device)
+            res = torch.empty_like(x) if out is None else out
+            return res.index_copy_(0, torch.from_numpy(order).to(x.device), x)
+        return self._decode_sorted(blobs, device, out)
+
+    def _decode_sorted(self, blobs: Sequence[Parsed], device, out=None):
         h0 = blobs[0].header
         metas = [self._meta(b) for b in blobs]
         pred, _, w, qint = metas[0][:4]

@@ -292,8 +292,9 @@ def interp_decode(R, shape: tuple[int, ...], cubic_levels, itype=None, escapes=N
     int64 corrections) for codes that did not fit; each is added right after its pass.
     ``K > 1`` decodes the ``fine`` predictor: ``odd = prediction + K * residual``.
     ``cubic_levels`` is one mask, or a numpy array of one mask per batch row (blobs whose
-    encoders chose differently still decode together; a pass where they disagree computes both
-    predictions and selects per row).
+    encoders chose differently still decode together). Rows sorted by :func:`mask_order` make
+    each pass's choices a few contiguous row slices, each predicted with its own kind; only a
+    pass with more than ``_MAX_RUNS`` slices computes both predictions and selects per row.
     """
     import torch
 
@@ -315,31 +316,65 @@ def interp_decode(R, shape: tuple[int, ...], cubic_levels, itype=None, escapes=N
     if -1 in fix:
         C.view(-1).index_add_(0, *fix[-1])
     masks = np.atleast_1d(np.asarray(cubic_levels, dtype=np.uint64))
+    uniform = int(masks[0]) if bool((masks == masks[0]).all()) else None
     pos = 1
     for i, st in enumerate(interp_plan(tuple(shape), reverse)):
-        n_o = st.m // 2
-        bits = (masks >> np.uint64(st.level)) & np.uint64(1)
-        if bits.min() == bits.max():
-            P, sign = predict_odd(C, st.axis, st.m, bool(bits[0]), positive=K != 1)
-        else:  # mixed batch: both predictions, chosen per row
-            Pc = predict_odd(C, st.axis, st.m, True, positive=True)[0].clone()
-            Pl, sign = predict_odd(C, st.axis, st.m, False, positive=True)
-            rows = torch.from_numpy(bits.astype(bool)).to(dev).view(B, 1)
-            P = torch.where(rows, Pc.view(B, -1), Pl.view(B, -1)).view(Pl.shape)
-        outer, n_e, inner = P.shape
+        n_o, n_e = st.m // 2, (st.m + 1) // 2
+        outer = C.numel() // (n_e * math.prod(C.shape[st.axis + 1:]))
+        inner = C.numel() // (outer * n_e)
         cnt = outer * n_o * inner // B
         O = R[:, pos:pos + cnt].reshape(outer, n_o, inner)
         pos += cnt
         out = scratch.get("grid%d" % (i % 2), outer * st.m * inner, itype, dev).view(outer, st.m, inner)
         out[:, 0::2] = C.reshape(outer, n_e, inner)
-        if K != 1:
+        runs = [(0, B, bool(uniform >> st.level & 1))] if uniform is not None else _runs(masks, st.level)
+        if len(runs) <= _MAX_RUNS:
+            rb = outer // B  # grid rows per batch row
+            for r0, r1, cubic in runs:  # batch rows sorted by mask: a run is a contiguous slice
+                P, sign = predict_odd(C[r0:r1], st.axis, st.m, cubic, positive=K != 1)
+                dst, res = out[r0 * rb:r1 * rb, 1::2], O[r0 * rb:r1 * rb]
+                if K != 1:
+                    torch.add(P[:, :n_o], res, alpha=K, out=dst)
+                else:
+                    (torch.add if sign > 0 else torch.sub)(res, P[:, :n_o], out=dst)
+        else:  # many interleaved choices: both predictions, chosen per row
+            bits = (masks >> np.uint64(st.level)) & np.uint64(1)
+            Pc = predict_odd(C, st.axis, st.m, True, positive=True)[0].clone()
+            Pl, _ = predict_odd(C, st.axis, st.m, False, positive=True)
+            rows = torch.from_numpy(bits.astype(bool)).to(dev).view(B, 1)
+            P = torch.where(rows, Pc.view(B, -1), Pl.view(B, -1)).view(Pl.shape)
             torch.add(P[:, :n_o], O, alpha=K, out=out[:, 1::2])
-        else:
-            (torch.add if sign > 0 else torch.sub)(O, P[:, :n_o], out=out[:, 1::2])
         if i in fix:
             out.view(-1).index_add_(0, *fix[i])
         C = out.reshape(C.shape[:st.axis] + (st.m,) + C.shape[st.axis + 1:])
     return C
+
+
+#: Above this many runs of equal cubic/linear choice among a pass's batch rows, the pass
+#: computes both predictions for every row and selects (fewer ops than many small slices).
+_MAX_RUNS = 4
+
+
+def _runs(masks: np.ndarray, level: int) -> list[tuple[int, int, bool]]:
+    """Maximal runs ``(first row, end row, cubic)`` of equal level-``level`` bits among batch rows."""
+    bits = ((masks >> np.uint64(level)) & np.uint64(1)).astype(bool)
+    cuts = np.flatnonzero(bits[1:] != bits[:-1]) + 1
+    edges = [0, *cuts.tolist(), bits.size]
+    return [(a, b, bool(bits[a])) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def mask_order(masks) -> np.ndarray:
+    """Batch order that makes equal per-level choices contiguous, finest (largest) level first.
+
+    Sorting rows by their cubic/linear bits, lowest level as the primary key, turns a mixed
+    mini-batch's level-0 passes (three quarters of the work) into at most two row slices, each
+    decoded with one kind of prediction instead of computing both everywhere and selecting.
+    """
+    m = np.asarray(masks, dtype=np.uint64)
+    rev = np.zeros(m.shape, np.uint64)
+    for lv in range(64):  # bit-reversed key: level 0 most significant
+        rev |= ((m >> np.uint64(lv)) & np.uint64(1)) << np.uint64(63 - lv)
+    return np.argsort(rev, kind="stable")
 
 
 def natural_to_stream(r, shape: tuple[int, ...]):
