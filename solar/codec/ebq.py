@@ -341,12 +341,15 @@ class EBQCodec(Codec):
             # mixed per-level cubic/linear choices: decode in an order where equal choices are
             # contiguous row slices (one prediction kind each), then put rows back in input order
             order = pr.mask_order([m[6] for m in metas])
-            x = self._decode_sorted([blobs[i] for i in order], device)
-            res = torch.empty_like(x) if out is None else out
-            return res.index_copy_(0, torch.from_numpy(order).to(x.device), x)
+            return self._decode_sorted([blobs[i] for i in order], device, out, order)
         return self._decode_sorted(blobs, device, out)
 
-    def _decode_sorted(self, blobs: Sequence[Parsed], device, out=None):
+    def _decode_sorted(self, blobs: Sequence[Parsed], device, out=None, order: np.ndarray | None = None):
+        """Decode ``blobs``, which are the input's blobs permuted by ``order`` (None: not permuted).
+
+        The integers are put back in input order before dequantizing, so the output is written
+        once, in place, in the caller's order.
+        """
         h0 = blobs[0].header
         metas = [self._meta(b) for b in blobs]
         pred, _, w, qint = metas[0][:4]
@@ -383,7 +386,7 @@ class EBQCodec(Codec):
                 esc_val.append(val.astype(np_int))
             if n_out:
                 pos, val = _sparse(p[c_len + e_len:], name, n_out, h0.dtype, n, b.what)
-                out_idx.append(pos + i * n)
+                out_idx.append(pos + (i if order is None else int(order[i])) * n)
                 out_val.append(val)
         if 0 in planes:  # where the side values go: found on the packed bytes, before they leave the CPU
             marks = _nibble_markers(planes[0])
@@ -437,6 +440,11 @@ class EBQCodec(Codec):
                 r = pr.natural_to_stream(r, shape) if h0.version == 1 else r.view(Bp, n // lead)
                 q = pr.interp_decode(r, inner_shape, masks, K=K, reverse=rev)
         q = q.reshape(B, n)
+        if order is not None:  # back to input order (int rows into scratch; the output is written once)
+            inv = np.argsort(order)
+            q = torch.index_select(q, 0, torch.from_numpy(inv).to(dev),
+                                   out=scratch.get("unsorted", B * n, q.dtype, dev).view(B, n))
+            steps, offs = steps[inv], offs[inv]
         bshape = (B, 1)
         offset = None if not offs.any() else torch.from_numpy(offs).to(dev).view(bshape)
         x = dequantize(q, torch.from_numpy(steps).to(dev).view(bshape), offset, TORCH_DTYPES[h0.dtype.itemsize])
