@@ -334,7 +334,7 @@ class H5Dataset(Dataset):
         bounds = np.r_[0, np.cumsum(lengths)].tolist()
         if decode:
             tensors = self.decode(whole)
-            return [StoredBatch(b - a, hits=0, indices=whole.indices[a:b],
+            return [StoredBatch(b - a, indices=whole.indices[a:b],
                                 decoded={name: t[a:b] for name, t in tensors.items()})
                     for a, b in zip(bounds[:-1], bounds[1:])]
         out = []

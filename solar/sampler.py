@@ -20,10 +20,11 @@ NOTE [ Buffer and workers ]
     The rank buffer, the storage reads and the prefetch thread all live in the main process, in
     this object; DataLoader workers receive each step's loaded bytes inside the batch they are sent
     (raw fields and codec blobs as tensors in shared memory: ``StepBatch.stored``) and do only the
-    per-sample work (decode, transform, collate). Without workers, compressed passes are decoded
-    on the prefetch thread, a whole pass per ``decode_batch`` (NOTE [ Stored vs decoded ]). So the buffer is never copied into, or lost
+    per-sample work (decode, transform, collate). So the buffer is never copied into, or lost
     with, worker processes, and worker count does not multiply its memory; h5py handles are opened
-    lazily in the process that reads (the backend checks the pid), which is this one.
+    lazily in the process that reads (the backend checks the pid), which is this one. Without
+    workers, compressed passes are decoded on the prefetch thread, a whole pass per
+    ``decode_batch`` (NOTE [ Stored vs decoded ] in ``solar/dataset.py``).
 """
 
 from __future__ import annotations
