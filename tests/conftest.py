@@ -17,6 +17,14 @@ import sys
 import pytest
 
 STRICT = os.environ.get("SOLAR_STRICT") == "1"
+
+# CI runs Hypothesis derandomized, so a green or red CI is reproducible; developers' runs keep
+# exploring new examples (and keep found failures in .hypothesis/).
+from hypothesis import settings as _hyp_settings  # noqa: E402
+
+_hyp_settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    _hyp_settings.load_profile("ci")
 EXPECT_WORLD = int(os.environ.get("SOLAR_EXPECT_WORLD", "0") or 0)
 
 

@@ -110,10 +110,23 @@ def _load_file(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def c_order_bytes(t: torch.Tensor) -> np.ndarray:
+    """A tensor's C-order bytes as a uint8 array (a view when already dense, else one copy).
+
+    ``contiguous()`` alone is not enough: a dimension of size 1 may keep any stride (torch still
+    calls the tensor contiguous), and viewing as bytes needs a unit last stride.
+    """
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return np.zeros(0, np.uint8)
+    if flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy()
+
+
 def _tensor_info(t: torch.Tensor, chunk_size: int, digest: Callable) -> TensorInfo:
     """Chunk digests and Merkle root of a tensor's own (C-contiguous) bytes."""
-    c = t.detach().contiguous().cpu()
-    raw = c.reshape(-1).view(torch.uint8).numpy() if c.numel() else np.zeros(0, np.uint8)
+    raw = c_order_bytes(t)
     leaves = hash_chunks(raw, chunk_size, digest)
     return TensorInfo(dtype_name(t.dtype), list(t.shape), raw.nbytes, leaves, merkle.root(merkle.build(leaves, digest)))
 
