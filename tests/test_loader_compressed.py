@@ -133,6 +133,26 @@ def test_without_workers_a_whole_pass_is_decoded_at_once(files, prefetch):
     ds.close()
 
 
+@pytest.mark.gpu
+def test_decoded_on_the_gpu_equals_the_cpu_decode(files):
+    """``device="cuda"``: passes are decoded on the GPU (prefetch thread) and the batches, on the
+    GPU, are bit-identical to the CPU decode."""
+    import torch
+
+    _, comp = files
+    out = {}
+    for device in ("cpu", "cuda"):
+        ds = solar.H5Dataset(comp, backend="hdf5", device=device)
+        loader = solar.DataLoader(ds, batch_size=BATCH, buffer="1MB",
+                                  sampler=tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=SEED))
+        out[device] = [list(b) for b in loader]
+        ds.close()
+    for c, g in zip(out["cpu"], out["cuda"]):
+        for tc, tg in zip(c, g):
+            assert tg.device.type == "cuda"
+            assert torch.equal(tc, tg.cpu())
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 500), min_size=1, max_size=80), st.integers(0, 20000), st.integers(1, 4),
        st.integers(1, 8))
