@@ -92,15 +92,18 @@ def test_batches_equal_uncompressed_within_bound(files, num_workers):
             assert err <= bound, f"field {field}: decoded error {err} exceeds the bound {bound}"
 
 
-def test_same_byte_budget_more_resident_samples_and_hits(files):
+@pytest.mark.parametrize("fraction", [0.25, 0.02])
+def test_same_byte_budget_more_resident_samples_and_hits(files, fraction):
+    """0.25: the compressed buffer holds the whole dataset; 0.02: it holds about ratio-times
+    the uncompressed buffer's samples (and the uncompressed one holds 1)."""
     raw, comp = files
-    budget = budget_bytes(raw, 0.25)
+    budget = budget_bytes(raw, fraction)
     _, rds, rl = run(raw, budget, epochs=3)
     _, cds, cl = run(comp, budget, epochs=3)
     r_res, c_res = len(rl.solar_sampler.buffer) // 2, len(cl.solar_sampler.buffer) // 2
-    assert r_res == N // 4  # the uncompressed budget is a quarter of the data
+    assert r_res == int(fraction * N)  # the uncompressed budget holds that fraction of the samples
     stored = cds.sample_nbytes()
-    # the compressed buffer holds every sample whose (pinned) set fits the same bytes: here all of them
+    # the compressed buffer holds every sample whose (pinned) set fits the same bytes
     want = N if stored.sum() <= budget else int(np.searchsorted(np.cumsum(stored), budget, side="right"))
     assert c_res == cl.solar_sampler.plan_config().capacity == want > r_res
     assert cl.solar_sampler.buffer.nbytes <= budget and rl.solar_sampler.buffer.nbytes <= budget
