@@ -100,7 +100,8 @@ class H5Dataset(Dataset):
 
     Args:
         path: file path or URL (``file://``, ``http://``, ``s3://`` ... through the backend).
-        fields: field names; a tuple/list gives samples as tuples, a string gives one tensor.
+        fields: field names; a tuple/list gives samples as tuples, a string gives one tensor,
+            ``None`` (default) every field of the file, in file order, as tuples.
         backend: ``"auto"`` (``mpi-hdf5`` under mpirun, ``fsspec`` for URLs, else ``hdf5``), a
             registry name, or a :class:`solar.io_backends.Backend` instance.
         transform: optional per-sample callable applied to the sample (tuple or tensor).
@@ -115,7 +116,7 @@ class H5Dataset(Dataset):
         backend_options: extra options for the backend.
     """
 
-    def __init__(self, path: str | os.PathLike, fields: str | Sequence[str] | None = ("x", "y"), *,
+    def __init__(self, path: str | os.PathLike, fields: str | Sequence[str] | None = None, *,
                  backend: Any = "auto", transform: Callable | None = None, device: str | torch.device = "cpu",
                  verify: bool = True, sieve_bytes: int = 64 << 10, io_threads: int = 4,
                  backend_options: dict | None = None) -> None:

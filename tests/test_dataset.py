@@ -164,3 +164,22 @@ def test_bad_input(raw_path, tmp_path):
         solar.H5Dataset(str(tmp_path / "missing.h5"))
     with pytest.raises(ValueError, match="integers"):
         ds["a"]
+
+
+def test_default_fields_are_every_field_in_file_order(tmp_path):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 5)).astype("f4")
+    path = str(tmp_path / "c.h5")
+    write_compressed(path, x, np.arange(6, dtype="i8"))  # solar-h5/1: order from the `fields` attr
+    with h5py.File(path, "a") as f:  # a raw field after the compressed one; checksums are not a field
+        f.attrs["fields"] = json.dumps(["y", "x"])
+    ds = solar.H5Dataset(path)
+    assert ds.fields == ("y", "x")
+    y0, x0 = ds[0]
+    assert int(y0) == 0 and torch.allclose(x0, torch.from_numpy(x[0]), atol=1e-3)
+    plain = str(tmp_path / "plain.h5")
+    with h5py.File(plain, "w") as f:  # any HDF5 file: datasets in h5py's iteration order
+        f["b"] = np.zeros((3, 2), "f4")
+        f["a"] = np.ones((3,), "i4")
+        order = tuple(f)
+    assert solar.H5Dataset(plain).fields == order
