@@ -35,6 +35,29 @@ def cuda_devices() -> list[str]:
     return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 
 
+def _mpi_library_version() -> str | None:
+    """The MPI library mpi4py loads, without initializing MPI in this process.
+
+    Under mpirun MPI is (or will be) initialized anyway; outside it, a short child process asks
+    with ``mpi4py.rc.initialize = False`` (MPI allows this query before ``MPI_Init``), so this
+    process's own later use of mpi4py is untouched.
+    """
+    import subprocess
+    import sys
+
+    if under_mpirun():
+        from mpi4py import MPI
+
+        return MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()
+    code = ("import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = False\n"
+            "from mpi4py import MPI; print(MPI.Get_library_version().replace(\"\\x00\", \"\").splitlines()[0].strip())")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
 def capabilities() -> dict[str, Any]:
     import fsspec
     import h5py
@@ -55,10 +78,7 @@ def capabilities() -> dict[str, Any]:
         import mpi4py
 
         caps["mpi4py"] = mpi4py.__version__
-        if under_mpirun():
-            from mpi4py import MPI
-
-            caps["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
+        caps["mpi_library"] = _mpi_library_version()
     else:
         caps["mpi4py"] = None
     dist = get_dist_info()

@@ -56,3 +56,15 @@ def test_bench_lists_and_rejects_unknown(capsys):
     assert {"loader", "codec", "checkpoint"} <= set(names)
     assert main(["bench", "no-such-bench"]) == 2
     assert "choose one of" in capsys.readouterr().err
+
+
+def test_info_names_the_mpi_library_without_initializing_mpi_here(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("mpi4py") is None:
+        return
+    assert main(["info", "--json"]) == 0
+    lib = json.loads(capsys.readouterr().out)["mpi_library"]
+    assert lib and "\x00" not in lib and "MPI" in lib
+    mpi_mod = sys.modules.get("mpi4py.MPI")
+    assert mpi_mod is None or not mpi_mod.Is_initialized()

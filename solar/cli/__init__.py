@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"solar {name}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `solar ... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
