@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import xxhash
@@ -66,8 +67,9 @@ class Header:
         """The codec name part of the descriptor (``"ebq"`` for ``"ebq/1"``)."""
         return self.descriptor.partition("/")[0]
 
-    @property
+    @cached_property
     def version(self) -> int:
+        """The format version part of the descriptor (cached: the decoder asks per blob, often)."""
         return int(self.descriptor.partition("/")[2])
 
     @property

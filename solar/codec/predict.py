@@ -373,7 +373,7 @@ def mask_order(masks) -> np.ndarray:
     """
     m = np.asarray(masks, dtype=np.uint64)
     rev = np.zeros(m.shape, np.uint64)
-    for lv in range(64):  # bit-reversed key: level 0 most significant
+    for lv in range(int(m.max(initial=0)).bit_length()):  # bit-reversed key: level 0 most significant
         rev |= ((m >> np.uint64(lv)) & np.uint64(1)) << np.uint64(63 - lv)
     return np.argsort(rev, kind="stable")
 
