@@ -13,6 +13,7 @@ import errno
 import os
 import threading
 import uuid
+from abc import abstractmethod
 from typing import Any, Hashable, Iterator
 
 from .base import Tier, TierFullError
@@ -107,24 +108,29 @@ class FileTier(Tier):
         self._used: int | None = None  # scanned lazily: a large store should not be walked on open
 
     # -- primitives --
-    def path(self, key: Hashable) -> str:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def path(self, key: Hashable) -> str:
+        """Where the value of ``key`` lives."""
 
-    def _size(self, path: str) -> int:  # 0 if missing
-        raise NotImplementedError
+    @abstractmethod
+    def _size(self, path: str) -> int:
+        """Size of the file at ``path``; 0 if missing."""
 
-    def _read(self, path: str) -> bytes:  # raises FileNotFoundError
-        raise NotImplementedError
+    @abstractmethod
+    def _read(self, path: str) -> bytes:
+        """The bytes at ``path``; raises FileNotFoundError."""
 
+    @abstractmethod
     def _write(self, path: str, view: memoryview) -> None:
-        raise NotImplementedError
+        """Write ``view`` to ``path`` atomically (readers see the old value or the new, never half)."""
 
-    def _unlink(self, path: str) -> None:  # raises FileNotFoundError
-        raise NotImplementedError
+    @abstractmethod
+    def _unlink(self, path: str) -> None:
+        """Remove ``path``; raises FileNotFoundError."""
 
+    @abstractmethod
     def _list(self, head: str) -> Iterator[str]:
         """Relative paths of the visible files below the relative directory ``head``."""
-        raise NotImplementedError
 
     # -- the Tier contract --
     def _usage(self) -> int:

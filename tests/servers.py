@@ -70,7 +70,10 @@ def _wait_http(url: str, proc: subprocess.Popen | None, what: str, timeout: floa
 def nginx_server(root: str) -> Iterator[str]:
     """Serve directory ``root`` with nginx on 127.0.0.1:<free port>; yields the base URL."""
     if not os.path.exists(NGINX):
-        pytest.skip("nginx is not installed (apt-get install nginx; `make setup` does it)")
+        msg = "nginx is not installed (apt-get install nginx; `make setup` does it)"
+        if os.environ.get("SOLAR_STRICT") == "1":  # under `make test` a missing server is a failure
+            pytest.fail(msg)
+        pytest.skip(msg)
     conf_dir = tempfile.mkdtemp(prefix="solar-nginx-")
     port = free_port()
     conf = os.path.join(conf_dir, "nginx.conf")
