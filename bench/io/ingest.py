@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from solar.cli.plan import write_text_atomic
+from solar.fileio import write_text_atomic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOLAR = os.path.join(os.path.dirname(sys.executable), "solar")

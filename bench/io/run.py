@@ -242,7 +242,7 @@ def main(argv=None) -> int:
                 ratio = f"{r['speedup_of_collective']:.2f}x faster" if base and m != "collective" else ""
                 print(f"           {m:<11} {r['seconds']:8.2f} {r['MBps']:8.1f} {r['calls']:7d} {ratio:>14}")
     if rank == 0:
-        from solar.cli.plan import write_text_atomic
+        from solar.fileio import write_text_atomic
 
         write_text_atomic(args.out, json.dumps(results, indent=2))
         print(f"\nwrote {args.out}")

@@ -50,7 +50,7 @@ import torch
 import torch.utils.data as tud
 
 import solar
-from solar.cli.plan import write_text_atomic
+from solar.fileio import write_text_atomic
 from solar.dist import mpi_comm
 from solar.io_backends import Backend, open_backend
 from solar.io_backends.hdf5 import HDF5Backend

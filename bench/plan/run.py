@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from solar.cli.plan import write_text_atomic
+from solar.fileio import write_text_atomic
 from solar.schedule import PlanConfig, Planner
 
 

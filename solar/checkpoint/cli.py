@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any
 
 from solar.errors import SolarError
+from solar.fileio import write_atomic
 
 __all__ = ["main", "configure", "run"]
 
@@ -152,14 +152,6 @@ def cmd_verify(args) -> int:
     return 0 if rep.ok else 1
 
 
-def _write_atomic(path: str, write) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _export_safetensors(reader, path: str) -> int:
@@ -178,7 +170,7 @@ def _export_safetensors(reader, path: str) -> int:
         (t,) = materialize([ref], buffers)
         tensors[ref.name] = t.detach().contiguous().clone()  # safetensors refuses shared or strided storage
     metadata = {"solar_step": str(m.step), "solar_root": m.root, "solar_skeleton": json.dumps(m.skeleton)}
-    _write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     return len(tensors)
 
 
@@ -195,7 +187,7 @@ def cmd_restore(args) -> int:
         print(f"wrote {n} tensors of step {reader.manifest.step} to {args.output} (safetensors)")
         return 0
     state = reader.state_dict(map_location="cpu", progress=True)
-    _write_atomic(args.output, lambda tmp: torch.save(state, tmp))
+    write_atomic(args.output, lambda tmp: torch.save(state, tmp))
     print(f"wrote step {reader.manifest.step} to {args.output} (torch.save)")
     return 0
 

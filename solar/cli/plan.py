@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
+from solar.fileio import write_atomic, write_text_atomic
 from solar.schedule import POLICIES
 
 #: A dump holds one [index, hit] pair per access; above this many accesses it is refused.
@@ -81,14 +81,6 @@ def simulate(args: argparse.Namespace, policy: str, dump: list | None = None) ->
             "epochs": epochs}
 
 
-def write_text_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and a rename: readers never see half a file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def plot(path: str, reports: dict[str, dict]) -> None:
     """Hit rate per epoch of each policy in ``reports``, against the bound (a PNG at ``path``)."""
     import matplotlib
@@ -107,10 +99,8 @@ def plot(path: str, reports: dict[str, dict]) -> None:
            title=f"N={rep['samples']} P={rep['world_size']} b={rep['batch_size']} C={rep['buffer']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = f"{path}.tmp{os.getpid()}.png"
-    fig.savefig(tmp, dpi=110)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110), suffix=".png")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def run(args: argparse.Namespace) -> int:
