@@ -106,6 +106,9 @@ class H5Dataset(Dataset):
             registry name, or a :class:`solar.io_backends.Backend` instance.
         transform: optional per-sample callable applied to the sample (tuple or tensor).
         device: where compressed fields are decoded (``"cpu"``, ``"cuda"`` ...).
+        decode_compile: decode compressed fields with the ``torch.compile``-d decoder graph
+            (:mod:`solar.codec.fused`): 1.5-4x faster per batch once compiled, at a one-time
+            compile of seconds per batch shape; None (default) follows ``SOLAR_CODEC_COMPILE``.
         verify: check stored xxh3 checksums of read samples when the file has them (default True).
         sieve_bytes: read through gaps of at most this many bytes between two runs of wanted rows
             (one request instead of two; ROMIO's data sieving). Worth it while the gap costs less
@@ -119,7 +122,7 @@ class H5Dataset(Dataset):
     def __init__(self, path: str | os.PathLike, fields: str | Sequence[str] | None = None, *,
                  backend: Any = "auto", transform: Callable | None = None, device: str | torch.device = "cpu",
                  verify: bool = True, sieve_bytes: int = 64 << 10, io_threads: int = 4,
-                 backend_options: dict | None = None) -> None:
+                 backend_options: dict | None = None, decode_compile: bool | None = None) -> None:
         from solar.io_backends import open_backend
 
         self.path = os.fspath(path) if not isinstance(path, str) else path
@@ -129,6 +132,7 @@ class H5Dataset(Dataset):
         self.fields = tuple(s.name for s in self.specs)
         self.transform = transform
         self.device = torch.device(device)
+        self.decode_compile = decode_compile
         self.verify = verify
         if sieve_bytes < 0 or io_threads < 1:
             raise InputError(f"{self.path}: sieve_bytes must be >= 0 and io_threads >= 1, "
@@ -390,7 +394,8 @@ class H5Dataset(Dataset):
                 fa, oa = flat.numpy(), off.numpy().tolist()
                 blobs = [fa[a:b] for a, b in zip(oa[:-1], oa[1:])]  # views: the codec reads arrays in place
                 names = [f"{i} of {self.path}:{spec.name}" for i in stored.indices] if stored.indices else None
-                dec = decode_batch(blobs, device=self.device, names=names) if blobs else torch.empty(
+                dec = decode_batch(blobs, device=self.device, names=names,
+                                                compile=self.decode_compile) if blobs else torch.empty(
                     (0, *spec.sample_shape), dtype=_torch_dtype(spec.dtype))
                 out[spec.name] = dec if isinstance(dec, torch.Tensor) else torch.stack(list(dec))
         return out

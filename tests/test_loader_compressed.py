@@ -40,9 +40,9 @@ def budget_bytes(raw: str, fraction: float) -> int:
         ds.close()
 
 
-def run(path: str, budget: int, epochs: int = 2, num_workers: int = 0):
+def run(path: str, budget: int, epochs: int = 2, num_workers: int = 0, **ds_options):
     """Every batch of ``epochs`` epochs, the dataset (its hit counters) and the loader."""
-    ds = solar.H5Dataset(path, backend="hdf5", io_threads=1)
+    ds = solar.H5Dataset(path, backend="hdf5", io_threads=1, **ds_options)
     loader = solar.DataLoader(ds, batch_size=BATCH, buffer=str(budget), num_workers=num_workers,
                               sampler=tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=SEED))
     batches = []
@@ -134,6 +134,26 @@ def test_without_workers_a_whole_pass_is_decoded_at_once(files, prefetch):
     assert ds.decode_calls == (-(-steps // prefetch) if prefetch else steps)
     np.testing.assert_allclose(got, x[np.concatenate(torch_order(1))], atol=ds.specs[0].abs_error, rtol=0)
     ds.close()
+
+
+@pytest.mark.slow
+def test_compiled_decoding_gives_the_same_batches(files, monkeypatch):
+    """``decode_compile=True`` (the torch.compile-d decoder graph) changes speed, not one bit."""
+    from solar.codec import fused
+
+    graph_runs = []
+    real_run = fused.run
+    monkeypatch.setattr(fused, "run", lambda *a: graph_runs.append(1) or real_run(*a))
+    _, comp = files
+    budget = budget_bytes(files[0], 0.5)
+    eager, _, _ = run(comp, budget, epochs=1, decode_compile=False)
+    assert not graph_runs
+    compiled, _, _ = run(comp, budget, epochs=1, decode_compile=True)
+    assert graph_runs  # the batches really went through the graph
+    assert len(eager) == len(compiled)
+    for a, b in zip(eager, compiled):
+        for x, y in zip(a, b):
+            assert x.tobytes() == y.tobytes()
 
 
 @pytest.mark.gpu

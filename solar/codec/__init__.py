@@ -24,6 +24,7 @@ import numpy as np
 
 from solar.errors import ConfigError, CorruptDataError
 
+from . import fused
 from .base import Codec, Parsed, get_codec, registry
 from .header import Header, payload_of, read_header
 from .quantize import resolve_bound
@@ -120,15 +121,18 @@ def _codec_for(p: Parsed) -> Codec:
     return cls()
 
 
-def decode(blob, *, device="cpu", out=None):
+def decode(blob, *, device="cpu", out=None, compile: bool | None = None):
     """Decode one blob into a tensor on ``device`` (dtype and shape from the header).
 
     ``out``: optional tensor of the right shape/dtype/device to write into (returned).
+    ``compile``: decode with the ``torch.compile``-d graph (:mod:`solar.codec.fused`; worth it
+    when one shape repeats); None follows ``SOLAR_CODEC_COMPILE`` (off by default).
     Raises :class:`CorruptDataError` for truncated, corrupted or foreign blobs.
     """
     p = _parse(blob, "codec blob")
     _check_out(out, p.header, device)
-    return _codec_for(p).decode_group([p], device, None if out is None else out.view((1,) + p.header.shape))[0]
+    with fused.use(compile):
+        return _codec_for(p).decode_group([p], device, None if out is None else out.view((1,) + p.header.shape))[0]
 
 
 def _check_out(out, h: Header, device) -> None:
@@ -147,7 +151,7 @@ def _check_out(out, h: Header, device) -> None:
             f"{out.dtype} {tuple(out.shape)} on {out.device}")
 
 
-def decode_batch(blobs: Sequence, *, device="cpu", names: Sequence[Any] | None = None):
+def decode_batch(blobs: Sequence, *, device="cpu", names: Sequence[Any] | None = None, compile: bool | None = None):
     """Decode a mini-batch; blobs of one shape/dtype/codec are decoded with one sequence of ops.
 
     Returns a stacked ``(B, *shape)`` tensor when every blob has the same shape and dtype (the
@@ -157,6 +161,8 @@ def decode_batch(blobs: Sequence, *, device="cpu", names: Sequence[Any] | None =
         blobs: bytes-like blobs.
         device: where the tensor ops run and the result lives.
         names: optional labels (e.g. sample indices) used in error messages, one per blob.
+        compile: decode with the ``torch.compile``-d graph (see :func:`decode`); None follows
+            ``SOLAR_CODEC_COMPILE``.
 
     Raises:
         CorruptDataError: naming the offending blob (``names[i]`` when given).
@@ -176,12 +182,13 @@ def decode_batch(blobs: Sequence, *, device="cpu", names: Sequence[Any] | None =
         key = (p.header.descriptor, p.header.dtype, p.header.shape, c.group_key(p))
         groups[key].append(i)
     results: list = [None] * len(parsed)
-    for key, idx in groups.items():
-        decoded = codecs[key[0].partition("/")[0]].decode_group([parsed[i] for i in idx], device)
-        if len(groups) == 1:
-            return decoded
-        for j, i in enumerate(idx):
-            results[i] = decoded[j]
+    with fused.use(compile):
+        for key, idx in groups.items():
+            decoded = codecs[key[0].partition("/")[0]].decode_group([parsed[i] for i in idx], device)
+            if len(groups) == 1:
+                return decoded
+            for j, i in enumerate(idx):
+                results[i] = decoded[j]
     first = results[0]
     if all(r.shape == first.shape and r.dtype == first.dtype for r in results):
         return torch.stack(results)

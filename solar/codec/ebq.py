@@ -47,6 +47,7 @@ import torch
 
 from solar.errors import ConfigError, CorruptDataError
 
+from . import fused
 from . import lossless as ll
 from . import predict as pr
 from .base import Codec, Parsed
@@ -337,7 +338,7 @@ class EBQCodec(Codec):
 
     def decode_group(self, blobs: Sequence[Parsed], device, out=None):
         metas = [self._meta(b) for b in blobs]
-        if len(blobs) > 1 and metas[0][0] in (4, 5) and len({m[6] for m in metas}) > 1:
+        if len(blobs) > 1 and metas[0][0] in (4, 5) and len({m[6] for m in metas}) > 1 and not self._fusable(blobs[0]):
             # mixed per-level cubic/linear choices: decode in an order where equal choices are
             # contiguous row slices (one prediction kind each), then put rows back in input order
             order = pr.mask_order([m[6] for m in metas])
@@ -417,6 +418,14 @@ class EBQCodec(Codec):
         K = 1 << metas[0][14]
         masks = np.repeat(np.array([m[6] for m in metas], dtype=np.uint64), lead)
         rev = h0.version >= 6
+        if int8_stream and pred in (4, 5) and fused.enabled():
+            x = self._decode_fused(t.view(torch.int8), esc_idx, esc_val, masks, steps, lead, inner_shape, K, rev,
+                                   t_int, TORCH_DTYPES[h0.dtype.itemsize], dev)
+            if x is not None:
+                if offs.any():
+                    x.add_(torch.from_numpy(offs).to(dev).view(B, 1))
+                patch_(x.view(-1), *_cat(out_idx, out_val, dev))
+                return _into(out, x.view((B,) + h0.shape))
         if int8_stream and pred in (4, 5):
             # int8 codes go straight into the predictor (widened inside its adds); escapes are
             # corrections (true residual - marker) applied pass by pass
@@ -450,6 +459,29 @@ class EBQCodec(Codec):
         x = dequantize(q, torch.from_numpy(steps).to(dev).view(bshape), offset, TORCH_DTYPES[h0.dtype.itemsize])
         patch_(x.view(-1), *_cat(out_idx, out_val, dev))
         return _into(out, x.view((B,) + h0.shape))
+
+
+    def _fusable(self, blob: Parsed) -> bool:
+        """Whether ``blob`` would take the compiled graph (which needs no mask-sorted batch)."""
+        pred, _, w, *_ = self._meta(blob)
+        return fused.enabled() and pred in (4, 5) and blob.header.version >= 2 and w in (0, 1)
+
+    @staticmethod
+    def _decode_fused(codes, esc_idx, esc_val, masks, steps, lead, inner_shape, K, rev, t_int, dtype, dev):
+        """The compiled-graph decode of an int8 stream (``(B, n)`` int8) -> ``(B, n)`` floats, or None."""
+        B, n = codes.shape
+        if n == 0:
+            return None
+        if esc_idx:  # escapes become residual corrections, so the graph needs no per-pass fix-ups
+            codes = codes.to(t_int)
+            idx = torch.from_numpy(np.concatenate(esc_idx)).to(dev)
+            corr = torch.from_numpy(np.concatenate(esc_val).astype(np.int64) + 128).to(dev, t_int)
+            codes.view(-1).index_add_(0, idx, corr)
+        bits = (masks[:, None] >> np.arange(64, dtype=np.uint64)) & np.uint64(1)  # (rows, level)
+        rows = torch.from_numpy(bits.astype(bool)).to(dev)
+        step = torch.from_numpy(np.repeat(steps, lead)).to(dev).view(B * lead, 1)
+        x = fused.run(codes.reshape(B * lead, n // lead), rows, step, inner_shape, K, rev, t_int, dtype)
+        return None if x is None else x.view(B, n)
 
 
 def _nibble_markers(packed: np.ndarray) -> np.ndarray:

@@ -1,0 +1,118 @@
+"""solar.codec.fused: the torch.compile-d decoder graph gives the eager decoder's values, bit for bit.
+
+Each new decode signature compiles (seconds to tens of seconds), so the cases below are chosen
+to cover every branch of the graph (1-D to 4-D, odd and even lengths, cubic/linear per row and
+level, escapes, exact outliers, NaN/Inf, folded channels, float64/int64) with few signatures.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import solar.codec as sc
+from solar.codec import fused
+from solar.codec.ebq import _METAS
+from solar.codec.header import read_header
+from solar.testing.codecs import assert_within_bound
+
+pytestmark = pytest.mark.slow
+
+FIXTURES = Path(__file__).parent / "fixtures" / "codec"
+FINE = {"id": "ebq", "predictor": "fine"}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The IEEE bit patterns (NaN payloads included), so equality means bit-identical."""
+    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int64)
+
+
+def meta(blob: bytes) -> tuple:
+    h = read_header(blob)
+    return _METAS[h.version].unpack(h.meta)
+
+
+def test_compiled_matches_eager_on_golden_fixtures():
+    """Every committed ebq/6 blob that takes the graph decodes identically with and without it."""
+    index = json.loads((FIXTURES / "index.json").read_text())
+    compiled = 0
+    for entry in index:
+        if entry["descriptor"] != "ebq/6":
+            continue
+        blob = (FIXTURES / entry["blob"]).read_bytes()
+        eager = sc.decode(blob, compile=False)
+        got = sc.decode(blob, compile=True)
+        assert torch.equal(bits(got), bits(eager)), entry["blob"]
+        assert_within_bound(np.load(FIXTURES / entry["original"]), got.numpy(), entry["abs_error"])
+        compiled += meta(blob)[0] in (4, 5) and read_header(blob).size > 0
+    assert compiled >= 4  # the fine fixtures really went through the graph
+
+
+@pytest.mark.parametrize("shape,dtype", [((37,), np.float32), ((6, 11), np.float32), ((5, 4, 9), np.float64),
+                                         ((2, 3, 5, 8), np.float32)], ids=["1d", "2d", "3d-f64", "4d-folded"])
+def test_compiled_matches_eager_on_odd_shapes(shape, dtype):
+    rng = np.random.default_rng(sum(shape))
+    x = np.cumsum(rng.standard_normal(shape), axis=-1).astype(dtype)
+    x.reshape(-1)[3] = np.inf
+    x.reshape(-1)[-2] = np.nan
+    blobs = [sc.encode(x * (1 + k), rel_error=10.0 ** -(2 + k % 3), codec=FINE) for k in range(3)]
+    eager = sc.decode_batch(blobs, compile=False)
+    got = sc.decode_batch(blobs, compile=True)
+    assert torch.equal(bits(got), bits(eager))
+    for k, y in enumerate(got):
+        assert_within_bound(x * (1 + k), y.numpy(), sc.header_info(blobs[k]).abs_error)
+
+
+def test_compiled_mixed_batch_with_escapes_and_outliers():
+    """Per-row cubic/linear choices, nibble and int8 rows, escapes and NaN outliers in one batch."""
+    from solar.synthetic import ptycho_block
+
+    _, xs = ptycho_block(0, 24, size=64)  # amplitude/phase pairs: encoders disagree per sample
+    eb = 1e-2 * float(xs.max() - xs.min())
+    xs = xs.copy()
+    rng = np.random.default_rng(5)
+    for i in (0, 9, 17):  # spikes well beyond int8 residuals (escapes), and NaN (exact outliers)
+        xs[i].reshape(-1)[rng.integers(0, xs[i].size, 6)] += 300 * eb
+        xs[i + 1].reshape(-1)[11] = np.nan
+    blobs = [sc.encode(x, abs_error=eb, codec=FINE) for x in xs]
+    ms = [meta(b) for b in blobs]
+    assert len({m[2] for m in ms}) > 1 and len({m[6] for m in ms}) > 1  # nibble+int8, mixed levels
+    assert any(m[8] for m in ms) and any(m[10] for m in ms)  # escapes and exact outliers present
+    eager = sc.decode_batch(blobs, compile=False)
+    got = sc.decode_batch(blobs, compile=True)
+    assert torch.equal(bits(got), bits(eager))
+    assert torch.equal(bits(sc.decode(blobs[1], compile=True)), bits(eager[1]))
+
+
+def test_environment_switch_and_eager_fallback(monkeypatch):
+    """SOLAR_CODEC_COMPILE turns the graph on; a compiler failure warns once and decodes eagerly."""
+    x = np.linspace(0, 1, 1024, dtype=np.float32).reshape(32, 32) ** 2
+    blob = sc.encode(x, rel_error=1e-3, codec=FINE)
+    assert meta(blob)[0] == 5 and meta(blob)[2] in (0, 1)  # a blob that takes the graph
+    want = sc.decode(blob, compile=False)
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(fused, "_get", broken)
+    monkeypatch.setattr(fused, "_failed", None)
+    monkeypatch.setenv("SOLAR_CODEC_COMPILE", "1")
+    monkeypatch.setenv("SOLAR_STRICT", "1")
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):  # strict: a failure is a failure
+        sc.decode(blob)
+    monkeypatch.delenv("SOLAR_STRICT")
+    with pytest.warns(RuntimeWarning, match="compiled decoding is unavailable"):
+        got = sc.decode(blob)
+    assert torch.equal(got, want)
+    assert torch.equal(sc.decode(blob), want) and len(calls) == 2  # after a failure: eager, no retry
+    assert sc.decode(blob, compile=False) is not None and len(calls) == 2
+    monkeypatch.setenv("SOLAR_CODEC_COMPILE", "0")
+    assert not fused.enabled()
+    with fused.use(True):
+        assert fused.enabled()
