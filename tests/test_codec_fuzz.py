@@ -150,3 +150,60 @@ def test_fuzz_corpus_decodes():
     """The unmutated corpus decodes correctly (so the fuzz test mutates working blobs)."""
     for x, blob in CORPUS:
         assert_within_bound(x, sc.decode(blob).numpy(), sc.header_info(blob).abs_error)
+
+
+def _fine_corpus():
+    """Blobs that take the compiled graph: nibble codes with side values, int8 codes, escapes."""
+    rng = np.random.default_rng(11)
+    smooth = np.cumsum(np.cumsum(rng.standard_normal((24, 20)), 0), 1).astype(np.float32)
+    noisy = smooth + rng.standard_normal(smooth.shape).astype(np.float32) * 0.5
+    noisy[3, 4] += 500.0  # an escape
+    fine = {"id": "ebq", "predictor": "fine"}
+    return [(x, sc.encode(x, codec=fine, rel_error=r)) for x, r in ((noisy, 1e-3), (noisy, 1e-4))]
+
+
+@pytest.mark.slow
+def test_fuzz_compiled_decoder_forged_payloads():
+    """Resealed payload forgeries keep the header (so the compiled graph is reused) and reach
+    the graph's unpacking, side values and escapes: the compiled decode must give exactly what
+    the eager decode gives, the same tensor or the same CorruptDataError."""
+    from solar.codec.ebq import _METAS
+
+    corpus = _fine_corpus()
+    metas = [_METAS[6].unpack(read_header(b).meta) for _, b in corpus]
+    assert {m[2] for m in metas} == {0, 1} and all(m[8] for m in metas) and metas[0][12]  # nibble+side, int8, escapes
+    for x, blob in corpus:  # compile outside the address-space cap
+        assert torch_equal_bits(sc.decode(blob, compile=True), sc.decode(blob, compile=False))
+
+    @settings(max_examples=1_000, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.integers(0, len(corpus) - 1), st.lists(st.tuples(st.floats(0, 1, exclude_max=True),
+                                                                st.integers(0, 255)), min_size=1, max_size=6))
+    def run(i, edits):
+        _, blob = corpus[i]
+        h = read_header(blob)
+        p = bytearray(blob[h.payload_offset:])
+        for where, value in edits:
+            p[int(where * len(p))] = value
+        forged = _reseal(blob[:h.payload_offset - 8], bytes(p))
+        outcomes = []
+        for compile in (False, True):
+            try:
+                outcomes.append(sc.decode(forged, compile=compile))
+            except CorruptDataError as e:
+                outcomes.append(type(e))
+        eager, compiled = outcomes
+        if isinstance(eager, type):
+            assert compiled is eager
+        else:
+            assert torch_equal_bits(compiled, eager)
+
+    with _address_space_cap():
+        run()
+
+
+def torch_equal_bits(a, b) -> bool:
+    import torch
+
+    view = torch.int32 if a.dtype == torch.float32 else torch.int64
+    return a.shape == b.shape and torch.equal(a.contiguous().view(view), b.contiguous().view(view))

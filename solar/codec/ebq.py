@@ -389,6 +389,7 @@ class EBQCodec(Codec):
                 pos, val = _sparse(p[c_len + e_len:], name, n_out, h0.dtype, n, b.what)
                 out_idx.append(pos + (i if order is None else int(order[i])) * n)
                 out_val.append(val)
+        marks = side = None
         if 0 in planes:  # where the side values go: found on the packed bytes, before they leave the CPU
             marks = _nibble_markers(planes[0])
             side = np.concatenate(sides) if sides else np.empty(0, np.uint8)
@@ -396,21 +397,6 @@ class EBQCodec(Codec):
                 raise CorruptDataError(
                     f"{blobs[0].what}: nibble stream has {marks.size} side markers for {side.size} "
                     "side values; corrupted payload")
-        # ---- from here on: one sequence of tensor ops for the whole group, on `device`
-        parts = {}
-        for k, arr in planes.items():
-            t = torch.from_numpy(arr).to(dev, non_blocking=True)
-            if k == 0:
-                t = unpack_nibbles(t.view(torch.int8))
-                t.view(-1)[torch.from_numpy(marks).to(dev)] = torch.from_numpy(side).to(dev).view(torch.int8)
-                t = t[:, :n]
-            parts[k] = t
-        if len(parts) == 1:
-            t = parts[kinds[0]]
-        else:  # int8 and nibble blobs in one batch: one int8 stream
-            t = torch.empty((B, n), dtype=torch.int8, device=dev)
-            for k, part in parts.items():
-                t[torch.tensor(rows[k], device=dev)] = part.view(torch.int8)
         # folded leading (channel) axes: each channel is one more batch row of the predictor
         fold = metas[0][13]
         lead = math.prod(shape[:fold])
@@ -418,14 +404,16 @@ class EBQCodec(Codec):
         K = 1 << metas[0][14]
         masks = np.repeat(np.array([m[6] for m in metas], dtype=np.uint64), lead)
         rev = h0.version >= 6
-        if int8_stream and pred in (4, 5) and fused.enabled():
-            x = self._decode_fused(t.view(torch.int8), esc_idx, esc_val, masks, steps, lead, inner_shape, K, rev,
-                                   t_int, TORCH_DTYPES[h0.dtype.itemsize], dev)
+        if int8_stream and pred in (4, 5) and n and fused.enabled():
+            x = self._decode_fused(planes, rows, kinds, marks, side, esc_idx, esc_val, masks, steps, lead,
+                                   inner_shape, K, rev, t_int, TORCH_DTYPES[h0.dtype.itemsize], dev)
             if x is not None:
                 if offs.any():
                     x.add_(torch.from_numpy(offs).to(dev).view(B, 1))
                 patch_(x.view(-1), *_cat(out_idx, out_val, dev))
                 return _into(out, x.view((B,) + h0.shape))
+        # ---- from here on: one sequence of tensor ops for the whole group, on `device`
+        t = _code_stream(planes, rows, kinds, marks, side, n, dev)
         if int8_stream and pred in (4, 5):
             # int8 codes go straight into the predictor (widened inside its adds); escapes are
             # corrections (true residual - marker) applied pass by pass
@@ -467,21 +455,56 @@ class EBQCodec(Codec):
         return fused.enabled() and pred in (4, 5) and blob.header.version >= 2 and w in (0, 1)
 
     @staticmethod
-    def _decode_fused(codes, esc_idx, esc_val, masks, steps, lead, inner_shape, K, rev, t_int, dtype, dev):
-        """The compiled-graph decode of an int8 stream (``(B, n)`` int8) -> ``(B, n)`` floats, or None."""
-        B, n = codes.shape
-        if n == 0:
-            return None
-        if esc_idx:  # escapes become residual corrections, so the graph needs no per-pass fix-ups
-            codes = codes.to(t_int)
-            idx = torch.from_numpy(np.concatenate(esc_idx)).to(dev)
-            corr = torch.from_numpy(np.concatenate(esc_val).astype(np.int64) + 128).to(dev, t_int)
-            codes.view(-1).index_add_(0, idx, corr)
+    def _decode_fused(planes, rows, kinds, marks, side, esc_idx, esc_val, masks, steps, lead, inner_shape, K, rev,
+                      t_int, dtype, dev):
+        """Decode with the compiled graph -> ``(B, n)`` floats, or None (then decode eagerly).
+
+        A group of nibble blobs goes in packed (unpacked inside the graph) and an int8 group as is;
+        the side values and escapes become one sparse list of residual corrections added inside
+        the graph. A group mixing both code kinds is first joined into one int8 stream.
+        """
+        n = math.prod(inner_shape) * lead
+        B = len(kinds)
+        pos, corr = [np.zeros(2, np.int64)], [np.zeros(2, np.int64)]  # >= 2 entries: one graph for all
+        if esc_idx:
+            pos.append(np.concatenate(esc_idx))
+            corr.append(np.concatenate(esc_val).astype(np.int64) + 128)  # true residual - marker (-128)
+        packed = set(kinds) == {0}
+        if packed:
+            width = 2 * planes[0].shape[1]  # markers are positions in the (B, width) unpacked stream
+            r, c = np.divmod(marks, width)
+            keep = c < n  # a marker on the padding nibble of an odd-length blob is dropped, as eagerly
+            pos.append(r[keep] * n + c[keep])
+            corr.append(side.view(np.int8)[keep].astype(np.int64) + 8)  # side value - marker (-8)
+            codes = torch.from_numpy(planes[0]).to(dev).view(torch.int8)
+        else:
+            codes = _code_stream(planes, rows, kinds, marks, side, n, dev).view(torch.int8)
         bits = (masks[:, None] >> np.arange(64, dtype=np.uint64)) & np.uint64(1)  # (rows, level)
-        rows = torch.from_numpy(bits.astype(bool)).to(dev)
-        step = torch.from_numpy(np.repeat(steps, lead)).to(dev).view(B * lead, 1)
-        x = fused.run(codes.reshape(B * lead, n // lead), rows, step, inner_shape, K, rev, t_int, dtype)
+        x = fused.run(codes, torch.from_numpy(np.concatenate(pos)).to(dev),
+                      torch.from_numpy(np.concatenate(corr)).to(dev, t_int),
+                      torch.from_numpy(bits.astype(bool)).to(dev),
+                      torch.from_numpy(np.repeat(steps, lead)).to(dev).view(B * lead, 1),
+                      n, lead, inner_shape, K, rev, t_int, dtype, packed)
         return None if x is None else x.view(B, n)
+
+
+def _code_stream(planes: dict, rows: dict, kinds: list, marks, side, n: int, dev) -> "torch.Tensor":
+    """The group's codes as one ``(B, n)`` stream: nibble rows unpacked (side values patched in),
+    int8 rows as they are, or ``(B, w, n)`` byte planes of a wider code."""
+    parts = {}
+    for k, arr in planes.items():
+        t = torch.from_numpy(arr).to(dev, non_blocking=True)
+        if k == 0:
+            t = unpack_nibbles(t.view(torch.int8))
+            t.view(-1)[torch.from_numpy(marks).to(dev)] = torch.from_numpy(side).to(dev).view(torch.int8)
+            t = t[:, :n]
+        parts[k] = t
+    if len(parts) == 1:
+        return parts[kinds[0]]
+    t = torch.empty((len(kinds), n), dtype=torch.int8, device=dev)  # int8 and nibble blobs: one int8 stream
+    for k, part in parts.items():
+        t.index_copy_(0, torch.tensor(rows[k], device=dev), part.view(torch.int8))
+    return t
 
 
 def _nibble_markers(packed: np.ndarray) -> np.ndarray:

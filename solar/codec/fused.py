@@ -61,20 +61,33 @@ def use(mode: bool | None):
         _MODE.reset(token)
 
 
-def interp_graph(codes: torch.Tensor, cubic_rows: torch.Tensor, step: torch.Tensor, shape: tuple[int, ...],
-                 K: int, reverse: bool, itype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
-    """Residual stream ``codes`` ``(B, n)`` -> dequantized ``(B, n)`` values, ``G * step``.
+def interp_graph(codes: torch.Tensor, pos: torch.Tensor, corr: torch.Tensor, cubic_rows: torch.Tensor,
+                 step: torch.Tensor, n: int, lead: int, shape: tuple[int, ...], K: int, reverse: bool,
+                 itype: torch.dtype, dtype: torch.dtype, packed: bool) -> torch.Tensor:
+    """Residual codes of ``B`` blobs -> dequantized ``(B * lead, n // lead)`` values, ``G * step``.
 
-    ``codes``: int8 or already widened integers, escape corrections already added (an escape
-    added to a residual is the same as ``K * escape`` added after its pass). ``cubic_rows``:
-    ``(B, levels)`` bool, cubic interpolation per row and level. ``step``: ``(B, 1)`` of
-    ``dtype``. Shape-like arguments are Python constants: the graph is specialized on them.
+    ``codes``: ``(B, n)`` int8 residuals, or with ``packed`` the ``(B, (n + 1) // 2)`` bytes of
+    4-bit pairs (low nibble first), unpacked here. ``pos``/``corr``: sparse corrections added to
+    the widened residuals at flat positions of ``(B, n)`` (nibble side values, escapes; an escape
+    added to a residual is the same as ``K * escape`` added after its pass); at least two
+    entries, zeros allowed, so one graph serves every count. ``lead`` folded channel rows per
+    blob. ``cubic_rows``: ``(B * lead, levels)`` bool, cubic interpolation per row and level.
+    ``step``: ``(B * lead, 1)`` of ``dtype``. Shape-like arguments are Python constants: the
+    graph is specialized on them (except the batch size, which the caller marks dynamic).
     """
     import torch
     import torch.nn.functional as F
 
-    B, n = codes.shape
-    R = codes.to(itype)
+    B0 = codes.shape[0]
+    if packed:
+        v = codes.to(itype)
+        R = torch.stack([(v << 28) >> 28 if itype == torch.int32 else (v << 60) >> 60, v >> 4], dim=2)
+        R = R.reshape(B0, -1)[:, :n]
+    else:
+        R = codes.to(itype)
+    R = R.reshape(-1).index_add(0, pos, corr.to(itype))
+    B = B0 * lead
+    R = R.view(B, n // lead)
     C = (R[:, :1] * K).reshape((B,) + (1,) * len(shape))
     pos = 1
     for st in _plan(tuple(shape), reverse):
@@ -99,7 +112,7 @@ def interp_graph(codes: torch.Tensor, cubic_rows: torch.Tensor, step: torch.Tens
         if m % 2:
             out = torch.cat([out, E[:, :, n_e - 1:]], dim=2)
         C = out.reshape(C.shape[:ax] + (m,) + C.shape[ax + 1:])
-    return C.reshape(B, n).to(dtype) * step
+    return C.reshape(B, n // lead).to(dtype) * step
 
 
 def _plan(shape: tuple[int, ...], reverse: bool):
@@ -107,37 +120,41 @@ def _plan(shape: tuple[int, ...], reverse: bool):
 
 
 _lock = threading.Lock()
+_VARIANTS = 256
 _compiled = None
 _failed: str | None = None
 
 
 def _get():
     global _compiled
+    import torch._dynamo.config as dcfg
+
+    # one compiled variant per decode signature (sample shape, code kind, dtypes); the default of
+    # 8 variants per function would fail the ninth. Dynamo's config is per thread, and decoding
+    # runs in loader prefetch threads too, so this is set in the calling thread.
+    if dcfg.recompile_limit < _VARIANTS:
+        dcfg.recompile_limit = _VARIANTS
     if _compiled is None:
         import torch
-        import torch._dynamo.config as dcfg
 
-        # one compiled variant per decode signature (shape, batch size, dtypes); the default of
-        # 8 variants per function would silently send a ninth signature back to eager
-        dcfg.recompile_limit = max(getattr(dcfg, "recompile_limit", 8), 256)
         _compiled = torch.compile(interp_graph, dynamic=False, fullgraph=True)
     return _compiled
 
 
-def run(codes, cubic_rows, step, shape, K, reverse, itype, dtype):
-    """The compiled graph, or None when compiling is impossible here (warned once)."""
+def run(codes, pos, corr, cubic_rows, step, n, lead, shape, K, reverse, itype, dtype, packed):
+    """The compiled graph (arguments of :func:`interp_graph`), or None when compiling is
+    impossible here (warned once)."""
     global _failed
     if _failed is not None:
         return None
     try:
         with _lock:  # one compile at a time; running compiled code needs no lock, but is cheap
             fn = _get()
-            if codes.shape[0] > 1:  # one graph for every batch size (a loader's groups vary in size)
-                from torch._dynamo import mark_dynamic
+            from torch._dynamo import mark_dynamic
 
-                for t in (codes, cubic_rows, step):
-                    mark_dynamic(t, 0)
-            return fn(codes, cubic_rows, step, tuple(shape), K, reverse, itype, dtype)
+            for t in (pos, corr) + ((codes, cubic_rows, step) if codes.shape[0] > 1 else ()):
+                mark_dynamic(t, 0)  # one graph for every batch size and correction count
+            return fn(codes, pos, corr, cubic_rows, step, n, lead, tuple(shape), K, reverse, itype, dtype, packed)
     except Exception as e:  # noqa: BLE001 - any compiler failure means "stay eager"
         if os.environ.get("SOLAR_STRICT") == "1":  # under `make test` a failure is a failure
             raise
