@@ -50,15 +50,23 @@ class Compressor:
 
 
 class Solar(Compressor):
-    def __init__(self, lossless="zstd", predictor="auto"):
+    def __init__(self, lossless="zstd", predictor="auto", compile=False):
         self.cfg = {"id": "ebq", "lossless": lossless, "predictor": predictor}
-        self.name = f"solar ebq ({lossless}{'' if predictor == 'auto' else ', ' + predictor})"
+        self.compile = compile
+        extra = ("" if predictor == "auto" else ", " + predictor) + (", compiled" if compile else "")
+        self.name = f"solar ebq ({lossless}{extra})"
 
     def compress(self, x, eb):
         return sc.encode(x, abs_error=eb, codec=self.cfg)
 
     def decompress(self, blob, like):
-        return sc.decode(blob).numpy()
+        return sc.decode(blob, compile=self.compile).numpy()
+
+    def warmup(self, blob, like) -> float:
+        """Seconds of the first decode: the one-time torch.compile of this shape (0 when eager)."""
+        t = time.perf_counter()
+        self.decompress(blob, like)
+        return time.perf_counter() - t if self.compile else 0.0
 
 
 class PySZ(Compressor):
@@ -170,11 +178,13 @@ def psnr(x: np.ndarray, y: np.ndarray) -> float:
 
 def measure(comp: Compressor, x: np.ndarray, eb: float, reps: int) -> dict:
     blob, t_enc = _best(lambda: comp.compress(x, eb), max(1, reps // 2))
+    first = comp.warmup(blob, x) if hasattr(comp, "warmup") else 0.0
     y, t_dec = _best(lambda: comp.decompress(blob, x), reps)
     size = comp.compressed_size(blob) if hasattr(comp, "compressed_size") else len(blob)
     err = float(np.max(np.abs(x.astype(np.float64) - np.asarray(y, np.float64).reshape(x.shape))))
     return {"ratio": x.nbytes / size, "max_err_over_bound": err / eb if eb else 0.0, "psnr": psnr(x, y),
-            "enc_MBps": x.nbytes / t_enc / 1e6, "dec_MBps": x.nbytes / t_dec / 1e6, "bound_ok": err <= eb}
+            "enc_MBps": x.nbytes / t_enc / 1e6, "dec_MBps": x.nbytes / t_dec / 1e6, "bound_ok": err <= eb,
+            "compile_s": first}
 
 
 def gpu_decode(x: np.ndarray, eb: float, batch: int = 16, reps: int = 10) -> float | None:
@@ -213,9 +223,16 @@ def batch_rows(reps: int, rel: float, sizes=(64, 128), batch: int = 64) -> list[
             blobs = [sc.encode(a, abs_error=eb) for a in arr]
             y, t_b = _best(lambda: sc.decode_batch(blobs), reps)
             _, t_1 = _best(lambda: [sc.decode(b) for b in blobs], reps)
+            t0 = time.perf_counter()
+            yc = sc.decode_batch(blobs, compile=True)  # the one-time compile of this batch's shape
+            first = time.perf_counter() - t0
+            _, t_c = _best(lambda: sc.decode_batch(blobs, compile=True), reps)
             err = float(np.max(np.abs(y.numpy().astype(np.float64) - arr)))
+            if not torch.equal(yc, y):
+                raise SystemExit(f"{fname}: the compiled decoder's batch differs from the eager one")
             ratio = arr.nbytes / sum(map(len, blobs))
-            cases = [("solar decode_batch", ratio, err, t_b), ("solar decode, one by one", ratio, err, t_1)]
+            cases = [("solar decode_batch", ratio, err, t_b), ("solar decode_batch (compiled)", ratio, err, t_c),
+                     ("solar decode, one by one", ratio, err, t_1)]
             for comp in comps:
                 cb = [comp.compress(a, eb) for a in arr]
                 outs, t = _best(lambda: [comp.decompress(c, a) for c, a in zip(cb, arr)], reps)
@@ -223,8 +240,10 @@ def batch_rows(reps: int, rel: float, sizes=(64, 128), batch: int = 64) -> list[
                 cases.append((f"{comp.name}, one by one", arr.nbytes / sum(map(len, cb)), cerr, t))
             for name, r, e, t in cases:
                 rows.append({"field": fname, "batch": batch, "rel": rel, "compressor": name, "ratio": r,
-                             "max_err_over_bound": e / eb, "dec_MBps": arr.nbytes / t / 1e6, "bound_ok": e <= eb})
-                print(f"{name:34s} {r:8.2f} {e / eb:7.4f} {arr.nbytes / t / 1e6:9.0f}")
+                             "max_err_over_bound": e / eb, "dec_MBps": arr.nbytes / t / 1e6, "bound_ok": e <= eb,
+                             "compile_s": first if "compiled" in name else 0.0})
+                print(f"{name:34s} {r:8.2f} {e / eb:7.4f} {arr.nbytes / t / 1e6:9.0f}"
+                      + (f"   (first call, compiling: {first:.1f} s)" if "compiled" in name else ""))
     return rows
 
 
@@ -239,7 +258,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
-    comps = [c for c in [Solar("zstd"), Solar("lz4"), PySZ(), H5SZ3(), ZFP(), RawLossless("lz4"),
+    comps = [c for c in [Solar("zstd"), Solar("zstd", compile=True), Solar("lz4"), PySZ(), H5SZ3(), ZFP(), RawLossless("lz4"),
                          RawLossless("zstd")] if c.available()]
     fields = all_fields(args.n)
     if args.fields:
@@ -255,21 +274,27 @@ def main(argv=None) -> int:
                     continue
                 r = measure(comp, x, eb, args.reps)
                 r.update(field=fname, shape=list(x.shape), rel=rel, compressor=comp.name)
-                if comp.name.startswith("solar ebq (zstd"):
+                if comp.name == "solar ebq (zstd)":
                     r["gpu_dec_GBps"] = gpu_decode(x, eb)
                 rows.append(r)
                 gpu = f"  GPU {r['gpu_dec_GBps']:.1f} GB/s" if r.get("gpu_dec_GBps") else ""
+                first = f"  (first decode, compiling: {r['compile_s']:.1f} s)" if r["compile_s"] else ""
                 print(f"{comp.name:34s} {r['ratio']:8.2f} {r['max_err_over_bound']:7.4f} {r['psnr']:6.1f} "
-                      f"{r['enc_MBps']:9.0f} {r['dec_MBps']:9.0f}{gpu}")
+                      f"{r['enc_MBps']:9.0f} {r['dec_MBps']:9.0f}{gpu}{first}")
     summary = summarize(rows, args.rel)
     if not args.no_batch:
-        rows += batch_rows(args.reps, args.rel[0])
+        brows = batch_rows(args.reps, args.rel[0])
+        rows += brows
+        summary["batch"] = summarize_batches(brows)
     Path(args.out).write_text(json.dumps({
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "note": "shared 2-core machine; best-of-reps timings"},
         "rows": rows, "summary": summary}, indent=1))
     print(f"\nwrote {args.out}")
     return 0 if all(r["bound_ok"] for r in rows) else 1
+
+
+SOLAR, SOLAR_C, SZ3 = "solar ebq (zstd)", "solar ebq (zstd, compiled)", "SZ3 (pysz)"
 
 
 def summarize(rows: list[dict], rels) -> dict:
@@ -279,21 +304,42 @@ def summarize(rows: list[dict], rels) -> dict:
     for rel in rels:
         pairs = {}
         for r in rows:
-            if r["rel"] == rel and r["compressor"] in ("solar ebq (zstd)", "SZ3 (pysz)"):
+            if r["rel"] == rel and r["compressor"] in (SOLAR, SOLAR_C, SZ3):
                 pairs.setdefault(r["field"], {})[r["compressor"]] = r
-        pairs = {f: p for f, p in pairs.items() if len(p) == 2}
+        pairs = {f: p for f, p in pairs.items() if SOLAR in p and SZ3 in p}
         if not pairs:
             continue
 
-        def gm(key):
-            vals = [p["solar ebq (zstd)"][key] / p["SZ3 (pysz)"][key] for p in pairs.values()]
-            return math.exp(sum(map(math.log, vals)) / len(vals))
+        def gm(key, solar=SOLAR):
+            vals = [p[solar][key] / p[SZ3][key] for p in pairs.values() if solar in p]
+            return math.exp(sum(map(math.log, vals)) / len(vals)) if vals else float("nan")
 
         out[str(rel)] = {"ratio_vs_sz3": gm("ratio"), "cpu_decode_speed_vs_pysz": gm("dec_MBps"),
+                         "cpu_decode_speed_vs_pysz_compiled": gm("dec_MBps", SOLAR_C),
+                         "per_field_decode_vs_pysz": {f: {k: p[k]["dec_MBps"] / p[SZ3]["dec_MBps"]
+                                                          for k in (SOLAR, SOLAR_C) if k in p}
+                                                      for f, p in pairs.items()},
                          "bound_held": all(r["bound_ok"] for r in rows if r["rel"] == rel)}
         s = out[str(rel)]
         print(f"rel {rel:g}: ratio {s['ratio_vs_sz3']:.3f}x SZ3 (target >= 1.0), single-thread decode "
-              f"{s['cpu_decode_speed_vs_pysz']:.2f}x pysz (target >= 3), bound held: {s['bound_held']}")
+              f"{s['cpu_decode_speed_vs_pysz']:.2f}x pysz eager, {s['cpu_decode_speed_vs_pysz_compiled']:.2f}x "
+              f"compiled (target >= 3), bound held: {s['bound_held']}")
+    return out
+
+
+def summarize_batches(rows: list[dict]) -> dict:
+    """Mini-batch decode (solar ``decode_batch``, eager and compiled) / pysz sample by sample."""
+    by = {}
+    for r in rows:
+        by.setdefault(r["field"], {})[r["compressor"]] = r["dec_MBps"]
+    out = {}
+    for name in ("solar decode_batch", "solar decode_batch (compiled)"):
+        vals = {f: d[name] / d["SZ3 (pysz), one by one"] for f, d in by.items()
+                if name in d and "SZ3 (pysz), one by one" in d}
+        if vals:
+            out[name] = {"per_field_vs_pysz": vals,
+                         "geomean_vs_pysz": math.exp(sum(map(math.log, vals.values())) / len(vals))}
+            print(f"batches: {name} {out[name]['geomean_vs_pysz']:.2f}x pysz (geometric mean over {len(vals)} batches)")
     return out
 
 

@@ -29,6 +29,9 @@ blobs, so it holds about ratio-times more samples (hit-rate bound ``min(1, budge
 and each mini-batch is decoded at once with ``solar.codec.decode_batch`` (``--device``). The bench
 checks every decoded sample of one more (untimed) epoch against the original within the bound and
 reports the decode time share. ``--solar-workers`` sets SOLAR's ``num_workers`` (decode runs there).
+A fourth loader (``--no-decode-compile`` skips it) is the same compressed run decoding with the
+``torch.compile``-d decoder graph (``H5Dataset(decode_compile=True)``); its first epoch includes
+the one-time compile, the steady state does not.
 
 Under ``mpirun -n P`` every rank runs both loaders on its DistributedSampler share (SOLAR through
 parallel HDF5 with collective reads and its schedule); epoch times are the slowest rank's.
@@ -192,6 +195,8 @@ def main(argv=None) -> int:
     bound.add_argument("--uncompressed-only", action="store_true",
                        help="skip the compressed run (default: --rel-error 1e-3)")
     ap.add_argument("--device", default="cpu", help="where SOLAR decodes compressed batches")
+    ap.add_argument("--decode-compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the compressed loader with the torch.compile-d decoder (H5Dataset decode_compile)")
     ap.add_argument("--data", default="out/bench/loader.h5")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results.json"))
     args = ap.parse_args(argv)
@@ -253,9 +258,9 @@ def main(argv=None) -> int:
             64 << 10 if storage == "local" else args.latency * args.bandwidth / args.io_threads)
         readers = 1 if P > 1 else args.io_threads  # collective parallel HDF5 does not use request threads
 
-        def solar_run(path: str, check: bool = False) -> dict:
+        def solar_run(path: str, check: bool = False, compile: bool = False) -> dict:
             ds = TimedH5Dataset(path, backend=backend(path, readers, solar_side=True), io_threads=args.io_threads,
-                                sieve_bytes=int(sieve), device=args.device)
+                                sieve_bytes=int(sieve), device=args.device, decode_compile=compile)
             loader = solar.DataLoader(ds, batch_size=args.batch_size, buffer=str(budget),
                                       num_workers=args.solar_workers, persistent_workers=args.solar_workers > 0,
                                       sampler=tud.DistributedSampler(ds, num_replicas=P, rank=rank, seed=0))
@@ -297,10 +302,21 @@ def main(argv=None) -> int:
                      hit_rate_bound=results["compression"]["hit_rate_bound"],
                      within_bound=all(c["max_abs_error"][f] <= b for f, b in results["compression"]["abs_error_bound"].items()))
             run["compressed"] = c
+            if args.decode_compile:
+                cc = solar_run(cdata, check=True, compile=True)
+                cc.update(speedup_steady_vs_torch=steady(t_torch) / cc["steady_s"],
+                          speedup_total_vs_torch=sum(t_torch) / sum(cc["epoch_s"]),
+                          speedup_steady_vs_solar_raw=raw["steady_s"] / cc["steady_s"],
+                          speedup_steady_vs_eager_decode=c["steady_s"] / cc["steady_s"],
+                          within_bound=all(cc["max_abs_error"][f] <= b
+                                           for f, b in results["compression"]["abs_error_bound"].items()))
+                run["compressed_compiled"] = cc
         results["runs"][storage] = run
         say(f"\n[{storage}]" + ("" if storage == "local" else
             f" {args.bandwidth / 1e6:.0f} MB/s per rank, {args.latency * 1e3:.1f} ms per request"))
         cols = [("torch", t_torch), ("solar", t_solar)] + ([("solar+codec", run["compressed"]["epoch_s"])] if compress else [])
+        if "compressed_compiled" in run:
+            cols.append(("+compiled", run["compressed_compiled"]["epoch_s"]))
         say("  epoch " + "".join(f"{name + ' s':>13}" for name, _ in cols) + "".join(
             f"{'torch/' + name:>18}" for name, _ in cols[1:]))
         for e in range(args.epochs):
@@ -319,6 +335,13 @@ def main(argv=None) -> int:
                 f"{c['hit_rate_bound']:.3f}); decode {c['decode_s']:.2f} s = {c['decode_share']:.0%} of the epochs; "
                 f"max abs error " + ", ".join(f"{f} {v:.3g}" for f, v in c["max_abs_error"].items())
                 + f" ({'within' if c['within_bound'] else 'EXCEEDS'} the bound)")
+            if "compressed_compiled" in run:
+                cc = run["compressed_compiled"]
+                say(f"  solar+codec, compiled decoder (decode_compile=True; epoch 0 includes the compile): steady "
+                    f"{cc['speedup_steady_vs_torch']:.2f}x torch, {cc['speedup_steady_vs_solar_raw']:.2f}x solar "
+                    f"(uncompressed), {cc['speedup_steady_vs_eager_decode']:.2f}x the eager decoder; decode "
+                    f"{cc['decode_s']:.2f} s = {cc['decode_share']:.0%} of the epochs; "
+                    f"{'within' if cc['within_bound'] else 'EXCEEDS'} the bound")
     if "throttled" in results["runs"]:
         r = results["runs"]["throttled"]["speedup_steady"]
         results["target"] = {"what": "steady-state speedup on throttled storage at buffer 50%", "target": 2.0,

@@ -103,54 +103,63 @@ def pack_header(descriptor: str, dtype: np.dtype, shape: tuple[int, ...], abs_er
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
 
 
-class _Reader:
-    """Bounds-checked cursor: every read past the end is a CorruptDataError, never an IndexError."""
+_PREFIX = struct.Struct("<4sBB")  # magic, header format version, descriptor length
+_DTYPE_NDIM = struct.Struct("<BB")
+_BOUND_META = struct.Struct("<dH")  # abs_error, meta length
+_TAIL = struct.Struct("<QQQ")  # payload length, payload xxh3, header xxh3
+_SHAPES = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
 
-    def __init__(self, buf: memoryview, what: str) -> None:
-        self.buf, self.pos, self.what = buf, 0, what
 
-    def take(self, n: int) -> memoryview:
-        if n < 0 or self.pos + n > len(self.buf):
-            raise CorruptDataError(
-                f"{self.what}: truncated header ({len(self.buf)} bytes); the blob is incomplete or "
-                "not a SOLAR codec blob")
-        out = self.buf[self.pos:self.pos + n]
-        self.pos += n
-        return out
-
-    def unpack(self, fmt: str) -> tuple:
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))
+def _truncated(what: str, n: int) -> CorruptDataError:
+    return CorruptDataError(f"{what}: truncated header ({n} bytes); the blob is incomplete or not a SOLAR "
+                            "codec blob")
 
 
 def read_header(blob, what: str = "codec blob") -> Header:
     """Parse and verify a blob's header; the payload checksum is checked by :func:`check_payload`.
+
+    Every field is read with one precompiled ``struct`` at a known offset after a bounds check
+    (this runs once per blob of every mini-batch, so it is kept to a few C calls).
 
     Raises:
         CorruptDataError: wrong magic (a foreign blob), truncation, a header checksum mismatch,
             an unknown dtype, or a declared size that is impossible.
     """
     buf = memoryview(blob).cast("B") if not isinstance(blob, memoryview) else blob.cast("B")
-    r = _Reader(buf, what)
-    magic = bytes(r.take(4))
-    if magic != MAGIC:
+    n = len(buf)
+    if n < 4:
+        raise _truncated(what, n)
+    if bytes(buf[:4]) != MAGIC:
         raise CorruptDataError(
-            f"{what}: not a SOLAR codec blob (magic {magic!r}, expected {MAGIC!r}); was it written "
+            f"{what}: not a SOLAR codec blob (magic {bytes(buf[:4])!r}, expected {MAGIC!r}); was it written "
             "by solar.codec.encode?")
-    fmt, desc_len = r.unpack("<BB")
+    if n < 6:
+        raise _truncated(what, n)
+    _, fmt, desc_len = _PREFIX.unpack_from(buf)
     if fmt != FORMAT_VERSION:
         raise CorruptDataError(f"{what}: unknown header format version {fmt}; upgrade solar")
-    desc_raw = bytes(r.take(desc_len))
-    dtype_code, ndim = r.unpack("<BB")
+    pos = 6 + desc_len
+    if pos + 2 > n:
+        raise _truncated(what, n)
+    desc_raw = bytes(buf[6:pos])
+    dtype_code, ndim = _DTYPE_NDIM.unpack_from(buf, pos)
     if ndim > MAX_NDIM:
         raise CorruptDataError(f"{what}: header declares {ndim} dimensions (max {MAX_NDIM})")
-    shape = r.unpack(f"<{ndim}Q")
-    abs_error, meta_len = r.unpack("<dH")
-    meta = bytes(r.take(meta_len))
-    payload_len, payload_sum = r.unpack("<QQ")
-    end = r.pos
-    (header_sum,) = r.unpack("<Q")
-    if xxhash.xxh3_64_intdigest(buf[:end]) != header_sum:
+    pos += 2
+    if pos + 8 * ndim + 10 > n:
+        raise _truncated(what, n)
+    shape = _SHAPES[ndim].unpack_from(buf, pos)
+    pos += 8 * ndim
+    abs_error, meta_len = _BOUND_META.unpack_from(buf, pos)
+    pos += 10
+    if pos + meta_len + 24 > n:
+        raise _truncated(what, n)
+    meta = bytes(buf[pos:pos + meta_len])
+    pos += meta_len
+    payload_len, payload_sum, header_sum = _TAIL.unpack_from(buf, pos)
+    if xxhash.xxh3_64_intdigest(buf[:pos + 16]) != header_sum:
         raise CorruptDataError(f"{what}: header checksum mismatch; the blob is corrupted")
+    pos += 24
     # From here on the numbers are what the encoder wrote; still validate them, because a forged
     # or buggy writer must not make the decoder allocate terabytes or index out of range.
     try:
@@ -165,12 +174,11 @@ def read_header(blob, what: str = "codec blob") -> Header:
         raise CorruptDataError(f"{what}: header declares shape {tuple(shape)}, larger than any blob SOLAR writes")
     if not (abs_error >= 0.0 and math.isfinite(abs_error)):
         raise CorruptDataError(f"{what}: invalid error bound {abs_error!r} in header")
-    if r.pos + payload_len != len(buf):
+    if pos + payload_len != n:
         raise CorruptDataError(
-            f"{what}: payload is {len(buf) - r.pos} bytes but the header says {payload_len}; "
+            f"{what}: payload is {n - pos} bytes but the header says {payload_len}; "
             "the blob is truncated or has trailing bytes")
-    return Header(descriptor, DTYPES[dtype_code], tuple(int(s) for s in shape), float(abs_error),
-                  meta, r.pos, int(payload_len), int(payload_sum))
+    return Header(descriptor, DTYPES[dtype_code], shape, float(abs_error), meta, pos, payload_len, payload_sum)
 
 
 def payload_of(blob, header: Header, what: str = "codec blob") -> memoryview:
