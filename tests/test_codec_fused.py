@@ -116,3 +116,16 @@ def test_environment_switch_and_eager_fallback(monkeypatch):
     assert not fused.enabled()
     with fused.use(True):
         assert fused.enabled()
+
+
+def test_threads_decode_with_the_graph_concurrently():
+    """Loader prefetch threads share the compiled graph (dynamo config is per thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    x = np.cumsum(np.random.default_rng(2).standard_normal((3, 40, 24)), axis=1).astype(np.float32)
+    blobs = [sc.encode(x * (k + 1), rel_error=1e-3, codec=FINE) for k in range(6)]
+    want = sc.decode_batch(blobs, compile=False)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda k: sc.decode_batch(blobs[k:] + blobs[:k], compile=True), range(6)))
+    for k, g in enumerate(got):
+        assert torch.equal(g, torch.cat([want[k:], want[:k]]))

@@ -137,7 +137,9 @@ def _get():
     if _compiled is None:
         import torch
 
-        _compiled = torch.compile(interp_graph, dynamic=False, fullgraph=True)
+        with _lock:
+            if _compiled is None:
+                _compiled = torch.compile(interp_graph, dynamic=False, fullgraph=True)
     return _compiled
 
 
@@ -148,13 +150,12 @@ def run(codes, pos, corr, cubic_rows, step, n, lead, shape, K, reverse, itype, d
     if _failed is not None:
         return None
     try:
-        with _lock:  # one compile at a time; running compiled code needs no lock, but is cheap
-            fn = _get()
-            from torch._dynamo import mark_dynamic
+        fn = _get()  # dynamo compiles under its own global lock; compiled code runs concurrently
+        from torch._dynamo import mark_dynamic
 
-            for t in (pos, corr) + ((codes, cubic_rows, step) if codes.shape[0] > 1 else ()):
-                mark_dynamic(t, 0)  # one graph for every batch size and correction count
-            return fn(codes, pos, corr, cubic_rows, step, n, lead, tuple(shape), K, reverse, itype, dtype, packed)
+        for t in (pos, corr) + ((codes, cubic_rows, step) if codes.shape[0] > 1 else ()):
+            mark_dynamic(t, 0)  # one graph for every batch size and correction count
+        return fn(codes, pos, corr, cubic_rows, step, n, lead, tuple(shape), K, reverse, itype, dtype, packed)
     except Exception as e:  # noqa: BLE001 - any compiler failure means "stay eager"
         if os.environ.get("SOLAR_STRICT") == "1":  # under `make test` a failure is a failure
             raise
