@@ -6,17 +6,18 @@ is the floor of the eager design (about 7-13 ns per value). Here every pass is w
 *pointwise over its output*: the odd points' prediction (cubic and linear for every row, chosen
 with ``where`` on a per-row flag and on the border columns), the ``+ K * residual`` and the
 interleave with the even points are one expression, so inductor emits one vectorized loop per
-pass (C++ on the CPU, Triton on CUDA). Widening the int8 codes and the ``G * u`` dequantization
-fold into the first and last loops. Measured on one CPU thread, the compiled graph runs 2-8x
-faster than the eager decoder (``bench/codec``).
+pass (C++ on the CPU, Triton on CUDA). Nibble unpacking, the sparse residual corrections (side
+values, escapes), widening and the ``G * u`` dequantization are in the graph too. Measured on
+one CPU thread: the interpolation core runs 2-8x faster than eager, and whole decodes of
+interpolation blobs 1.2-4x (``bench/codec``; the lossless stage and per-blob work stay as they are).
 
 The integers are the eager decoder's, bit for bit: the same plan, the same border rules and the
 same arithmetic-shift rounding; ``tests/test_codec_fused.py`` compares both on random and
 golden blobs. The multiply by ``u`` is the only float op in the graph, so no FMA contraction can
 change a rounding; a nonzero offset is added outside it, as a separate op.
 
-Compiling costs seconds per new (shape, batch size, dtype) signature (tens of seconds with a
-cold inductor cache); the compiled code is cached on disk by inductor and in memory here. So
+Compiling costs seconds per new (sample shape, code kind, dtype) signature (tens of seconds
+with a cold inductor cache; the batch size is dynamic); the compiled code is cached on disk by inductor and in memory here. So
 it pays off where one signature repeats, as in a training loop, and is **off by default**:
 ``decode(..., compile=True)``, ``decode_batch(..., compile=True)``, ``H5Dataset(decode_compile=
 True)`` or ``SOLAR_CODEC_COMPILE=1`` turn it on. When compiling fails (no C++ compiler, no
