@@ -129,3 +129,13 @@ def test_threads_decode_with_the_graph_concurrently():
         got = list(pool.map(lambda k: sc.decode_batch(blobs[k:] + blobs[:k], compile=True), range(6)))
     for k, g in enumerate(got):
         assert torch.equal(g, torch.cat([want[k:], want[:k]]))
+
+
+@pytest.mark.gpu
+def test_compiled_cuda_decode_matches_cpu_eager():
+    """On CUDA the graph compiles to Triton; it must give the CPU eager decoder's bits."""
+    x = np.cumsum(np.random.default_rng(4).standard_normal((2, 33, 40)), axis=2).astype(np.float32)
+    blobs = [sc.encode(x * (k + 1), rel_error=1e-3, codec=FINE) for k in range(5)]
+    want = sc.decode_batch(blobs, compile=False)
+    got = sc.decode_batch(blobs, device="cuda", compile=True)
+    assert got.device.type == "cuda" and torch.equal(bits(got.cpu()), bits(want))
