@@ -30,6 +30,7 @@ import contextlib
 import contextvars
 import math
 import os
+import sys
 import threading
 import warnings
 from typing import TYPE_CHECKING
@@ -109,9 +110,18 @@ def interp_graph(codes: torch.Tensor, pos: torch.Tensor, corr: torch.Tensor, cub
             P = torch.where(use_cub, cub, P)
         if m % 2 == 0:  # the last odd point has no right neighbour: copy
             P = torch.where(j == n_e - 1, b, P)
-        out = torch.stack([b, P + K * O], dim=3).reshape(B, outer, 2 * n_o, inner)
-        if m % 2:
-            out = torch.cat([out, E[:, :, n_e - 1:]], dim=2)
+        odd = P + K * O
+        if inner == 1 and m % 2 == 0 and itype == torch.int32 and _LITTLE:
+            # innermost axis: each (even, odd) pair is one int64 whose int32 halves are the two
+            # values, so the interleave is a contiguous vector store, not a stride-2 scalar one
+            # (10-15% off the whole graph). Built by exact arithmetic (no overflow, no shift of
+            # a negative value): odd * 2**32 + (even mod 2**32).
+            pair = odd.to(torch.int64) * (1 << 32) + (b.to(torch.int64) & 0xFFFFFFFF)
+            out = pair.reshape(B, outer, n_o).view(torch.int32).reshape(B, outer, m, 1)
+        else:
+            out = torch.stack([b, odd], dim=3).reshape(B, outer, 2 * n_o, inner)
+            if m % 2:
+                out = torch.cat([out, E[:, :, n_e - 1:]], dim=2)
         C = out.reshape(C.shape[:ax] + (m,) + C.shape[ax + 1:])
     return C.reshape(B, n // lead).to(dtype) * step
 
@@ -120,6 +130,7 @@ def _plan(shape: tuple[int, ...], reverse: bool):
     return pr.interp_plan.__wrapped__(shape, reverse)  # uncached: nothing for dynamo to warn about
 
 
+_LITTLE = sys.byteorder == "little"  # the int64 pair trick below relies on the halves' order
 _lock = threading.Lock()
 _VARIANTS = 256
 _compiled = None
