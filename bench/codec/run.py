@@ -258,8 +258,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
-    comps = [c for c in [Solar("zstd"), Solar("zstd", compile=True), Solar("lz4"), PySZ(), H5SZ3(), ZFP(), RawLossless("lz4"),
-                         RawLossless("zstd")] if c.available()]
+    comps = [c for c in [Solar("zstd"), Solar("zstd", compile=True), Solar("lz4"), PySZ(), H5SZ3(), ZFP(),
+                         RawLossless("lz4"), RawLossless("zstd")] if c.available()]
     fields = all_fields(args.n)
     if args.fields:
         fields = {k: v for k, v in fields.items() if k in args.fields}

@@ -404,7 +404,7 @@ class EBQCodec(Codec):
         K = 1 << metas[0][14]
         masks = np.repeat(np.array([m[6] for m in metas], dtype=np.uint64), lead)
         rev = h0.version >= 6
-        if int8_stream and pred in (4, 5) and n and fused.enabled():
+        if n and self._fusable(blobs[0]):
             x = self._decode_fused(planes, rows, kinds, marks, side, esc_idx, esc_val, masks, steps, lead,
                                    inner_shape, K, rev, t_int, TORCH_DTYPES[h0.dtype.itemsize], dev)
             if x is not None:
@@ -448,9 +448,9 @@ class EBQCodec(Codec):
         patch_(x.view(-1), *_cat(out_idx, out_val, dev))
         return _into(out, x.view((B,) + h0.shape))
 
-
     def _fusable(self, blob: Parsed) -> bool:
-        """Whether ``blob`` would take the compiled graph (which needs no mask-sorted batch)."""
+        """Whether ``blob``'s group takes the compiled graph: an int8/nibble stream of the
+        interpolation predictors (the graph selects cubic/linear per row, so no mask-sorted batch)."""
         pred, _, w, *_ = self._meta(blob)
         return fused.enabled() and pred in (4, 5) and blob.header.version >= 2 and w in (0, 1)
 
