@@ -209,3 +209,39 @@ def test_cuda_decode_matches_cpu():
     out = torch.empty((16, 16, 16), dtype=torch.float32, device="cuda")
     assert sc.decode(blobs[0], device="cuda", out=out).data_ptr() == out.data_ptr()
     assert torch.equal(out.cpu(), cpu[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.sampled_from([1, 2, 3, 16, 31, 64, 128]), min_size=1, max_size=4),
+       itemsize=st.sampled_from([4, 8]))
+def test_scan_layout_pads_every_aliasing_stride(shape, itemsize):
+    """Outer-axis strides of the prefix-sum buffer are never multiples of 256 bytes (cache-set
+    aliasing), extents only grow, and the innermost-but-one extent grows by at most 64 bytes."""
+    from solar.codec.predict import scan_layout
+
+    ext = scan_layout(tuple(shape), itemsize)
+    assert len(ext) == len(shape) and all(e >= s for e, s in zip(ext, shape))
+    assert ext[0] == shape[0]  # the outermost axis' extent never matters
+    stride = itemsize
+    for k in range(len(ext) - 1, 0, -1):
+        stride *= ext[k]
+        assert stride % 256, (shape, ext, k)
+    if len(shape) > 1:
+        assert (ext[-1] - shape[-1]) * itemsize <= 64
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.sampled_from([1, 2, 5, 16, 64]), min_size=1, max_size=3),
+       batch=st.integers(1, 3), wide=st.booleans(), seed=st.integers(0, 2**16))
+def test_lorenzo_reconstruct_matches_plain_cumsums(shape, batch, wide, seed):
+    """The padded, in-place prefix sums give the plain per-axis cumsums, with and without padding."""
+    from solar.codec.predict import lorenzo_reconstruct
+
+    dtype = torch.int64 if wide else torch.int32
+    r = torch.randint(-1000, 1000, (batch, *shape), generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    want = r
+    for ax in range(1, r.ndim):
+        want = torch.cumsum(want, ax, dtype=dtype)
+    for pad in (True, False):
+        got = lorenzo_reconstruct(r.clone(), pad=pad)
+        assert got.dtype == dtype and torch.equal(got, want)

@@ -88,6 +88,30 @@ def test_compiled_mixed_batch_with_escapes_and_outliers():
     assert torch.equal(bits(sc.decode(blobs[1], compile=True)), bits(eager[1]))
 
 
+@pytest.mark.parametrize("dtype,rel,spike,width", [(np.float32, 1e-5, 1e6, 2), (np.float64, 1e-9, 1e11, 4)],
+                         ids=["w2-int32", "w4-int64"])
+def test_compiled_wide_codes_with_escapes(dtype, rel, spike, width, monkeypatch):
+    """Byte-plane codes (tight bounds) are joined and unzigzagged inside the graph; their escapes
+    (all-ones codes) become corrections, and the values match the eager decoder's bits."""
+    rng = np.random.default_rng(7)
+    x = np.cumsum(rng.standard_normal((3, 20, 33)), axis=2)
+    blobs = []
+    for k in range(4):
+        y = (x * (k + 1)).astype(dtype)
+        eb = rel * float(y.max() - y.min())
+        y.reshape(-1)[rng.integers(0, y.size, 3)] += spike * eb  # beyond the code width: escapes
+        blobs.append(sc.encode(y, abs_error=eb, codec=FINE))
+    wide = [b for b in blobs if meta(b)[0] == 5 and meta(b)[2] == width]
+    assert len(wide) >= 2 and all(meta(b)[8] for b in wide)  # the case under test: wide codes, escapes
+    eager = sc.decode_batch(wide, compile=False)
+    widths = []
+    run = fused.run
+    monkeypatch.setattr(fused, "run", lambda *a: widths.append(a[-1]) or run(*a))
+    got = sc.decode_batch(wide, compile=True)
+    assert widths == [width]  # one graph call, on the byte planes
+    assert torch.equal(bits(got), bits(eager))
+
+
 def test_environment_switch_and_eager_fallback(monkeypatch):
     """SOLAR_CODEC_COMPILE turns the graph on; a compiler failure warns once and decodes eagerly."""
     x = np.linspace(0, 1, 1024, dtype=np.float32).reshape(32, 32) ** 2

@@ -436,47 +436,56 @@ class EBQCodec(Codec):
             else:
                 r = pr.natural_to_stream(r, shape) if h0.version == 1 else r.view(Bp, n // lead)
                 q = pr.interp_decode(r, inner_shape, masks, K=K, reverse=rev)
-        q = q.reshape(B, n)
         if order is not None:  # back to input order (int rows into scratch; the output is written once)
             inv = np.argsort(order)
-            q = torch.index_select(q, 0, torch.from_numpy(inv).to(dev),
+            q = torch.index_select(q.reshape(B, n), 0, torch.from_numpy(inv).to(dev),
                                    out=scratch.get("unsorted", B * n, q.dtype, dev).view(B, n))
             steps, offs = steps[inv], offs[inv]
-        bshape = (B, 1)
+        q = q.view((B,) + shape)  # Lorenzo's result is a padded strided view: never flattened (a copy)
+        bshape = (B,) + (1,) * len(shape)
         offset = None if not offs.any() else torch.from_numpy(offs).to(dev).view(bshape)
         x = dequantize(q, torch.from_numpy(steps).to(dev).view(bshape), offset, TORCH_DTYPES[h0.dtype.itemsize])
         patch_(x.view(-1), *_cat(out_idx, out_val, dev))
         return _into(out, x.view((B,) + h0.shape))
 
     def _fusable(self, blob: Parsed) -> bool:
-        """Whether ``blob``'s group takes the compiled graph: an int8/nibble stream of the
-        interpolation predictors (the graph selects cubic/linear per row, so no mask-sorted batch)."""
+        """Whether ``blob``'s group takes the compiled graph: codes of the interpolation
+        predictors (the graph selects cubic/linear per row, so no mask-sorted batch), of any
+        width (nibbles, int8, or wider byte planes)."""
         pred, _, w, *_ = self._meta(blob)
-        return fused.enabled() and pred in (4, 5) and blob.header.version >= 2 and w in (0, 1)
+        return fused.enabled() and pred in (4, 5) and blob.header.version >= 2 and w in (0,) + _WIDTHS
 
     @staticmethod
     def _decode_fused(planes, rows, kinds, marks, side, esc_idx, esc_val, masks, steps, lead, inner_shape, K, rev,
                       t_int, dtype, dev):
         """Decode with the compiled graph -> ``(B, n)`` floats, or None (then decode eagerly).
 
-        A group of nibble blobs goes in packed (unpacked inside the graph) and an int8 group as is;
-        the side values and escapes become one sparse list of residual corrections added inside
-        the graph. A group mixing both code kinds is first joined into one int8 stream.
+        A group of nibble blobs goes in packed (unpacked inside the graph), an int8 group as is,
+        and wider codes as their byte planes (joined inside the graph); the side values and
+        escapes become one sparse list of residual corrections added inside the graph. A group
+        mixing nibble and int8 blobs is first joined into one int8 stream.
         """
         n = math.prod(inner_shape) * lead
         B = len(kinds)
         pos, corr = [np.zeros(2, np.int64)], [np.zeros(2, np.int64)]  # >= 2 entries: one graph for all
+        width = kinds[0] if len(set(kinds)) == 1 else 1
         if esc_idx:
-            pos.append(np.concatenate(esc_idx))
-            corr.append(np.concatenate(esc_val).astype(np.int64) + 128)  # true residual - marker (-128)
-        packed = set(kinds) == {0}
-        if packed:
-            width = 2 * planes[0].shape[1]  # markers are positions in the (B, width) unpacked stream
-            r, c = np.divmod(marks, width)
+            at = np.concatenate(esc_idx)
+            pos.append(at)
+            # an escape's correction is its true residual minus what the code at its position
+            # decodes to: the -128 marker in int8 streams; for byte planes the code itself, put
+            # through the eager decoder's join/unzigzag (so a forged position replaces, as eagerly)
+            corr.append(np.concatenate(esc_val).astype(np.int64) - (
+                -128 if width <= 1 else _wide_codes(planes[width].reshape(B, width, n), at, n, t_int)))
+        if width == 0:
+            w2 = 2 * planes[0].shape[1]  # markers are positions in the (B, w2) unpacked stream
+            r, c = np.divmod(marks, w2)
             keep = c < n  # a marker on the padding nibble of an odd-length blob is dropped, as eagerly
             pos.append(r[keep] * n + c[keep])
             corr.append(side.view(np.int8)[keep].astype(np.int64) + 8)  # side value - marker (-8)
             codes = torch.from_numpy(planes[0]).to(dev).view(torch.int8)
+        elif width >= 2:
+            codes = torch.from_numpy(planes[width]).to(dev).view(B, width, n)
         else:
             codes = _code_stream(planes, rows, kinds, marks, side, n, dev).view(torch.int8)
         bits = (masks[:, None] >> np.arange(64, dtype=np.uint64)) & np.uint64(1)  # (rows, level)
@@ -484,8 +493,15 @@ class EBQCodec(Codec):
                       torch.from_numpy(np.concatenate(corr)).to(dev, t_int),
                       torch.from_numpy(bits.astype(bool)).to(dev),
                       torch.from_numpy(np.repeat(steps, lead)).to(dev).view(B * lead, 1),
-                      n, lead, inner_shape, K, rev, t_int, dtype, packed)
+                      n, lead, inner_shape, K, rev, t_int, dtype, width)
         return None if x is None else x.view(B, n)
+
+
+def _wide_codes(planes: np.ndarray, at: np.ndarray, n: int, itype) -> np.ndarray:
+    """Signed residuals that the ``(B, w, n)`` byte planes hold at flat positions ``at``."""
+    r, c = np.divmod(at, n)
+    g = torch.from_numpy(np.ascontiguousarray(planes[r, :, c].T))[None]  # (1, w, len(at))
+    return unzigzag_(join_planes(g, itype))[0].numpy().astype(np.int64)
 
 
 def _code_stream(planes: dict, rows: dict, kinds: list, marks, side, n: int, dev) -> "torch.Tensor":
@@ -537,8 +553,8 @@ def _sparse(section, lossless: str, count: int, vdtype: np.dtype, n: int, what: 
     """Positions (delta coded) and values of a sparse section, with every index checked."""
     raw = ll.decompress(section, lossless, count * (8 + vdtype.itemsize), what)
     d = np.frombuffer(raw, "<i8", count)
-    if d.min() < 0:
-        raise CorruptDataError(f"{what}: sparse positions are not sorted; corrupted payload")
+    if d[0] < 0 or (count > 1 and d[1:].min() < 1):  # each position once: patching is order-free
+        raise CorruptDataError(f"{what}: sparse positions are not strictly increasing; corrupted payload")
     pos = np.cumsum(d)
     if pos[-1] >= n:
         raise CorruptDataError(f"{what}: sparse position {int(pos[-1])} out of range for {n} values")

@@ -6,8 +6,9 @@ is the floor of the eager design (about 7-13 ns per value). Here every pass is w
 *pointwise over its output*: the odd points' prediction (cubic and linear for every row, chosen
 with ``where`` on a per-row flag and on the border columns), the ``+ K * residual`` and the
 interleave with the even points are one expression, so inductor emits one vectorized loop per
-pass (C++ on the CPU, Triton on CUDA). Nibble unpacking, the sparse residual corrections (side
-values, escapes), widening and the ``G * u`` dequantization are in the graph too. Measured on
+pass (C++ on the CPU, Triton on CUDA). Nibble unpacking (or joining wider codes' byte planes),
+the sparse residual corrections (side values, escapes), widening and the ``G * u``
+dequantization are in the graph too. Measured on
 one CPU thread: the interpolation core runs 2-8x faster than eager, and whole decodes of
 interpolation blobs 1.2-4x (``bench/codec``; the lossless stage and per-blob work stay as they are).
 
@@ -65,11 +66,14 @@ def use(mode: bool | None):
 
 def interp_graph(codes: torch.Tensor, pos: torch.Tensor, corr: torch.Tensor, cubic_rows: torch.Tensor,
                  step: torch.Tensor, n: int, lead: int, shape: tuple[int, ...], K: int, reverse: bool,
-                 itype: torch.dtype, dtype: torch.dtype, packed: bool) -> torch.Tensor:
+                 itype: torch.dtype, dtype: torch.dtype, width: int) -> torch.Tensor:
     """Residual codes of ``B`` blobs -> dequantized ``(B * lead, n // lead)`` values, ``G * step``.
 
-    ``codes``: ``(B, n)`` int8 residuals, or with ``packed`` the ``(B, (n + 1) // 2)`` bytes of
-    4-bit pairs (low nibble first), unpacked here. ``pos``/``corr``: sparse corrections added to
+    ``codes`` by code ``width``: 1, ``(B, n)`` int8 residuals; 0, the ``(B, (n + 1) // 2)`` bytes
+    of 4-bit pairs (low nibble first), unpacked here; 2 and up, ``(B, width, n)`` little-endian
+    byte planes of zigzag codes, joined and unzigzagged here with the eager decoder's ops
+    (:func:`~solar.codec.torch_ops.join_planes`, :func:`~solar.codec.torch_ops.unzigzag_`).
+    ``pos``/``corr``: sparse corrections added to
     the widened residuals at flat positions of ``(B, n)`` (nibble side values, escapes; an escape
     added to a residual is the same as ``K * escape`` added after its pass); at least two
     entries, zeros allowed, so one graph serves every count. ``lead`` folded channel rows per
@@ -81,12 +85,17 @@ def interp_graph(codes: torch.Tensor, pos: torch.Tensor, corr: torch.Tensor, cub
     import torch.nn.functional as F
 
     B0 = codes.shape[0]
-    if packed:
+    if width == 0:
         v = codes.to(itype)
         R = torch.stack([(v << 28) >> 28 if itype == torch.int32 else (v << 60) >> 60, v >> 4], dim=2)
         R = R.reshape(B0, -1)[:, :n]
-    else:
+    elif width == 1:
         R = codes.to(itype)
+    else:
+        u = codes[:, 0].to(itype)
+        for k in range(1, width):
+            u = u | (codes[:, k].to(itype) << (8 * k))
+        R = (u >> 1) ^ -(u & 1)
     R = R.reshape(-1).index_add(0, pos, corr.to(itype))
     B = B0 * lead
     R = R.view(B, n // lead)
@@ -155,7 +164,7 @@ def _get():
     return _compiled
 
 
-def run(codes, pos, corr, cubic_rows, step, n, lead, shape, K, reverse, itype, dtype, packed):
+def run(codes, pos, corr, cubic_rows, step, n, lead, shape, K, reverse, itype, dtype, width):
     """The compiled graph (arguments of :func:`interp_graph`), or None when compiling is
     impossible here (warned once)."""
     global _failed
@@ -167,7 +176,7 @@ def run(codes, pos, corr, cubic_rows, step, n, lead, shape, K, reverse, itype, d
 
         for t in (pos, corr) + ((codes, cubic_rows, step) if codes.shape[0] > 1 else ()):
             mark_dynamic(t, 0)  # one graph for every batch size and correction count
-        return fn(codes, pos, corr, cubic_rows, step, n, lead, tuple(shape), K, reverse, itype, dtype, packed)
+        return fn(codes, pos, corr, cubic_rows, step, n, lead, tuple(shape), K, reverse, itype, dtype, width)
     except Exception as e:  # noqa: BLE001 - any compiler failure means "stay eager"
         if os.environ.get("SOLAR_STRICT") == "1":  # under `make test` a failure is a failure
             raise
