@@ -245,3 +245,24 @@ def test_lorenzo_reconstruct_matches_plain_cumsums(shape, batch, wide, seed):
     for pad in (True, False):
         got = lorenzo_reconstruct(r.clone(), pad=pad)
         assert got.dtype == dtype and torch.equal(got, want)
+
+
+def _section(pos, vals) -> bytes:
+    return np.diff(np.asarray(pos, np.int64), prepend=0).tobytes() + np.asarray(vals, np.int64).tobytes()
+
+
+def test_sparse_sections_of_a_group_are_placed_and_checked_together():
+    """Escapes/outliers of many blobs are decoded with a few array ops; a bad section names its blob."""
+    from solar.codec.ebq import _sparse_group
+
+    items = [(_section([0, 5, 9], [1, 2, 3]), "none", 3, "sample 0", 0),
+             (_section([2], [7]), "none", 1, "sample 1", 2),
+             (_section([1, 3], [4, 5]), "none", 2, "sample 2", 1)]
+    pos, val = _sparse_group(items, np.dtype("<i8"), 10)
+    assert pos.tolist() == [0, 5, 9, 22, 11, 13] and val.tolist() == [1, 2, 3, 7, 4, 5]
+    for bad, n, why in (([0, 0], 10, "not strictly increasing"), ([3, 2], 10, "not strictly increasing"),
+                        ([4, 10], 10, "out of range"),
+                        ([2**62, 2**63 - 1], 2**40, "out of range")):  # deltas that would wrap a sum
+        forged = np.diff(np.asarray(bad, np.int64), prepend=0).tobytes() + bytes(16)
+        with pytest.raises(CorruptDataError, match=f"^sample 7: .*{why}"):
+            _sparse_group([items[0], (forged, "none", 2, "sample 7", 1)], np.dtype("<i8"), n)

@@ -368,7 +368,7 @@ class EBQCodec(Codec):
         rows = {k: [i for i, kk in enumerate(kinds) if kk == k] for k in sorted(set(kinds))}
         planes = {k: np.empty((len(r), _code_len(k, n)), np.uint8) for k, r in rows.items()}
         slot = {i: j for r in rows.values() for j, i in enumerate(r)}
-        esc_idx, esc_val, out_idx, out_val, sides = [], [], [], [], []
+        esc_idx, esc_val, out_idx, out_val, sides, esc, outl = [], [], [], [], [], [], []
         steps = np.empty(B, h0.dtype)
         offs = np.empty(B, h0.dtype)
         for i, (b, m) in enumerate(zip(blobs, metas)):
@@ -380,15 +380,19 @@ class EBQCodec(Codec):
             if n_side:
                 sides.append(raw[nb:])
             if n_esc:
-                pos, val = _sparse(p[c_len:c_len + e_len], name, n_esc, np.dtype("<i8"), n, b.what)
-                if qint == 4 and (val.min() < -(1 << 31) or val.max() >= (1 << 31)):
-                    raise CorruptDataError(f"{b.what}: escape value out of range; corrupted payload")
-                esc_idx.append(pos + i * n)
-                esc_val.append(val.astype(np_int))
+                esc.append((p[c_len:c_len + e_len], name, n_esc, b.what, i))
             if n_out:
-                pos, val = _sparse(p[c_len + e_len:], name, n_out, h0.dtype, n, b.what)
-                out_idx.append(pos + (i if order is None else int(order[i])) * n)
-                out_val.append(val)
+                outl.append((p[c_len + e_len:], name, n_out, b.what, i if order is None else int(order[i])))
+        if esc:  # all blobs' sparse sections checked and placed with a few array ops (not per blob)
+            pos, val = _sparse_group(esc, np.dtype("<i8"), n)
+            if qint == 4 and (val.min() < -(1 << 31) or val.max() >= (1 << 31)):
+                bad = esc[int(np.searchsorted(np.cumsum([e[2] for e in esc]), np.flatnonzero(
+                    (val < -(1 << 31)) | (val >= (1 << 31)))[0], "right"))][3]
+                raise CorruptDataError(f"{bad}: escape value out of range; corrupted payload")
+            esc_idx, esc_val = [pos], [val.astype(np_int)]
+        if outl:
+            pos, val = _sparse_group(outl, h0.dtype, n)
+            out_idx, out_val = [pos], [val]
         marks = side = None
         if 0 in planes:  # where the side values go: found on the packed bytes, before they leave the CPU
             marks = _nibble_markers(planes[0])
@@ -549,16 +553,36 @@ def _deltas(pos: np.ndarray) -> np.ndarray:
     return np.diff(pos.astype(np.int64), prepend=np.int64(0))
 
 
-def _sparse(section, lossless: str, count: int, vdtype: np.dtype, n: int, what: str):
-    """Positions (delta coded) and values of a sparse section, with every index checked."""
-    raw = ll.decompress(section, lossless, count * (8 + vdtype.itemsize), what)
-    d = np.frombuffer(raw, "<i8", count)
-    if d[0] < 0 or (count > 1 and d[1:].min() < 1):  # each position once: patching is order-free
-        raise CorruptDataError(f"{what}: sparse positions are not strictly increasing; corrupted payload")
+def _sparse_group(items: list, vdtype: np.dtype, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sparse sections of a group's blobs -> flat positions in ``(B, n)`` and their values.
+
+    ``items``: ``(section, lossless, count, what, row)`` per blob that has one. A section is
+    ``count`` delta-coded int64 positions then ``count`` values. Every position is checked for
+    all blobs at once (strictly increasing, so patching is order-free; each below ``n``); an
+    error names the first offending blob.
+    """
+    raws = [ll.decompress(sec, name, cnt * (8 + vdtype.itemsize), what) for sec, name, cnt, what, _ in items]
+    counts = np.fromiter((it[2] for it in items), np.int64, len(items))
+    d = np.concatenate([np.frombuffer(r, "<i8", c) for r, c in zip(raws, counts)])
+    vals = np.concatenate([np.frombuffer(r, vdtype, c, offset=8 * c) for r, c in zip(raws, counts)])
+    ends = np.cumsum(counts)
+    starts = ends - counts
+    later = np.ones(d.size, bool)
+    later[starts] = False  # a blob's first delta is its first position (may be 0); later ones >= 1
+
+    def fail(at: np.ndarray, why: str):
+        raise CorruptDataError(f"{items[int(np.searchsorted(ends, at[0], 'right'))][3]}: {why}; corrupted payload")
+
+    bad = np.flatnonzero((d < later) | (d >= n))
+    if bad.size:
+        fail(bad, "sparse positions are not strictly increasing or out of range")
     pos = np.cumsum(d)
-    if pos[-1] >= n:
-        raise CorruptDataError(f"{what}: sparse position {int(pos[-1])} out of range for {n} values")
-    return pos, np.frombuffer(raw, vdtype, count, offset=8 * count)
+    pos -= np.repeat(pos[starts] - d[starts], counts)  # restart the sum at each blob's section
+    bad = np.flatnonzero(pos >= n)  # every entry: a sum that wrapped around passed n on the way
+    if bad.size:
+        fail(bad, f"sparse position out of range for {n} values")
+    pos += np.repeat(np.fromiter((it[4] for it in items), np.int64, len(items)) * n, counts)
+    return pos, vals
 
 
 def _cat(idx: list, val: list, dev):
