@@ -182,14 +182,20 @@ def decode_batch(blobs: Sequence, *, device="cpu", names: Sequence[Any] | None =
         key = (p.header.descriptor, p.header.dtype, p.header.shape, c.group_key(p))
         groups[key].append(i)
     results: list = [None] * len(parsed)
+    stacked = None
+    if len({(k[1], k[2]) for k in groups}) == 1:  # one dtype and shape: groups fill rows of one tensor
+        h = parsed[0].header
+        from .torch_ops import TORCH_DTYPES
+
+        stacked = torch.empty((len(parsed),) + h.shape, dtype=TORCH_DTYPES[h.dtype.itemsize], device=device)
     with fused.use(compile):
         for key, idx in groups.items():
             decoded = codecs[key[0].partition("/")[0]].decode_group([parsed[i] for i in idx], device)
             if len(groups) == 1:
                 return decoded
+            if stacked is not None:
+                stacked.index_copy_(0, torch.tensor(idx, device=stacked.device), decoded)
+                continue
             for j, i in enumerate(idx):
                 results[i] = decoded[j]
-    first = results[0]
-    if all(r.shape == first.shape and r.dtype == first.dtype for r in results):
-        return torch.stack(results)
-    return results
+    return stacked if stacked is not None else results

@@ -118,14 +118,50 @@ def _truncated(what: str, n: int) -> CorruptDataError:
 def read_header(blob, what: str = "codec blob") -> Header:
     """Parse and verify a blob's header; the payload checksum is checked by :func:`check_payload`.
 
-    Every field is read with one precompiled ``struct`` at a known offset after a bounds check
-    (this runs once per blob of every mini-batch, so it is kept to a few C calls).
+    The header's static part (magic through the metadata length: codec, dtype, shape, bound) is
+    the same for every sample of a field, so once validated it is remembered by its bytes; per
+    blob only the metadata, the lengths and the checksums are read and checked (this runs once per
+    blob of every mini-batch, so it is kept to a few C calls).
 
     Raises:
         CorruptDataError: wrong magic (a foreign blob), truncation, a header checksum mismatch,
             an unknown dtype, or a declared size that is impossible.
     """
     buf = memoryview(blob).cast("B") if not isinstance(blob, memoryview) else blob.cast("B")
+    n = len(buf)
+    static = None
+    if n >= 6:
+        end = 6 + buf[5] + 2  # past the descriptor, dtype code and ndim
+        if end <= n:
+            end += 8 * buf[end - 1] + 10  # past the shape, bound and metadata length
+            if end <= n:
+                static = _STATIC.get(bytes(buf[:end]))
+    if static is None:
+        static = _parse_static(buf, what)
+    descriptor, dtype, shape, abs_error, meta_len, pos = static
+    if pos + meta_len + 24 > n:
+        raise _truncated(what, n)
+    meta = bytes(buf[pos:pos + meta_len])
+    pos += meta_len
+    payload_len, payload_sum, header_sum = _TAIL.unpack_from(buf, pos)
+    if xxhash.xxh3_64_intdigest(buf[:pos + 16]) != header_sum:
+        raise CorruptDataError(f"{what}: header checksum mismatch; the blob is corrupted")
+    pos += 24
+    if pos + payload_len != n:
+        raise CorruptDataError(
+            f"{what}: payload is {n - pos} bytes but the header says {payload_len}; "
+            "the blob is truncated or has trailing bytes")
+    return Header(descriptor, dtype, shape, abs_error, meta, pos, payload_len, payload_sum)
+
+
+#: validated static header parts, by their bytes (a handful per dataset; bounded all the same)
+_STATIC: dict[bytes, tuple] = {}
+_STATIC_MAX = 4096
+
+
+def _parse_static(buf: memoryview, what: str) -> tuple:
+    """Validate magic through metadata length -> (descriptor, dtype, shape, bound, meta length,
+    offset of the metadata), and remember it when valid."""
     n = len(buf)
     if n < 4:
         raise _truncated(what, n)
@@ -152,33 +188,36 @@ def read_header(blob, what: str = "codec blob") -> Header:
     pos += 8 * ndim
     abs_error, meta_len = _BOUND_META.unpack_from(buf, pos)
     pos += 10
-    if pos + meta_len + 24 > n:
-        raise _truncated(what, n)
-    meta = bytes(buf[pos:pos + meta_len])
-    pos += meta_len
-    payload_len, payload_sum, header_sum = _TAIL.unpack_from(buf, pos)
-    if xxhash.xxh3_64_intdigest(buf[:pos + 16]) != header_sum:
-        raise CorruptDataError(f"{what}: header checksum mismatch; the blob is corrupted")
-    pos += 24
-    # From here on the numbers are what the encoder wrote; still validate them, because a forged
-    # or buggy writer must not make the decoder allocate terabytes or index out of range.
+    # From here on the numbers are what the encoder wrote (the checksum is checked per blob by
+    # the caller); still validate them, because a forged or buggy writer must not make the
+    # decoder allocate terabytes or index out of range.
+    bad = None
     try:
         descriptor = desc_raw.decode("ascii")
         name, _, ver = descriptor.partition("/")
         int(ver)
     except (UnicodeDecodeError, ValueError):
-        raise CorruptDataError(f"{what}: malformed codec descriptor {desc_raw!r}") from None
-    if dtype_code not in DTYPES:
-        raise CorruptDataError(f"{what}: unknown dtype code {dtype_code}")
-    if math.prod(shape) > MAX_ELEMENTS:
-        raise CorruptDataError(f"{what}: header declares shape {tuple(shape)}, larger than any blob SOLAR writes")
-    if not (abs_error >= 0.0 and math.isfinite(abs_error)):
-        raise CorruptDataError(f"{what}: invalid error bound {abs_error!r} in header")
-    if pos + payload_len != n:
-        raise CorruptDataError(
-            f"{what}: payload is {n - pos} bytes but the header says {payload_len}; "
-            "the blob is truncated or has trailing bytes")
-    return Header(descriptor, DTYPES[dtype_code], shape, float(abs_error), meta, pos, payload_len, payload_sum)
+        bad = f"malformed codec descriptor {desc_raw!r}"
+    if bad:
+        pass
+    elif dtype_code not in DTYPES:
+        bad = f"unknown dtype code {dtype_code}"
+    elif math.prod(shape) > MAX_ELEMENTS:
+        bad = f"header declares shape {tuple(shape)}, larger than any blob SOLAR writes"
+    elif not (abs_error >= 0.0 and math.isfinite(abs_error)):
+        bad = f"invalid error bound {abs_error!r} in header"
+    if bad:  # a truncated or corrupted blob is reported as that, before what its bytes claim
+        end = pos + meta_len
+        if end + 24 > n:
+            raise _truncated(what, n)
+        if xxhash.xxh3_64_intdigest(buf[:end + 16]) != _TAIL.unpack_from(buf, end)[2]:
+            raise CorruptDataError(f"{what}: header checksum mismatch; the blob is corrupted")
+        raise CorruptDataError(f"{what}: {bad}")
+    static = (descriptor, DTYPES[dtype_code], shape, float(abs_error), meta_len, pos)
+    if len(_STATIC) >= _STATIC_MAX:
+        _STATIC.clear()
+    _STATIC[bytes(buf[:pos])] = static
+    return static
 
 
 def payload_of(blob, header: Header, what: str = "codec blob") -> memoryview:
