@@ -260,9 +260,13 @@ def test_sparse_sections_of_a_group_are_placed_and_checked_together():
              (_section([1, 3], [4, 5]), "none", 2, "sample 2", 1)]
     pos, val = _sparse_group(items, np.dtype("<i8"), 10)
     assert pos.tolist() == [0, 5, 9, 22, 11, 13] and val.tolist() == [1, 2, 3, 7, 4, 5]
-    for bad, n, why in (([0, 0], 10, "not strictly increasing"), ([3, 2], 10, "not strictly increasing"),
-                        ([4, 10], 10, "out of range"),
-                        ([2**62, 2**63 - 1], 2**40, "out of range")):  # deltas that would wrap a sum
-        forged = np.diff(np.asarray(bad, np.int64), prepend=0).tobytes() + bytes(16)
-        with pytest.raises(CorruptDataError, match=f"^sample 7: .*{why}"):
-            _sparse_group([items[0], (forged, "none", 2, "sample 7", 1)], np.dtype("<i8"), n)
+    pos, val = _sparse_group(items[1:2], np.dtype("<i8"), 10)  # one section: its own code path
+    assert pos.tolist() == [22] and val.tolist() == [7]
+    for deltas, n, why in (([0, 0], 10, "not strictly increasing"), ([3, -1], 10, "not strictly increasing"),
+                           ([4, 6], 10, "out of range"), ([1, 2**63 - 1], 2**40, "out of range"),
+                           ([2**39, 2**39 + 7, 2**40 - 1] + [2**40 - 1] * 2**23, 2**40, "out of range")):
+        # the last two: sums that wrap around int64 (one huge delta; many deltas just below n)
+        forged = np.asarray(deltas, np.int64).tobytes() + bytes(8 * len(deltas))
+        for group in ([items[0]], []):
+            with pytest.raises(CorruptDataError, match=f"^sample 7: .*{why}"):
+                _sparse_group(group + [(forged, "none", len(deltas), "sample 7", 1)], np.dtype("<i8"), n)

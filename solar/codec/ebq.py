@@ -558,10 +558,24 @@ def _sparse_group(items: list, vdtype: np.dtype, n: int) -> tuple[np.ndarray, np
 
     ``items``: ``(section, lossless, count, what, row)`` per blob that has one. A section is
     ``count`` delta-coded int64 positions then ``count`` values. Every position is checked for
-    all blobs at once (strictly increasing, so patching is order-free; each below ``n``); an
-    error names the first offending blob.
+    all blobs at once: strictly increasing, so patching is order-free; every delta and every sum
+    below ``n`` (with deltas below ``n`` the first sum past ``n`` is below ``2n``, so a later
+    int64 wrap-around cannot hide it). An error names the first offending blob. A single section
+    (one blob, the common small case) skips the per-blob bookkeeping.
     """
     raws = [ll.decompress(sec, name, cnt * (8 + vdtype.itemsize), what) for sec, name, cnt, what, _ in items]
+    if len(items) == 1:
+        (_, _, count, what, row), raw = items[0], raws[0]
+        d = np.frombuffer(raw, "<i8", count)
+        if d[0] < 0 or d.max() >= n or (count > 1 and d[1:].min() < 1):
+            raise CorruptDataError(
+                f"{what}: sparse positions are not strictly increasing or out of range; corrupted payload")
+        pos = np.cumsum(d)
+        if pos.max() >= n:
+            raise CorruptDataError(f"{what}: sparse position out of range for {n} values; corrupted payload")
+        if row:
+            pos += row * n
+        return pos, np.frombuffer(raw, vdtype, count, offset=8 * count)
     counts = np.fromiter((it[2] for it in items), np.int64, len(items))
     d = np.concatenate([np.frombuffer(r, "<i8", c) for r, c in zip(raws, counts)])
     vals = np.concatenate([np.frombuffer(r, vdtype, c, offset=8 * c) for r, c in zip(raws, counts)])
@@ -578,7 +592,7 @@ def _sparse_group(items: list, vdtype: np.dtype, n: int) -> tuple[np.ndarray, np
         fail(bad, "sparse positions are not strictly increasing or out of range")
     pos = np.cumsum(d)
     pos -= np.repeat(pos[starts] - d[starts], counts)  # restart the sum at each blob's section
-    bad = np.flatnonzero(pos >= n)  # every entry: a sum that wrapped around passed n on the way
+    bad = np.flatnonzero(pos >= n)  # every entry: a later wrap-around cannot hide the first one
     if bad.size:
         fail(bad, f"sparse position out of range for {n} values")
     pos += np.repeat(np.fromiter((it[4] for it in items), np.int64, len(items)) * n, counts)
