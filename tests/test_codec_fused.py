@@ -112,6 +112,31 @@ def test_compiled_wide_codes_with_escapes(dtype, rel, spike, width, monkeypatch)
     assert torch.equal(bits(got), bits(eager))
 
 
+def test_batches_run_in_fixed_size_chunks(monkeypatch):
+    """A batch of B blobs runs as fixed-size chunks through the static graph and the remainder
+    through the dynamic one (or the static one for a single blob); every chunk gets its own rows'
+    corrections, and the values are the eager decoder's."""
+    rng = np.random.default_rng(7)
+    x = np.cumsum(rng.standard_normal((3, 20, 33)), axis=2)
+    blobs = []
+    for k in range(8):
+        y = (x * (k + 1)).astype(np.float32)
+        eb = 1e-5 * float(y.max() - y.min())
+        y.reshape(-1)[rng.integers(0, y.size, 2)] += 1e6 * eb  # escapes in every chunk
+        blobs.append(sc.encode(y, abs_error=eb, codec=FINE))
+    assert all(meta(b)[0] == 5 and meta(b)[8] for b in blobs)
+    monkeypatch.setattr(fused, "CHUNK_VALUES", 3 * x.size)  # 3 blobs per chunk
+    calls = []
+    get = fused._get
+    monkeypatch.setattr(fused, "_get", lambda static: calls.append(static) or get(static))
+    for count, want_calls in ((8, [True, True, False]), (7, [True, True, True]), (2, [False])):
+        calls.clear()
+        eager = sc.decode_batch(blobs[:count], compile=False)
+        got = sc.decode_batch(blobs[:count], compile=True)
+        assert calls == want_calls, count  # chunks of 3 (static), then 2 rows (dynamic) or 1 (static)
+        assert torch.equal(bits(got), bits(eager)), count
+
+
 def test_environment_switch_and_eager_fallback(monkeypatch):
     """SOLAR_CODEC_COMPILE turns the graph on; a compiler failure warns once and decodes eagerly."""
     x = np.linspace(0, 1, 1024, dtype=np.float32).reshape(32, 32) ** 2
@@ -120,7 +145,7 @@ def test_environment_switch_and_eager_fallback(monkeypatch):
     want = sc.decode(blob, compile=False)
     calls = []
 
-    def broken():
+    def broken(*_):
         calls.append(1)
         raise RuntimeError("no C++ compiler")
 
