@@ -260,8 +260,10 @@ def test_sparse_sections_of_a_group_are_placed_and_checked_together():
              (_section([1, 3], [4, 5]), "none", 2, "sample 2", 1)]
     pos, val = _sparse_group(items, np.dtype("<i8"), 10)
     assert pos.tolist() == [0, 5, 9, 22, 11, 13] and val.tolist() == [1, 2, 3, 7, 4, 5]
-    pos, val = _sparse_group(items[1:2], np.dtype("<i8"), 10)  # one section: its own code path
+    pos, val = _sparse_group(items[1:2], np.dtype("<i8"), 10)  # one section alone
     assert pos.tolist() == [22] and val.tolist() == [7]
+    with pytest.raises(CorruptDataError, match="^sample 1: escape value out of range"):
+        _sparse_group(items, np.dtype("<i8"), 10, limit=7)  # values must lie in [-7, 7): sample 1's 7
     for deltas, n, why in (([0, 0], 10, "not strictly increasing"), ([3, -1], 10, "not strictly increasing"),
                            ([4, 6], 10, "out of range"), ([1, 2**63 - 1], 2**40, "out of range"),
                            ([2**39, 2**39 + 7, 2**40 - 1] + [2**40 - 1] * 2**23, 2**40, "out of range")):

@@ -384,11 +384,7 @@ class EBQCodec(Codec):
             if n_out:
                 outl.append((p[c_len + e_len:], name, n_out, b.what, i if order is None else int(order[i])))
         if esc:  # all blobs' sparse sections checked and placed with a few array ops (not per blob)
-            pos, val = _sparse_group(esc, np.dtype("<i8"), n)
-            if qint == 4 and (val.min() < -(1 << 31) or val.max() >= (1 << 31)):
-                bad = esc[int(np.searchsorted(np.cumsum([e[2] for e in esc]), np.flatnonzero(
-                    (val < -(1 << 31)) | (val >= (1 << 31)))[0], "right"))][3]
-                raise CorruptDataError(f"{bad}: escape value out of range; corrupted payload")
+            pos, val = _sparse_group(esc, np.dtype("<i8"), n, limit=1 << 31 if qint == 4 else None)
             esc_idx, esc_val = [pos], [val.astype(np_int)]
         if outl:
             pos, val = _sparse_group(outl, h0.dtype, n)
@@ -553,29 +549,17 @@ def _deltas(pos: np.ndarray) -> np.ndarray:
     return np.diff(pos.astype(np.int64), prepend=np.int64(0))
 
 
-def _sparse_group(items: list, vdtype: np.dtype, n: int) -> tuple[np.ndarray, np.ndarray]:
+def _sparse_group(items: list, vdtype: np.dtype, n: int, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Sparse sections of a group's blobs -> flat positions in ``(B, n)`` and their values.
 
     ``items``: ``(section, lossless, count, what, row)`` per blob that has one. A section is
     ``count`` delta-coded int64 positions then ``count`` values. Every position is checked for
     all blobs at once: strictly increasing, so patching is order-free; every delta and every sum
     below ``n`` (with deltas below ``n`` the first sum past ``n`` is below ``2n``, so a later
-    int64 wrap-around cannot hide it). An error names the first offending blob. A single section
-    (one blob, the common small case) skips the per-blob bookkeeping.
+    int64 wrap-around cannot hide it). With ``limit``, every value must lie in
+    ``[-limit, limit)``. An error names the first offending blob.
     """
     raws = [ll.decompress(sec, name, cnt * (8 + vdtype.itemsize), what) for sec, name, cnt, what, _ in items]
-    if len(items) == 1:
-        (_, _, count, what, row), raw = items[0], raws[0]
-        d = np.frombuffer(raw, "<i8", count)
-        if d[0] < 0 or d.max() >= n or (count > 1 and d[1:].min() < 1):
-            raise CorruptDataError(
-                f"{what}: sparse positions are not strictly increasing or out of range; corrupted payload")
-        pos = np.cumsum(d)
-        if pos.max() >= n:
-            raise CorruptDataError(f"{what}: sparse position out of range for {n} values; corrupted payload")
-        if row:
-            pos += row * n
-        return pos, np.frombuffer(raw, vdtype, count, offset=8 * count)
     counts = np.fromiter((it[2] for it in items), np.int64, len(items))
     d = np.concatenate([np.frombuffer(r, "<i8", c) for r, c in zip(raws, counts)])
     vals = np.concatenate([np.frombuffer(r, vdtype, c, offset=8 * c) for r, c in zip(raws, counts)])
@@ -584,17 +568,18 @@ def _sparse_group(items: list, vdtype: np.dtype, n: int) -> tuple[np.ndarray, np
     later = np.ones(d.size, bool)
     later[starts] = False  # a blob's first delta is its first position (may be 0); later ones >= 1
 
-    def fail(at: np.ndarray, why: str):
-        raise CorruptDataError(f"{items[int(np.searchsorted(ends, at[0], 'right'))][3]}: {why}; corrupted payload")
+    def check(bad: np.ndarray, why: str):
+        at = np.flatnonzero(bad)
+        if at.size:
+            what = items[int(np.searchsorted(ends, at[0], "right"))][3]
+            raise CorruptDataError(f"{what}: {why}; corrupted payload")
 
-    bad = np.flatnonzero((d < later) | (d >= n))
-    if bad.size:
-        fail(bad, "sparse positions are not strictly increasing or out of range")
+    check((d < later) | (d >= n), "sparse positions are not strictly increasing or out of range")
     pos = np.cumsum(d)
     pos -= np.repeat(pos[starts] - d[starts], counts)  # restart the sum at each blob's section
-    bad = np.flatnonzero(pos >= n)  # every entry: a later wrap-around cannot hide the first one
-    if bad.size:
-        fail(bad, f"sparse position out of range for {n} values")
+    check(pos >= n, f"sparse position out of range for {n} values")  # every entry: see above
+    if limit is not None:
+        check((vals < -limit) | (vals >= limit), "escape value out of range")
     pos += np.repeat(np.fromiter((it[4] for it in items), np.int64, len(items)) * n, counts)
     return pos, vals
 

@@ -191,21 +191,7 @@ def _parse_static(buf: memoryview, what: str) -> tuple:
     # From here on the numbers are what the encoder wrote (the checksum is checked per blob by
     # the caller); still validate them, because a forged or buggy writer must not make the
     # decoder allocate terabytes or index out of range.
-    bad = None
-    try:
-        descriptor = desc_raw.decode("ascii")
-        name, _, ver = descriptor.partition("/")
-        int(ver)
-    except (UnicodeDecodeError, ValueError):
-        bad = f"malformed codec descriptor {desc_raw!r}"
-    if bad:
-        pass
-    elif dtype_code not in DTYPES:
-        bad = f"unknown dtype code {dtype_code}"
-    elif math.prod(shape) > MAX_ELEMENTS:
-        bad = f"header declares shape {tuple(shape)}, larger than any blob SOLAR writes"
-    elif not (abs_error >= 0.0 and math.isfinite(abs_error)):
-        bad = f"invalid error bound {abs_error!r} in header"
+    descriptor, bad = _static_problem(desc_raw, dtype_code, shape, abs_error)
     if bad:  # a truncated or corrupted blob is reported as that, before what its bytes claim
         end = pos + meta_len
         if end + 24 > n:
@@ -218,6 +204,22 @@ def _parse_static(buf: memoryview, what: str) -> tuple:
         _STATIC.clear()
     _STATIC[bytes(buf[:pos])] = static
     return static
+
+
+def _static_problem(desc_raw: bytes, dtype_code: int, shape: tuple, abs_error: float) -> tuple[str, str | None]:
+    """The descriptor and what is wrong with the static header fields (None: nothing)."""
+    try:
+        descriptor = desc_raw.decode("ascii")
+        int(descriptor.partition("/")[2])
+    except (UnicodeDecodeError, ValueError):
+        return "", f"malformed codec descriptor {desc_raw!r}"
+    if dtype_code not in DTYPES:
+        return descriptor, f"unknown dtype code {dtype_code}"
+    if math.prod(shape) > MAX_ELEMENTS:
+        return descriptor, f"header declares shape {tuple(shape)}, larger than any blob SOLAR writes"
+    if not (abs_error >= 0.0 and math.isfinite(abs_error)):
+        return descriptor, f"invalid error bound {abs_error!r} in header"
+    return descriptor, None
 
 
 def payload_of(blob, header: Header, what: str = "codec blob") -> memoryview:
