@@ -295,25 +295,48 @@ class H5Dataset(Dataset):
         self._check_index(idx)
         idx = np.where(idx < 0, idx + self.num_samples, idx)
         uniq, inv = np.unique(idx, return_inverse=True)
+        resident = np.zeros(len(uniq), dtype=bool)
+        held: dict[int, dict[str, Any]] = {}  # u -> every field's buffered value
         if buffer is not None:
+            # A sample is a hit only when *every* field is in the buffer, read here, before this
+            # step evicts or puts anything: a put the budget refused for one field, or another
+            # iterator's thread evicting between two gets, then makes it a miss (read again),
+            # never a batch with a missing field.
             first = self.specs[0].name
-            resident = np.fromiter(((first, int(i)) in buffer for i in uniq), dtype=bool, count=len(uniq))
-        else:
-            resident = np.zeros(len(uniq), dtype=bool)
+            for u in np.flatnonzero([(first, int(i)) in buffer for i in uniq.tolist()]).tolist():
+                vals = {}
+                for spec in self.specs:
+                    v = buffer.get((spec.name, int(uniq[u])))
+                    if v is None:
+                        break
+                    vals[spec.name] = v
+                else:
+                    held[u] = vals
+            resident[list(held)] = True
         miss = uniq[~resident]
-        kept = keep(miss) if (keep is not None and buffer is not None and len(miss)) else np.zeros(len(miss), bool)
+        kept = np.array(keep(miss), dtype=bool) if (keep is not None and buffer is not None and len(miss)) \
+            else np.zeros(len(miss), bool)
         out = StoredBatch(len(idx), hits=int(resident[inv].sum()), indices=idx.tolist())
         mrank = np.full(len(uniq), -1, dtype=np.int64)
         mrank[~resident] = np.arange(len(miss))
-        for spec in self.specs:
-            data = self._read_field(spec, miss)
-            hits = {int(u): buffer.get((spec.name, int(uniq[u]))) for u in np.flatnonzero(resident)}
-            if buffer is not None:
-                for i in (evict if evict is not None else ()):
+        datas = {spec.name: self._read_field(spec, miss) for spec in self.specs}
+        if buffer is not None:
+            for i in (evict if evict is not None else ()):
+                for spec in self.specs:
                     buffer.delete((spec.name, int(i)))
-                for j in np.flatnonzero(kept).tolist():
-                    buffer.put((spec.name, int(miss[j])), np.array(data[j], copy=True))
-            out.fields[spec.name] = self._assemble(spec, data, hits, mrank, inv, shared)
+            for j in np.flatnonzero(kept).tolist():
+                keys = [(spec.name, int(miss[j])) for spec in self.specs]
+                for n_put, key in enumerate(keys):
+                    if not buffer.put(key, np.array(datas[key[0]][j], copy=True)):
+                        # all fields of a sample or none: a refused field (byte budget) takes
+                        # back the ones already put, so no budget is spent on a half sample
+                        for k in keys[:n_put]:
+                            buffer.delete(k)
+                        kept[j] = False
+                        break
+        for spec in self.specs:
+            hits = {u: vals[spec.name] for u, vals in held.items()}
+            out.fields[spec.name] = self._assemble(spec, datas[spec.name], hits, mrank, inv, shared)
         self.stats.hits += out.hits
         self.stats.misses += len(idx) - out.hits
         self.stats.kept += int(kept.sum())

@@ -96,6 +96,25 @@ def test_buffer_hits_and_keeps(raw_path):
         assert np.array_equal(out.fields["x"].numpy(), f["x"][:][[3, 1, 2]])
 
 
+
+def test_buffer_holds_whole_samples_only(raw_path):
+    """A sample is buffered with every field or not at all, and a sample missing a field in the
+    buffer is read again (not served with a hole): a byte budget that fits field x but not y,
+    and a field evicted behind the loader's back (another iterator's thread)."""
+    ds = solar.H5Dataset(raw_path)
+    with h5py.File(raw_path) as f:
+        want_x, want_y = f["x"][:], f["y"][:]
+    buf = MemoryTier(capacity_bytes=48 + 4)  # x is 48 B per sample, y 8 B: x fits, then y does not
+    ds.fetch_stored([5], buffer=buf, keep=lambda m: m >= 0)
+    assert list(buf.keys()) == [] and ds.stats.kept == 0
+    buf = MemoryTier()
+    ds.fetch_stored([6, 7], buffer=buf, keep=lambda m: m >= 0)
+    buf.delete(("y", 7))
+    out = ds.fetch_stored([7, 6], buffer=buf)
+    assert out.hits == 1  # 6 only
+    assert np.array_equal(out.fields["x"].numpy(), want_x[[7, 6]])
+    assert np.array_equal(out.fields["y"].numpy(), want_y[[7, 6]])
+
 def test_every_rank_calls_read_ranges_once_per_field_even_when_all_hit(raw_path):
     ds = solar.H5Dataset(raw_path, io_threads=1)
     calls = []
