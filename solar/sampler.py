@@ -12,7 +12,8 @@ Two modes:
     ``drop_last`` and its current ``epoch`` (so ``set_epoch`` is honoured): every global mini-batch
     is DistributedSampler's, but its samples go to the rank that holds them.
 ``passthrough``
-    Any other sampler (``shuffle=True/False``, custom samplers and batch samplers): torch's
+    Any other sampler (``shuffle=True/False``, custom samplers and batch samplers), or a
+    ``batch_size`` larger than the rank's share of the samples: torch's
     batches, unchanged, with buffer hits for the samples this process owns and background
     prefetch.
 
@@ -136,7 +137,9 @@ class SolarBatchSampler(BatchSampler):
     @property
     def mode(self) -> str:
         ok = type(self.inner) is BatchSampler and _stock_distributed(self.sampler)
-        return "schedule" if ok else "passthrough"
+        # a batch larger than the rank's share is one partial step (or none with drop_last): as in
+        # torch, and there is nothing to plan, so such a loader passes through
+        return "schedule" if ok and len(self.sampler) >= self.inner.batch_size else "passthrough"
 
     # -- configuration --------------------------------------------------------------------------
     def _geometry(self) -> tuple[int, int, int]:

@@ -267,8 +267,6 @@ def test_bad_input_says_what_to_change(h5path, tmp_path):
         solar.DataLoader(ds, batch_size=4, buffer=-1)
     with pytest.raises(ValueError, match="not understood"):
         solar.DataLoader(ds, batch_size=4, buffer="lots")
-    with pytest.raises(ValueError, match="larger than the dataset"):
-        solar.DataLoader(ds, batch_size=200, sampler=tud.DistributedSampler(ds, num_replicas=1, rank=0))
     state = solar.DataLoader(ds, batch_size=4, sampler=tud.DistributedSampler(ds, num_replicas=1, rank=0)).state_dict()
     other = str(tmp_path / "small.h5")
     write_ptycho_h5(other, 40, 8, progress=False)
@@ -278,6 +276,18 @@ def test_bad_input_says_what_to_change(h5path, tmp_path):
         loader.load_state_dict(state)
     with pytest.raises(ValueError, match="not a solar.DataLoader state"):
         loader.load_state_dict({"epoch": 1})
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_batch_larger_than_the_ranks_share_is_torchs_one_partial_batch(h5path, drop_last):
+    ds = solar.H5Dataset(h5path)
+    ref = tud.DataLoader(ds, batch_size=200, drop_last=drop_last,
+                         sampler=tud.DistributedSampler(ds, num_replicas=2, rank=1, seed=3))
+    loader = solar.DataLoader(ds, batch_size=200, drop_last=drop_last, buffer=0.5,
+                              sampler=tud.DistributedSampler(ds, num_replicas=2, rank=1, seed=3))
+    assert len(loader) == len(ref) == (0 if drop_last else 1)
+    for _ in range(2):
+        assert batches_equal(list(ref), list(loader))
 
 
 def test_distributed_option_takes_rank_from_the_environment(h5path, monkeypatch):
