@@ -12,7 +12,10 @@ NOTE [ Resume ]
     ``state_dict()`` records how far the *consumer* got (batches returned by the iterator, not
     batches the sampler or workers prefetched): in ``schedule`` mode the epoch and the global
     position ``start + steps * P * b`` in DistributedSampler's order, plus N, P, b and the seed;
-    in ``passthrough`` mode the batches done and the RNG state the epoch's sampler drew from.
+    in ``passthrough`` mode the batches done and the RNG state the epoch's sampler drew from
+    (and, once the epoch has ended, the state the next epoch will draw from, so a checkpoint taken
+    after the loop resumes with the next epoch of the uninterrupted run). An ``IterableDataset``
+    has no indices to skip: its stream is replayed and the batches already consumed are dropped.
     ``load_state_dict`` makes the next iteration continue from there. Positions are global, so a
     run resumed with another world size (or per-rank batch) continues the same global order:
     the remaining samples are the same, cut into the new global batches. After a resume the
@@ -34,6 +37,7 @@ from solar.sampler import SolarBatchSampler, is_storage_backed
 __all__ = ["DataLoader"]
 
 STATE_VERSION = 1
+_END = object()
 
 
 class _TrackedIter:
@@ -51,6 +55,8 @@ class _TrackedIter:
             batch = next(self._it)
         except StopIteration:
             self._loader._progress["done"] = True
+            # where the next epoch's sampler will draw from: a state saved after the loop resumes there
+            self._loader._progress["next_rng"] = self._loader._rng_state()
             raise
         self._loader._progress["batches"] += 1
         return batch
@@ -155,16 +161,27 @@ class DataLoader(tud.DataLoader):
             self._set_rng_state(resume["rng"])
             rng = resume["rng"]
         self._progress.update(batches=int(resume["batches"]) if resume and resume.get("mode") == "passthrough" else 0,
-                              done=False, rng=rng, started=True, epoch=getattr(self.sampler, "epoch", None),
+                              done=False, rng=rng, next_rng=None, started=True, epoch=getattr(self.sampler, "epoch", None),
                               start=int(resume["position"]) if resume and resume.get("mode") == "schedule" else 0)
         if resume and resume.get("mode") == "schedule" and resume["epoch"] != self._progress["epoch"]:
             self._progress["start"] = 0
+        replay = 0
         if resume and self.solar_sampler is None:
-            self._pending_skip = _SkipOnce(super()._index_sampler, self._plain_skip(resume))
+            if self._dataset_kind == tud.dataloader._DatasetKind.Iterable:
+                # an IterableDataset has no indices to skip: its stream is replayed and the batches
+                # the consumer already had are dropped (torchdata's StatefulDataLoader does the same
+                # for datasets without a state of their own); this assumes the stream replays alike
+                replay = self._plain_skip(resume)
+            else:
+                self._pending_skip = _SkipOnce(super()._index_sampler, self._plain_skip(resume))
         try:
-            return _TrackedIter(super().__iter__(), self)
+            it = super().__iter__()
         finally:
             self._pending_skip = None
+        for _ in range(replay):
+            if next(it, _END) is _END:
+                break
+        return _TrackedIter(it, self)
 
     def _plain_skip(self, resume: dict[str, Any]) -> int:
         """Batches a plain (not storage-backed) dataset skips to resume: torch's own batches."""
@@ -189,8 +206,11 @@ class DataLoader(tud.DataLoader):
         pending = self.__dict__.get("_pending_skip")
         return pending if pending is not None else super()._index_sampler
 
-    def _rng_state(self) -> torch.Tensor:
-        return self.generator.get_state() if self.generator is not None else torch.get_rng_state()
+    def _rng_state(self) -> torch.Tensor | None:
+        if self.generator is None:
+            return torch.get_rng_state()
+        # not a Generator: torch's own iterator raises its TypeError about it
+        return self.generator.get_state() if isinstance(self.generator, torch.Generator) else None
 
     def _set_rng_state(self, state: torch.Tensor) -> None:
         if self.generator is not None:
@@ -220,6 +240,8 @@ class DataLoader(tud.DataLoader):
         else:
             state.update(batches=int(p["batches"]) if p["started"] else 0, epoch_done=bool(p["done"]),
                          rng=p["rng"] if p["started"] else None)
+            if p["done"] and p.get("next_rng") is not None:
+                state["next_rng"] = p["next_rng"]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -248,5 +270,7 @@ class DataLoader(tud.DataLoader):
             s.set_epoch(state["epoch"])
             self._epoch_set = True
         elif state["epoch_done"]:
+            if state.get("next_rng") is not None:  # the next epoch draws what it would have drawn
+                self._set_rng_state(state["next_rng"])
             return
         self._progress["resume"] = dict(state)

@@ -134,6 +134,14 @@ class SolarBatchSampler(BatchSampler):
     def __len__(self) -> int:
         return len(self.inner)
 
+    def __getattr__(self, name: str) -> Any:
+        # loader.batch_sampler is this object: the wrapped batch sampler's own attributes and
+        # methods (set_epoch, a bucketing sampler's fields ...) stay reachable through it
+        inner = self.__dict__.get("inner")
+        if inner is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(inner, name)
+
     @property
     def mode(self) -> str:
         ok = type(self.inner) is BatchSampler and _stock_distributed(self.sampler)

@@ -108,6 +108,28 @@ def test_iterable_dataset_like_torch(workers):
     assert len(solar.DataLoader(Stream(), batch_size=3)) == len(tud.DataLoader(Stream(), batch_size=3))
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterable_dataset_resumes_after_the_batches_consumed(workers):
+    def make():
+        return solar.DataLoader(Stream(), batch_size=3, num_workers=workers)
+
+    assert check_save_load_state(make, set_epoch=False, midpoints=None if workers == 0 else [0, 2]) >= 3
+
+
+def test_batch_sampler_keeps_the_wrapped_samplers_attributes(h5path):
+    class EpochBatches(tud.BatchSampler):
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+    ds = solar.H5Dataset(h5path)
+    bs = EpochBatches(tud.SequentialSampler(ds), batch_size=8, drop_last=False)
+    loader = solar.DataLoader(ds, batch_sampler=bs)
+    loader.batch_sampler.set_epoch(3)
+    assert bs.epoch == loader.batch_sampler.epoch == 3
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        loader.batch_sampler.nope
+
+
 @pytest.mark.parametrize("kw", [
     dict(batch_size=2, batch_sampler=[[0]]),
     dict(shuffle=True, sampler=[0, 1]),
@@ -227,18 +249,20 @@ def test_save_load_state_mid_epoch_at_every_point(h5path, workers):
     assert check_save_load_state(make, midpoints=None if workers == 0 else [0, 3, 6]) >= 3
 
 
-def test_save_load_state_passthrough_random_order(h5path):
-    def make():
-        return solar.DataLoader(solar.H5Dataset(h5path), batch_size=20, shuffle=True, buffer=10)
+@pytest.mark.parametrize("own_generator", [False, True])
+def test_save_load_state_passthrough_random_order(h5path, own_generator):
+    def make():  # own_generator: every new loader (a new process) starts from the same seed
+        g = torch.Generator().manual_seed(7) if own_generator else None
+        return solar.DataLoader(solar.H5Dataset(h5path), batch_size=20, shuffle=True, buffer=10, generator=g)
 
-    assert check_save_load_state(make, set_epoch=False) == 6
+    assert check_save_load_state(make, set_epoch=False) == 7
 
 
 def test_save_load_state_on_a_plain_dataset():
     def make():
         return solar.DataLoader(Squares(), batch_size=5, shuffle=True)
 
-    assert check_save_load_state(make, set_epoch=False) == 6
+    assert check_save_load_state(make, set_epoch=False) == 7
 
 
 def test_resume_with_another_world_size_continues_the_global_order(h5path):
@@ -374,4 +398,4 @@ def test_save_load_state_on_a_plain_dataset_with_distributed_sampler():
         ds = Squares(40)
         return solar.DataLoader(ds, batch_size=3, sampler=tud.DistributedSampler(ds, num_replicas=2, rank=1, seed=6))
 
-    assert check_save_load_state(make) == 8
+    assert check_save_load_state(make) == 9

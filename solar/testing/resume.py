@@ -3,7 +3,8 @@
 ``check_save_load_state(make_loader, ...)`` iterates a fresh loader, saves its ``state_dict()``
 after ``k`` batches of an epoch, finishes the epoch, then builds a *new* loader, loads the state
 and checks that it yields exactly the remaining batches; and that the epoch after continues as in
-the uninterrupted run. It runs for every ``k`` in ``midpoints`` (including 0 and the epoch's end).
+the uninterrupted run. It runs for every ``k`` in ``midpoints`` (including 0 and the epoch's end),
+and once more for a state saved after the epoch's ``for`` loop ended.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def _epoch(loader: Any, epoch: int, set_epoch: bool) -> list:
 def check_save_load_state(make_loader: Callable[[], Any], midpoints: Iterable[int] | None = None,
                           epoch: int = 1, set_epoch: bool = True,
                           equal: Callable[[Any, Any], bool] = batches_equal) -> int:
-    """Assert resume correctness at every midpoint; return how many midpoints were checked.
+    """Assert resume correctness at every midpoint and after the loop; return how many save
+    points were checked.
 
     Args:
         make_loader: builds a fresh loader (same arguments every time).
@@ -73,4 +75,16 @@ def check_save_load_state(make_loader: Callable[[], Any], midpoints: Iterable[in
         assert len(nxt) == len(ref[epoch + 1]) and all(equal(x, y) for x, y in zip(nxt, ref[epoch + 1])), \
             f"midpoint {k}: the epoch after the resumed one differs"
         checked += 1
-    return checked
+    # the usual checkpoint point: after the for loop (StopIteration seen); the resumed loader's
+    # next epoch must be the uninterrupted run's
+    torch.manual_seed(1234)
+    loader = make_loader()
+    for e in range(epoch + 1):
+        _epoch(loader, e, set_epoch)
+    state = loader.state_dict()
+    fresh = make_loader()
+    fresh.load_state_dict(state)
+    nxt = _epoch(fresh, epoch + 1, set_epoch)
+    assert len(nxt) == len(ref[epoch + 1]) and all(equal(x, y) for x, y in zip(nxt, ref[epoch + 1])), \
+        "saved after the epoch's loop: the next epoch differs from the uninterrupted run's"
+    return checked + 1
