@@ -125,6 +125,7 @@ class SolarBatchSampler(BatchSampler):
         self._key: Any = None
         self._capacity = 0
         self._resume: dict | None = None
+        self._open = False  # a scheduled iteration started and not run to its end
         self._capacities: dict[tuple[int, int, int], int] = {}
         #: what the running (or last) iteration is: mode, epoch, start position, global batch ...
         self.current: dict[str, Any] = {}
@@ -223,6 +224,14 @@ class SolarBatchSampler(BatchSampler):
         from solar.dataset import StepBatch
 
         resume, self._resume = self._resume, None
+        if self.mode == "schedule" and self._open:
+            # NOTE [ Early stop ]: the planner marks a whole epoch's keeps as buffered when it
+            # plans it; the last scheduled iteration stopped before its end, so the buffer does not
+            # hold what the planner believes and would never be refilled. Start over with a new
+            # planner and an empty buffer (the next epoch refills it). Every rank decides this
+            # alike: ranks stop at the same step of a data-parallel loop.
+            self._key = None
+        self._open = self.mode == "schedule"
         P, rank = self._prepare()
         b, C = self._geometry()[2], self._capacity
 
@@ -254,6 +263,7 @@ class SolarBatchSampler(BatchSampler):
         collective = bool(getattr(getattr(self.dataset, "backend", None), "collective", False))
         for group in _prefetch(groups, fetch, 1 if self.prefetch else 0, cancel=not collective):
             yield from group
+        self._open = False
 
     @property
     def _decode_ahead(self) -> bool:

@@ -207,6 +207,21 @@ def test_world_size_one_matches_torch_and_hits_from_epoch_two(h5path, workers):
     assert loader.solar_sampler.buffer.stats.hits == 2 * 48 * 2  # two fields
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_epoch_stopped_early_costs_one_epoch_of_hits_not_all_later_ones(h5path, workers):
+    loader = _rank_loaders(h5path, 1, 8, 0.5, num_workers=workers)[0]
+    for k, _ in enumerate(loader):
+        if k == 1:
+            break
+    hits = []
+    for e in (1, 2, 3):
+        loader.sampler.set_epoch(e)
+        h0 = loader.dataset.stats.hits
+        list(loader)
+        hits.append(loader.dataset.stats.hits - h0)
+    assert hits == [0, 48, 48]  # epoch 1 refills the buffer the stopped epoch left unknown
+
+
 def test_shuffle_without_sampler_matches_torch_and_uses_the_buffer(h5path):
     ds = solar.H5Dataset(h5path)
     g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
