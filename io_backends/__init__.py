@@ -62,7 +62,7 @@ def open_backend(url: str, backend: str | Backend = "auto", **options) -> Backen
         return backend
     url = os.fspath(url)
     name = choose_backend(url) if backend == "auto" else backend
-    if name == "hdf5" and url.startswith("file://"):
+    if name in ("hdf5", "mpi-hdf5") and url.startswith("file://"):
         url = url[len("file://"):]
     return get_backend(name)(url, **options)
 

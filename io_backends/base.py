@@ -167,12 +167,16 @@ class Backend(ABC):
         total = int((rng[:, 1] - rng[:, 0]).sum()) if len(rng) else 0
         if len(rng) and rng[-1, 1] > info.shape[0]:
             raise IndexError(f"{self.url}:{key}: row {int(rng[-1, 1]) - 1} out of range for {info.shape[0]} rows")
+        if len(rng) and rng[0, 0] < 0:
+            raise IndexError(f"{self.url}:{key}: row range starts at {int(rng[0, 0])}; ranges are of rows "
+                             f"0..{info.shape[0] - 1} (no negative rows)")
         want = (total, *info.row_shape)
         if out is None:
             out = np.empty(want, dtype=info.dtype)
-        elif out.shape != want or out.dtype != info.dtype:
-            raise ValueError(f"{self.url}:{key}: out has shape {out.shape} dtype {out.dtype}, "
-                             f"need {want} {info.dtype}")
+        elif out.shape != want or out.dtype != info.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"{self.url}:{key}: out has shape {out.shape} dtype {out.dtype}"
+                             f"{'' if out.flags.c_contiguous else ' and is not C-contiguous'}, "
+                             f"need a C-contiguous {want} {info.dtype} array")
         self._read_ranges(key, rng, out)
         self.stats.rows_read += total
         self.stats.bytes_read += total * info.row_nbytes

@@ -29,6 +29,7 @@ NOTE [ Collective or independent transfer ]
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import weakref
 from typing import Any
@@ -92,7 +93,7 @@ class MPIHDF5Backend(HDF5Backend):
         self._comm = comm
 
     def _handle_attrs(self):
-        return (*super()._handle_attrs(), "_comm", "_dxpl")
+        return (*super()._handle_attrs(), "_comm", "_dxpl", "_dxpls")
 
     @property
     def comm(self):
@@ -131,12 +132,52 @@ class MPIHDF5Backend(HDF5Backend):
 
     def _close(self) -> None:
         self.__dict__.pop("_dxpl", None)
+        self.__dict__.pop("_dxpls", None)
         super()._close()
+
+    def _dataset_dxpl(self, key: str, d):
+        """The transfer list for ``d``: collective where HDF5 reads it correctly, else independent.
+
+        NOTE [ Filtered and sparse chunked datasets ]: HDF5 1.10's collective read path for
+        chunked datasets with filters (LZF: wrong rows or a decompression error; gzip happened to
+        work) or with chunks never written (MPI_ERR_TYPE on one rank, a hang on the others) is
+        broken; h5py's own ``read_direct`` inside ``d.collective`` fails the same way. Such
+        datasets are read with an independent transfer (the call stays collective, so the loader's
+        one-call-per-step contract holds). Filters and allocated chunks are file metadata, so every
+        rank makes the same choice. Files ``solar ingest`` writes are unfiltered and fully written.
+        """
+        import h5py
+
+        if self.transfer != "collective":
+            return self._dxpl
+        cache = self.__dict__.setdefault("_dxpls", {})
+        if key not in cache:
+            risky = False
+            if d.chunks is not None:
+                expected = math.prod(-(-n // c) for n, c in zip(d.shape, d.chunks))
+                try:
+                    risky = d.id.get_create_plist().get_nfilters() > 0 or d.id.get_num_chunks() < expected
+                except Exception:  # noqa: BLE001 - an HDF5 without chunk queries: be safe
+                    risky = True
+            if risky:
+                dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
+                dxpl.set_dxpl_mpio(h5py.h5fd.MPIO_INDEPENDENT)
+                cache[key] = dxpl
+            else:
+                cache[key] = self._dxpl
+        return cache[key]
 
     def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
         import h5py
 
         d = self._dset(key)
+        if d.shape[0] == 0 or d.id.get_storage_size() == 0:
+            # nothing stored (no rows, or never written): HDF5 fails even a select-none read
+            # ("addr overflow"); every rank sees the same metadata and skips alike
+            if out.size:
+                out[...] = d.fillvalue
+            self.stats.read_calls += 1
+            return
         fspace = d.id.get_space()
         total = int(out.shape[0])
         if total == 0:
@@ -154,7 +195,7 @@ class MPIHDF5Backend(HDF5Backend):
             buf = out
             if not (out.flags.c_contiguous and out.flags.writeable):
                 buf = np.empty_like(out)
-        d.id.read(mspace, fspace, buf, dxpl=self._dxpl)
+        d.id.read(mspace, fspace, buf, dxpl=self._dataset_dxpl(key, d))
         if total and buf is not out:
             out[...] = buf
         self.stats.read_calls += 1

@@ -92,7 +92,9 @@ class StepBatch(list):
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype)).dtype
+    """The torch dtype of ``dtype``'s values; a big-endian field becomes the native one (rows
+    are converted when read, see :meth:`H5Dataset._read_field`)."""
+    return torch.from_numpy(np.empty(0, np.dtype(dtype).newbyteorder("="))).dtype
 
 
 class H5Dataset(Dataset):
@@ -268,7 +270,9 @@ class H5Dataset(Dataset):
             sizes = off[rows + 1] - off[rows]
             data = [buf[a:a + n] for a, n in zip(start.tolist(), sizes.tolist())]
         if self.verify and self._has_checksum[spec.name] and len(rows):
-            self._verify(spec, rows, data)
+            self._verify(spec, rows, data)  # checksums are of the stored bytes
+        if spec.kind == "raw" and not data.dtype.isnative:  # torch holds native byte order only
+            data = data.astype(data.dtype.newbyteorder("="))
         return data
 
     def _verify(self, spec: FieldSpec, rows: np.ndarray, data) -> None:

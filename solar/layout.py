@@ -67,6 +67,17 @@ class FieldSpec:
     abs_error: float | None = None
 
 
+def tensor_dtype_ok(dtype: np.dtype) -> bool:
+    """Whether a torch tensor can hold ``dtype`` (in either byte order)."""
+    import torch
+
+    try:
+        torch.from_numpy(np.empty(0, np.dtype(dtype).newbyteorder("=")))
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def describe_fields(backend, fields=None) -> tuple[int, list[FieldSpec]]:
     """Parse the layout of an opened :class:`solar.io_backends.Backend`.
 
@@ -84,7 +95,8 @@ def describe_fields(backend, fields=None) -> tuple[int, list[FieldSpec]]:
         order = [k for k in keys if "/" not in k and not k.startswith("_solar")]
         order += sorted({k.split("/")[0] for k in keys if k.endswith("/data") and k.split("/")[0] not in order
                          and not k.startswith("_solar")})
-    if fields is None:
+    every = fields is None
+    if every:
         fields = order
     elif isinstance(fields, str):
         fields = [fields]
@@ -92,8 +104,16 @@ def describe_fields(backend, fields=None) -> tuple[int, list[FieldSpec]]:
     for name in fields:
         if name in keys:
             info = backend.info(name)
+            problem = None
             if len(info.shape) < 1:
-                raise DatasetFormatError(f"{backend.url}: field {name!r} is a scalar; fields need a leading sample axis")
+                problem = "is a scalar; fields need a leading sample axis"
+            elif not tensor_dtype_ok(info.dtype):
+                problem = (f"has dtype {info.dtype}, which a torch tensor cannot hold (strings, compound "
+                           "and object types); read it with h5py")
+            if problem and every:  # "every field": the ones a sample can have; a scalar attribute-like
+                continue           # dataset (a version, a string table) does not make the file unusable
+            if problem:
+                raise DatasetFormatError(f"{backend.url}: field {name!r} {problem}; pass fields=... without it")
             specs.append(FieldSpec(name, "raw", info.row_shape, info.dtype, name))
         elif f"{name}/data" in keys and f"{name}/offsets" in keys:
             a = backend.attrs(name)

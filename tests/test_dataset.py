@@ -202,3 +202,24 @@ def test_default_fields_are_every_field_in_file_order(tmp_path):
         f["a"] = np.ones((3,), "i4")
         order = tuple(f)
     assert solar.H5Dataset(plain).fields == order
+
+
+def test_big_endian_fields_read_as_native_and_non_sample_datasets_are_skipped(tmp_path):
+    path = str(tmp_path / "be.h5")
+    x = np.arange(24, dtype=">f4").reshape(6, 4)
+    with h5py.File(path, "w") as f:
+        f["x"] = x
+        f.create_dataset("i", data=np.arange(6, dtype=">i8"), chunks=(2,))
+        f["version"] = 3  # scalar: not a field
+        f["names"] = np.array([b"a", b"b", b"c", b"d", b"e", b"f"])  # strings: not a tensor
+    ds = solar.H5Dataset(path)
+    assert [s.name for s in ds.specs] == ["i", "x"]  # h5py's (name) order
+    i4, x4 = ds[4]
+    assert torch.equal(x4, torch.from_numpy(x[4].astype("f4"))) and int(i4) == 4 and i4.dtype == torch.int64
+    loader = solar.DataLoader(ds, batch_size=3, sampler=tud.DistributedSampler(ds, num_replicas=1, rank=0), buffer=3)
+    for _ in range(2):  # second epoch: buffer hits
+        got = torch.cat([b[1] for b in loader])
+    assert torch.equal(got.sort(0).values, torch.from_numpy(x.astype("f4")))
+    for name, what in (("version", "scalar"), ("names", "cannot hold")):
+        with pytest.raises(ValueError, match=f"field '{name}' .*{what}"):
+            solar.H5Dataset(path, fields=(name,))

@@ -171,6 +171,8 @@ class BackendTests:
             backend.read_ranges("x", [(0, 2)], out=np.empty((3, 3, 4), np.float32))
         with pytest.raises(ValueError, match="out has shape"):
             backend.read_ranges("x", [(0, 2)], out=np.empty((2, 3, 4), np.float64))
+        with pytest.raises(ValueError, match="not C-contiguous"):  # every backend alike
+            backend.read_ranges("x", [(0, 2)], out=np.empty((2, 3, 8), np.float32)[:, :, ::2])
 
     def test_unsorted_or_overlapping_ranges(self, backend):
         with pytest.raises(ValueError, match="sorted"):
@@ -183,6 +185,9 @@ class BackendTests:
     def test_out_of_range(self, backend):
         with pytest.raises(IndexError, match="out of range"):
             backend.read_ranges("x", [(N_ROWS - 1, N_ROWS + 1)])
+        for bad in ([(-3, -1)], [(-2, 1)]):  # not Python's from-the-end rows: an error
+            with pytest.raises(IndexError, match="no negative rows"):
+                backend.read_ranges("x", bad)
 
     # -- statistics --------------------------------------------------------------------------------
     def test_stats(self, backend, arrays):
