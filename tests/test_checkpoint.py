@@ -551,3 +551,75 @@ def test_c_order_bytes_of_a_single_element_with_a_non_unit_stride():
     assert t.stride() == (2,) and t.is_contiguous()
     assert c_order_bytes(t).tobytes() == torch.tensor([2.0]).numpy().tobytes()
     assert c_order_bytes(torch.zeros(0)).nbytes == 0
+
+
+def test_relaunch_below_the_newest_step_with_keep_last_loses_nothing(tmp_path):
+    """A job relaunched into a root holding a later step: its save survives its own commit, and
+    the next save rewrites chunks gc removed instead of trusting the Merkle diff."""
+    def state(step, seed):
+        g = torch.Generator().manual_seed(seed)
+        return {"backbone": torch.randn(8192, generator=g), "head": torch.full((1024,), float(step))}
+
+    with CheckpointWriter(tmp_path, keep_last=1, chunk_size=4096) as w:
+        w.save(state(1000, 1), 1000).result()
+    with CheckpointWriter(tmp_path, keep_last=1, chunk_size=4096) as w:
+        w.save(state(500, 2), 500).result()
+        assert 500 in list_versions(tmp_path)
+        w.save(state(1500, 2), 1500).result()
+    assert list_versions(tmp_path) == [1500]
+    assert verify(tmp_path).ok
+    assert_same(load(tmp_path), state(1500, 2))
+
+
+def test_lazy_then_normal_saves_behind_a_running_commit_do_not_deadlock(tmp_path):
+    import threading
+
+    state = {"w": torch.randn(1 << 20)}
+    w = CheckpointWriter(tmp_path, chunk_size=1 << 16)
+
+    def run():
+        w.save(state, 1)
+        w.save(state, 2, lazy=True)  # takes its staging slot on the persist thread, behind save 1
+        w.save(state, 3)  # must not take the slot before the lazy save did
+        w.wait()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "saves deadlocked"
+    w.close()
+    assert list_versions(tmp_path) == [1, 2, 3]
+
+
+def test_a_failed_background_save_is_raised_by_wait_and_by_close(tmp_path):
+    import concurrent.futures
+    import errno
+
+    class Flaky(DiskTier):
+        fail = True
+
+        def put(self, key, value):
+            if self.fail and str(key).startswith("chunks/"):
+                raise OSError(errno.EIO, "simulated I/O error")
+            return super().put(key, value)
+
+    tier = Flaky(str(tmp_path / "a"))
+    w = CheckpointWriter(tier, chunk_size=4096)
+    f1 = w.save({"w": torch.randn(1000)}, 1)
+    concurrent.futures.wait([f1])  # done, its failure not looked at
+    tier.fail = False
+    w.save({"w": torch.randn(1000)}, 2)  # a later save must not drop the failed one
+    with pytest.raises(OSError, match="simulated"):
+        w.wait()
+    assert w.wait() == []  # raised once
+    w.close()
+    with pytest.raises(OSError, match="simulated"):
+        with CheckpointWriter(Flaky(str(tmp_path / "b")), chunk_size=4096) as w2:
+            w2.save({"w": torch.randn(1000)}, 1)
+    with CheckpointWriter(Flaky(str(tmp_path / "d")), chunk_size=4096) as w4:
+        with pytest.raises(OSError, match="simulated"):
+            w4.save({"w": torch.randn(1000)}, 1).result()  # seen here: close() does not raise it again
+    with pytest.raises(KeyError):  # the block's own error wins over a failed save's
+        with CheckpointWriter(Flaky(str(tmp_path / "c")), chunk_size=4096) as w3:
+            w3.save({"w": torch.randn(1000)}, 1)
+            raise KeyError("mine")

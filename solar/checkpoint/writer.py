@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
@@ -60,20 +59,82 @@ class SaveResult:
         return self.logical_bytes / max(1, self.bytes_written + self.manifest_bytes)
 
 
+class _SaveFuture(Future):
+    """The future ``save`` returns: it knows whether its failure was seen (``result`` or
+    ``exception`` called), so :meth:`CheckpointWriter.wait` and ``close`` raise every failure
+    exactly once, whether the caller kept the future or not."""
+
+    seen = False
+
+    def result(self, timeout=None):
+        self.seen = True
+        return super().result(timeout)
+
+    def exception(self, timeout=None):
+        self.seen = True
+        return super().exception(timeout)
+
+    def unseen_failure(self) -> BaseException | None:
+        if not self.done() or self.seen:
+            return None
+        return Future.exception(self, 0)
+
+    @classmethod
+    def following(cls, fut: Future) -> "_SaveFuture":
+        out = cls()
+
+        def copy(f: Future) -> None:
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(f.result())
+
+        fut.add_done_callback(copy)
+        return out
+
+
 class _HostPool:
-    """``slots`` reusable host buffers; acquiring one blocks while all are in use (back-pressure)."""
+    """``slots`` reusable host buffers; acquiring one blocks while all are in use (back-pressure).
+
+    Slots are granted in save order: each save takes a ticket when it is called and may take a
+    slot only after every earlier save took one. Why: a lazy save takes its slot on the persist
+    thread, where it queues behind earlier commits; a later normal save taking the free slot first
+    would hold it while its own commit queues behind the lazy save, which waits for that slot.
+    """
 
     def __init__(self, slots: int) -> None:
-        self._free: queue.Queue[int] = queue.Queue()
+        self._cond = threading.Condition()
+        self._free = list(range(slots))
         self._bufs: list[torch.Tensor | None] = [None] * slots
-        for i in range(slots):
-            self._free.put(i)
+        self._issued = 0  # tickets handed out
+        self._serving = 0  # the ticket whose turn it is to take a slot
 
-    def acquire(self) -> int:
-        return self._free.get()
+    def ticket(self) -> int:
+        with self._cond:
+            self._issued += 1
+            return self._issued - 1
+
+    def acquire(self, ticket: int) -> int:
+        with self._cond:
+            while not (self._free and self._serving == ticket):
+                self._cond.wait()
+            self._serving += 1
+            self._cond.notify_all()
+            return self._free.pop()
+
+    def skip(self, ticket: int) -> None:
+        """Give up ``ticket``'s turn without a slot (its save failed before staging)."""
+        with self._cond:
+            while self._serving != ticket:
+                self._cond.wait()
+            self._serving += 1
+            self._cond.notify_all()
 
     def release(self, slot: int) -> None:
-        self._free.put(slot)
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify_all()
 
     def stage(self, slot: int, blobs: list[BlobSource]) -> list[np.ndarray]:
         """Copy every blob into slot ``slot``'s buffer; return uint8 numpy views of the copies."""
@@ -212,24 +273,26 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         flat = flatten(state_dict)
         staged: Future = Future()
+        ticket = self._pool.ticket()
         if lazy:
-            fut = self._persist.submit(self._stage_and_commit, flat, staged, step, meta or {})
+            fut = self._persist.submit(self._stage_and_commit, flat, staged, ticket, step, meta or {})
         else:
-            host, slot = self._stage_copy(flat, staged)
+            host, slot = self._stage_copy(flat, staged, ticket)
             fut = self._persist.submit(self._commit, flat, host, slot, step, meta or {}, time.perf_counter() - t0)
         if self._drain is not None:
             fut = self._chain(fut)
+        fut = _SaveFuture.following(fut)
         fut.staged = staged  # type: ignore[attr-defined]
         with self._mutex:
             self._staged = [f for f in self._staged if not f.done()] + [staged]
-        with self._mutex:
-            self._futures = [f for f in self._futures if not f.done()] + [fut]
+        with self._mutex:  # finished saves are forgotten; a failed one once its failure was seen
+            self._futures = [f for f in self._futures if not f.done() or f.unseen_failure()] + [fut]
         if blocking:
             fut.result()
         return fut
 
-    def _stage_copy(self, flat: Flat, staged: Future) -> tuple[list[np.ndarray], int]:
-        slot = self._pool.acquire()
+    def _stage_copy(self, flat: Flat, staged: Future, ticket: int) -> tuple[list[np.ndarray], int]:
+        slot = self._pool.acquire(ticket)
         try:
             host = self._pool.stage(slot, flat.blobs)
         except BaseException as exc:
@@ -239,9 +302,9 @@ class CheckpointWriter:
         staged.set_result(None)
         return host, slot
 
-    def _stage_and_commit(self, flat: Flat, staged: Future, step: int, meta: dict) -> SaveResult:
+    def _stage_and_commit(self, flat: Flat, staged: Future, ticket: int, step: int, meta: dict) -> SaveResult:
         t0 = time.perf_counter()
-        host, slot = self._stage_copy(flat, staged)
+        host, slot = self._stage_copy(flat, staged, ticket)
         return self._commit(flat, host, slot, step, meta, time.perf_counter() - t0)
 
     def wait_staged(self) -> None:
@@ -252,13 +315,19 @@ class CheckpointWriter:
             f.result()
 
     def wait(self) -> list[SaveResult]:
-        """Wait for every save in flight; raise the first failure (later ones are chained)."""
+        """Wait for every save in flight; return their results, or raise the first failure not
+        yet seen (through its future, or an earlier ``wait``)."""
         with self._mutex:
             futures = list(self._futures)
         wait_futures(futures)
         results, errors = [], []
         for f in futures:
-            (errors if f.exception() else results).append(f.exception() or f.result())
+            exc = f.unseen_failure()
+            if exc is not None:
+                errors.append(exc)
+            elif Future.exception(f) is None:
+                results.append(f.result())
+            f.seen = True
         with self._mutex:
             self._futures = [f for f in self._futures if f not in futures]
         if errors:
@@ -266,11 +335,12 @@ class CheckpointWriter:
         return results
 
     def close(self) -> None:
-        """Wait for pending saves, stop the threads and release the root lock."""
+        """Wait for pending saves, stop the threads and release the root lock; then raise the
+        first failure of a save that :meth:`wait` has not already raised."""
         if self._closed:
             return
         try:
-            wait_futures(list(self._futures))
+            self.wait()
         finally:
             self._closed = True
             for ex in (self._persist, self._drain, self._io):
@@ -283,8 +353,12 @@ class CheckpointWriter:
     def __enter__(self) -> "CheckpointWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.close()
+        except Exception:
+            if exc_type is None:  # a failed save surfaces; it never hides the block's own error
+                raise
 
     # -- background work --
     def _commit(self, flat: Flat, host: list[np.ndarray], slot: int, step: int, meta: dict, stage_seconds: float) -> SaveResult:
@@ -300,7 +374,9 @@ class CheckpointWriter:
         with self._mutex:
             if self._stage is not None:
                 self._undrained.add(step)
-            protect = frozenset(self._undrained)
+            # the version just committed survives its own commit, even when its step is older
+            # than the keep_last newest (a job relaunched into a root with later steps)
+            protect = frozenset(self._undrained | {step})
         # gc runs here, in the one thread that writes this sink, so it never races a dedup decision
         sink.gc(self.keep_last, protect)
         return SaveResult(step, m.logical_bytes, written, m.nchunks, nwritten, unchanged, manifest_bytes,
@@ -317,10 +393,15 @@ class CheckpointWriter:
             levels = merkle.build(leaves, digest)
             name = flat.tensors[blob.tensors[0]].name if blob.tensors else f"<blob {i}>"
             changed = merkle.diff(self._prev_trees.get(name), levels)
-            unchanged += len(leaves) - len(changed)
             view = memoryview(arr)
             spans = chunk_spans(blob.nbytes, cs)
-            for j in changed.tolist():
+            # The Merkle diff only says what differs from the previous version; a chunk it calls
+            # unchanged is skipped only if the store is known to hold it (gc may have removed the
+            # previous version's chunks, e.g. when it was older than the versions kept).
+            todo = set(changed.tolist())
+            todo.update(j for j, row in enumerate(leaves) if row.tobytes() not in sink.known)
+            unchanged += len(leaves) - len(changed)
+            for j in sorted(todo):
                 d = leaves[j].tobytes()
                 if d in sink.known or d in pending:
                     continue
@@ -375,7 +456,7 @@ class CheckpointWriter:
         written = sum(self._io.map(copy, sorted(todo)))
         dst.store.put_manifest(m)
         dst.known |= todo
-        dst.gc(self.keep_last)
+        dst.gc(self.keep_last, frozenset({step}))
         with self._mutex:
             self._undrained.discard(step)
         if self.keep_last is not None:
