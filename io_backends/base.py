@@ -10,6 +10,16 @@ NOTE [ Backends and processes ]
     Handles are opened lazily, in the process that reads, on first use, and reopened after
     ``fork`` (the pid is checked): h5py handles and MPI communicators do not survive fork, and
     pickling a backend (to send it to a DataLoader worker) carries only its arguments.
+
+NOTE [ Collective request checks ]
+    On a collective backend every rank must make the same read calls. A request that one rank
+    rejects (a row or sample index out of range, unsorted ranges, a wrong ``out``) would make that
+    rank raise alone, and the others would pair their next collective read with a different call
+    of it and hang. So every check guarding a collective call ends in :meth:`Backend.agree`: one
+    small ``allreduce`` over the backend's ``comm`` tells every rank whether any rank's request
+    was bad, *before* anyone enters the collective read, and every rank raises: the bad rank its
+    own error, the others one of the same built-in type (``IndexError``/``ValueError``) naming
+    the rank that failed and why. Serial backends raise at once and make no MPI call.
 """
 
 from __future__ import annotations
@@ -86,7 +96,8 @@ class Backend(ABC):
 
     name: ClassVar[str] = "abstract"
     #: True if :meth:`read_ranges` is collective: every rank must call it, in the same order,
-    #: the same number of times (with an empty range list when it has nothing to read).
+    #: the same number of times (with an empty range list when it has nothing to read). Such a
+    #: backend has a ``comm`` attribute (an mpi4py communicator), used by :meth:`agree`.
     collective: ClassVar[bool] = False
 
     def __init__(self, url: str | os.PathLike, **options: Any) -> None:
@@ -162,25 +173,59 @@ class Backend(ABC):
                 array's dtype; reading straight into it avoids a copy.
         """
         self.ensure_open()
-        rng = normalize_ranges(ranges)
         info = self.info(key)
-        total = int((rng[:, 1] - rng[:, 0]).sum()) if len(rng) else 0
-        if len(rng) and rng[-1, 1] > info.shape[0]:
-            raise IndexError(f"{self.url}:{key}: row {int(rng[-1, 1]) - 1} out of range for {info.shape[0]} rows")
-        if len(rng) and rng[0, 0] < 0:
-            raise IndexError(f"{self.url}:{key}: row range starts at {int(rng[0, 0])}; ranges are of rows "
-                             f"0..{info.shape[0] - 1} (no negative rows)")
-        want = (total, *info.row_shape)
+        problem = None
+        try:  # on a collective backend every rank learns of a bad request: NOTE [ Collective request checks ]
+            rng = normalize_ranges(ranges)
+            total = int((rng[:, 1] - rng[:, 0]).sum()) if len(rng) else 0
+            if len(rng) and rng[-1, 1] > info.shape[0]:
+                raise IndexError(f"{self.url}:{key}: row {int(rng[-1, 1]) - 1} out of range for {info.shape[0]} rows")
+            if len(rng) and rng[0, 0] < 0:
+                raise IndexError(f"{self.url}:{key}: row range starts at {int(rng[0, 0])}; ranges are of rows "
+                                 f"0..{info.shape[0] - 1} (no negative rows)")
+            want = (total, *info.row_shape)
+            if out is not None and (out.shape != want or out.dtype != info.dtype or not out.flags.c_contiguous):
+                raise ValueError(f"{self.url}:{key}: out has shape {out.shape} dtype {out.dtype}"
+                                 f"{'' if out.flags.c_contiguous else ' and is not C-contiguous'}, "
+                                 f"need a C-contiguous {want} {info.dtype} array")
+        except (IndexError, ValueError) as exc:
+            problem = exc
+        self.agree(problem)
         if out is None:
             out = np.empty(want, dtype=info.dtype)
-        elif out.shape != want or out.dtype != info.dtype or not out.flags.c_contiguous:
-            raise ValueError(f"{self.url}:{key}: out has shape {out.shape} dtype {out.dtype}"
-                             f"{'' if out.flags.c_contiguous else ' and is not C-contiguous'}, "
-                             f"need a C-contiguous {want} {info.dtype} array")
         self._read_ranges(key, rng, out)
         self.stats.rows_read += total
         self.stats.bytes_read += total * info.row_nbytes
         return out
+
+    def agree(self, problem: IndexError | ValueError | None) -> None:
+        """Raise ``problem`` -- on a collective backend, on every rank if any rank has one.
+
+        A check guarding a collective call must not fail on one rank alone: the others would
+        wait in the collective read for it (see NOTE [ Collective request checks ]). Serial
+        backends raise ``problem`` (if any) at once and make no MPI call; collective ones make
+        one small ``allreduce`` over :attr:`comm`, so every rank must call this at the same point.
+
+        Raises:
+            IndexError / ValueError: ``problem`` on the rank that has it; on the other ranks an
+                error of the same built-in type naming the lowest failing rank and its message.
+        """
+        if not self.collective:
+            if problem is not None:
+                raise problem
+            return
+        from mpi4py import MPI
+
+        comm = self.comm
+        kind = "index" if isinstance(problem, IndexError) else "value"
+        mine = (0, comm.rank, kind, str(problem)) if problem is not None else (1, comm.rank, "", "")
+        failed, rank, kind, why = comm.allreduce(mine, op=MPI.MIN)  # the lowest failing rank, if any
+        if problem is not None:
+            raise problem
+        if failed == 0:
+            cls = IndexError if kind == "index" else ValueError
+            raise cls(f"{self.url}: rank {rank} of {comm.size} rejected its read request ({why}); every rank "
+                      f"stops here instead of waiting in the collective read: fix the request on rank {rank}")
 
     @abstractmethod
     def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:

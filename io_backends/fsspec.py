@@ -24,15 +24,16 @@ NOTE [ npy store layout ]
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
-from solar.errors import DatasetFormatError
+from solar.errors import DatasetFormatError, SolarError, StorageError
 
 from .base import ArrayInfo, Backend
 from .hdf5 import HDF5Backend
@@ -56,6 +57,71 @@ if hasattr(os, "register_at_fork"):
     import gc
 
     os.register_at_fork(after_in_child=gc.freeze)
+
+# NOTE [ Storage errors name the URL ]
+#     fsspec passes its transports' exceptions through: aiohttp's ClientResponseError (an HTTP
+#     403, 500 ...; not an OSError), botocore's EndpointConnectionError (an S3 endpoint nobody
+#     answers), a plain ValueError when an HTTP server ignores Range requests. None of them says
+#     which dataset URL failed or what to do, and callers catching OSError miss most of them.
+#     Every storage call of this backend goes through ``_storage_errors``, which re-raises them as
+#     :class:`solar.StorageError` (an ``OSError``) naming the URL and what to check, the original
+#     exception chained; FileNotFoundError and SOLAR's own errors pass through unchanged.
+_NO_RANGES = "support range requests"  # fsspec's HTTPFile message for a 200 to a Range request
+
+
+def _range_hint(url: str) -> str:
+    return (f"{url}: the server ignores HTTP Range requests (it sends the whole file instead of the bytes "
+            "asked for), so rows cannot be read by byte ranges; serve the file from a server that supports "
+            "them (nginx, Apache, S3 ...) or copy it to a local path")
+
+
+def _storage_error(url: str, exc: BaseException, doing: str, hdf5: bool = False) -> StorageError | None:
+    """The :class:`StorageError` for a transport exception, or None to let ``exc`` through.
+
+    ``hdf5``: ``exc`` came through h5py, whose own errors (a file that is not HDF5 ...) are
+    plain ``OSError``s; those pass through for the caller to report as format errors."""
+    if isinstance(exc, (SolarError, FileNotFoundError)):
+        return None
+    if isinstance(exc, ValueError) and _NO_RANGES in str(exc):
+        return StorageError(_range_hint(url))
+    name, mod = type(exc).__name__, type(exc).__module__ or ""
+    status = getattr(exc, "status", None)
+    if mod.startswith("aiohttp") and isinstance(status, int):  # ClientResponseError: an HTTP status
+        if status in (401, 403):
+            todo = "check that you may read it (file permissions; credentials or tokens in storage_options)"
+        elif status >= 500:
+            todo = "the server failed; retry later or check the server's logs"
+        else:
+            todo = "check the URL"
+        return StorageError(f"{url}: the server answered HTTP {status} {getattr(exc, 'message', '')} while {doing}; "
+                            f"{todo}")
+    if mod.startswith(("botocore", "aiobotocore")) and ("Endpoint" in name or "Connect" in name):
+        return StorageError(f"{url}: cannot connect to the S3 endpoint while {doing} ({exc}); check "
+                            "storage_options['client_kwargs']['endpoint_url'] and that the service is up")
+    if mod.startswith("aiohttp") and "Connect" in name:
+        return StorageError(f"{url}: cannot connect to the server while {doing} ({exc}); check the host and "
+                            "port in the URL and that the server is up")
+    if isinstance(exc, PermissionError):
+        return StorageError(f"{url}: access denied while {doing} ({exc}); check the credentials in "
+                            "storage_options and the file's permissions")
+    if (isinstance(exc, OSError) and not (hdf5 and type(exc) is OSError)) or \
+            mod.startswith(("aiohttp", "botocore", "aiobotocore")):
+        return StorageError(f"{url}: {doing} failed ({name}: {exc}); check the URL, storage_options and that "
+                            "the service is up")
+    return None
+
+
+@contextlib.contextmanager
+def _storage_errors(url: str, doing: str, hdf5: bool = False) -> Iterator[None]:
+    """Re-raise transport exceptions as :class:`StorageError` (NOTE [ Storage errors name the URL ])."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - classified by _storage_error, else re-raised as is
+        err = _storage_error(url, exc, doing, hdf5)
+        if err is None:
+            raise
+        raise err from exc
+
 
 _SHARD = re.compile(r"^(?P<key>.+)\.(?P<idx>\d+)$")
 _STORE_OPTIONS = ("block_size", "cache_type", "rdcc_nbytes", "storage_options", "cache_options")
@@ -128,7 +194,8 @@ class NpyStore:
             for _, path in sorted(members):
                 head = heads[path]
                 if isinstance(head, Exception):
-                    raise OSError(f"{path}: cannot read the .npy header ({head})") from head
+                    err = _storage_error(path, head, "reading the .npy header")
+                    raise (err or OSError(f"{path}: cannot read the .npy header ({head})")) from head
                 try:
                     shape, dt, off = npy_header(head, path)
                 except DatasetFormatError:
@@ -201,24 +268,24 @@ class FsspecBackend(HDF5Backend):
         self._fobj = self._npy = None
         self._file = None
         self._dsets, self._keys = {}, None
-        try:
+        with _storage_errors(self.url, "opening it"):
             is_dir = self._fs.isdir(path)
             if not is_dir and not self._fs.exists(path):
                 raise FileNotFoundError(f"{self.url}: no such file or directory; check the URL")
-        except FileNotFoundError:
-            raise
-        except OSError as exc:
-            raise OSError(f"{self.url}: cannot reach it ({exc}); check the URL and storage_options") from exc
-        if is_dir or path.endswith(".npy"):
-            self._npy = NpyStore(self._fs, path, self.url)
-            return
-        self._fobj = self._fs.open(path, "rb", block_size=self.options.get("block_size", 1 << 20),
-                                   cache_type=self.options.get("cache_type", "blockcache"),
-                                   cache_options=self.options.get("cache_options"))
+            if is_dir or path.endswith(".npy"):
+                self._npy = NpyStore(self._fs, path, self.url)
+                return
+            self._fobj = self._fs.open(path, "rb", block_size=self.options.get("block_size", 1 << 20),
+                                       cache_type=self.options.get("cache_type", "blockcache"),
+                                       cache_options=self.options.get("cache_options"))
         import h5py
 
         try:
-            self._file = h5py.File(self._fobj, "r", rdcc_nbytes=self.options.get("rdcc_nbytes", 4 << 20))
+            with _storage_errors(self.url, "opening it as HDF5", hdf5=True):
+                self._file = h5py.File(self._fobj, "r", rdcc_nbytes=self.options.get("rdcc_nbytes", 4 << 20))
+        except StorageError:
+            self._fobj.close()
+            raise
         except OSError as exc:
             self._fobj.close()
             raise DatasetFormatError(f"{self.url}: cannot open as HDF5 ({exc}); is it an HDF5 file "
@@ -260,7 +327,8 @@ class FsspecBackend(HDF5Backend):
     def keys(self) -> list[str]:
         self.ensure_open()
         if self._npy is None:
-            return super().keys()
+            with _storage_errors(self.url, "listing its datasets", hdf5=True):
+                return super().keys()
         order = self._npy.attrs.get("/", {}).get("fields")
         keys = list(self._npy.arrays)
         if order:  # stored field order first, the rest in name order
@@ -271,13 +339,15 @@ class FsspecBackend(HDF5Backend):
     def info(self, key: str) -> ArrayInfo:
         self.ensure_open()
         if self._npy is None:
-            return super().info(key)
+            with _storage_errors(self.url, f"reading the metadata of {key!r}", hdf5=True):
+                return super().info(key)
         return self._array(key).info
 
     def attrs(self, key: str = "/") -> dict[str, Any]:
         self.ensure_open()
         if self._npy is None:
-            return super().attrs(key)
+            with _storage_errors(self.url, "reading attributes", hdf5=True):
+                return super().attrs(key)
         key = "/" if key in ("", "/") else key
         if key != "/" and key not in self._npy.arrays and not any(k.startswith(key + "/") for k in self._npy.arrays):
             raise KeyError(f"{self.url}: no array or group {key!r}")
@@ -288,7 +358,8 @@ class FsspecBackend(HDF5Backend):
             # Local files are plain OS files (no fsspec cache): nothing to count but the reads.
             cache = getattr(self._fobj, "__dict__", {}).get("cache")
             before = getattr(cache, "miss_count", 0)
-            super()._read_ranges(key, ranges, out)
+            with _storage_errors(self.url, f"reading rows of {key!r}", hdf5=True):
+                super()._read_ranges(key, ranges, out)
             if cache is not None:
                 self.stats.extra["block_misses"] = (self.stats.extra.get("block_misses", 0)
                                                     + getattr(cache, "miss_count", 0) - before)
@@ -297,13 +368,17 @@ class FsspecBackend(HDF5Backend):
         paths, starts, ends = self._npy.byte_ranges(key, ranges)
         if not paths:
             return
-        blobs = self._fs.cat_ranges(paths, starts, ends)
+        with _storage_errors(self.url, f"reading rows of {key!r}"):
+            blobs = self._fs.cat_ranges(paths, starts, ends)
         flat = out.reshape(-1).view(np.uint8) if out.flags.c_contiguous else None
         dst = flat if flat is not None else np.empty(out.nbytes, np.uint8)
         pos = 0
-        for blob, s, e in zip(blobs, starts, ends):
+        for path, blob, s, e in zip(paths, blobs, starts, ends):
             if isinstance(blob, Exception):
-                raise OSError(f"{self.url}: reading bytes {s}-{e} of {key!r} failed: {blob}") from blob
+                err = _storage_error(path, blob, f"reading bytes {s}-{e} of {key!r}")
+                raise (err or OSError(f"{self.url}: reading bytes {s}-{e} of {key!r} failed: {blob}")) from blob
+            if len(blob) > e - s:  # more than asked: the server answered a Range request with the whole file
+                raise StorageError(_range_hint(path))
             if len(blob) != e - s:
                 raise DatasetFormatError(f"{self.url}: {key!r} is truncated: asked bytes {s}-{e}, got {len(blob)}")
             dst[pos:pos + len(blob)] = np.frombuffer(blob, np.uint8)

@@ -73,6 +73,11 @@ class ThrottledBackend(Backend):
         # A collective inner backend stays collective: every rank must still make every call.
         self.collective = inner_backend.collective
 
+    @property
+    def comm(self):
+        """The inner backend's communicator (collective inner backends only)."""
+        return self.inner.comm
+
     def __repr__(self) -> str:
         return f"ThrottledBackend({self.inner!r}, bandwidth={self.bandwidth}, latency={self.latency})"
 

@@ -15,6 +15,7 @@ from .errors import (  # noqa: E402
     MissingDependencyError,
     MPIUnavailableError,
     SolarError,
+    StorageError,
 )
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "MPIUnavailableError",
     "DatasetFormatError",
     "CorruptDataError",
+    "StorageError",
     "CheckpointError",
     "CheckpointLockedError",
 ]

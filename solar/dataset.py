@@ -186,9 +186,16 @@ class H5Dataset(Dataset):
 
     # -- reading ------------------------------------------------------------------------------
     def _check_index(self, idx: np.ndarray) -> None:
+        """Reject indices outside ``[-num_samples, num_samples)``; on a collective backend every
+        rank raises if any rank's indices are bad (see NOTE [ Collective request checks ] in
+        ``io_backends/base.py``), so no rank is left waiting in the collective read."""
+        problem = None
         if len(idx) and (idx.min() < -self.num_samples or idx.max() >= self.num_samples):
             bad = idx[(idx < -self.num_samples) | (idx >= self.num_samples)][0]
-            raise IndexError(f"{self.path}: sample index {int(bad)} out of range for {self.num_samples} samples")
+            problem = IndexError(f"{self.path}: sample index {int(bad)} out of range for {self.num_samples} "
+                                 f"samples (valid: -{self.num_samples}..{self.num_samples - 1}); check the "
+                                 "sampler or the indices passed")
+        self.backend.agree(problem)
 
     def _runs(self, spec: FieldSpec, rows: np.ndarray) -> np.ndarray:
         """Row runs to request: coalesced, then merged across gaps of at most ``sieve_bytes``."""
@@ -269,8 +276,10 @@ class H5Dataset(Dataset):
             start = base[run_of] + off[rows] - first_byte[run_of] if len(rows) else rows
             sizes = off[rows + 1] - off[rows]
             data = [buf[a:a + n] for a, n in zip(start.tolist(), sizes.tolist())]
-        if self.verify and self._has_checksum[spec.name] and len(rows):
-            self._verify(spec, rows, data)  # checksums are of the stored bytes
+        if self.verify and self._has_checksum[spec.name] and (len(rows) or self.backend.collective):
+            # checksums are of the stored bytes; on a collective backend every rank loads them in
+            # the same fetch (a collective read), whether or not it has rows to check
+            self._verify(spec, rows, data)
         if spec.kind == "raw" and not data.dtype.isnative:  # torch holds native byte order only
             data = data.astype(data.dtype.newbyteorder("="))
         return data

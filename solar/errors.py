@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointLockedError",
     "InputError",
+    "StorageError",
 ]
 
 
@@ -52,6 +53,11 @@ class DatasetFormatError(SolarError, ValueError):
 
 class CorruptDataError(SolarError, ValueError):
     """Stored bytes fail a checksum or cannot be decoded; never returned as silent garbage."""
+
+
+class StorageError(SolarError, OSError):
+    """Storage refused or could not serve a request (an HTTP status, an unreachable endpoint, a
+    server that ignores byte-range requests); the message names the URL and what to check."""
 
 
 class CheckpointError(SolarError, RuntimeError):

@@ -27,7 +27,11 @@ NOTE [ Ingest crash safety ]
     ``--resume`` reopens ``OUT.tmp``, checks the journal's fingerprint (inputs, fields, bounds,
     batch size) and continues after the last committed batch, rewriting anything a dead batch
     left half-written. The world size may differ between the runs: a batch is a global unit.
-    If ``OUT.tmp`` cannot be opened any more, the run starts over.
+    If ``OUT.tmp`` cannot be opened any more, the run starts over. Serially, ``OUT.tmp`` is
+    fsynced before the rename (under MPI the collective flush is an ``MPI_File_sync``) and the
+    directory after it. A finished ``OUT`` is only ever replaced with ``--overwrite``: ``--resume``
+    reports one with this job's fingerprint (provenance) as already complete and writes nothing,
+    and refuses one written by a different job (or not by ``solar ingest``).
 """
 
 from __future__ import annotations
@@ -158,6 +162,7 @@ class IngestReport:
     resumed_from_batch: int
     verified: bool
     world_size: int
+    already_complete: bool = False  # --resume found OUT finished by this same job: nothing written
 
     @property
     def ratio(self) -> float:
@@ -186,8 +191,14 @@ def _validate(inputs, output, fields, abs_error, rel_error, resume, overwrite, b
     parent = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(parent):
         raise InputError(f"{output}: the output directory {parent} does not exist; create it first")
-    if os.path.exists(output) and not (resume or overwrite):
-        raise InputError(f"{output} already exists; pass --overwrite to replace it or --resume to finish a run")
+    if os.path.exists(output) and not overwrite:
+        if not resume:
+            raise InputError(f"{output} already exists; pass --overwrite to replace it or --resume to finish a run")
+        if _finished_fingerprint(output) is None:
+            # --resume continues *this* job's OUT.tmp; it never replaces a file it did not write
+            # (the fingerprint check against this job follows in ingest(), once bounds are known)
+            raise InputError(f"{output} already exists and is not a finished `solar ingest` output, so --resume "
+                             "has nothing to continue into it; pass --overwrite to replace it, or choose another -o")
     sources, infos = open_sources(list(inputs), fields=fields, samples=samples, storage_options=storage_options)
     compress = abs_error is not None or rel_error is not None
     plans = [FieldPlan(n, tuple(fi.shape), fi.dtype.str, compress and fi.dtype.kind == "f" and fi.dtype.itemsize in (4, 8),
@@ -291,6 +302,19 @@ def _journal_write(path: str, record: dict) -> None:
     os.replace(tmp, path)
 
 
+def _fsync_path(path: str, directory: bool = False) -> None:
+    """``fsync`` a file (its data reaches the disk) or a directory (a rename in it does)."""
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not directory:
+            raise
+        # some file systems cannot fsync a directory (EINVAL); the rename is as durable as they allow
+    finally:
+        os.close(fd)
+
+
 def _journal_read(path: str) -> dict | None:
     try:
         with open(path) as fh:
@@ -370,16 +394,25 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
     out, tmp, journal = plan.output, plan.output + TMP_SUFFIX, plan.output + JOURNAL_SUFFIX
     fp = plan.fingerprint()
 
-    # --resume of a job that already finished (even if it died between the rename and removing
-    # the journal): nothing to redo
-    done = comm.bcast(comm.rank == 0 and resume and not os.path.exists(tmp) and _finished_by(out, fp), root=0)
-    if done:
-        if comm.rank == 0 and os.path.exists(journal):
+    # --resume when OUT exists (see NOTE [ Ingest crash safety ]): written by this very job (same
+    # fingerprint; it may have died between the rename and removing the journal) -> nothing to
+    # redo; written by another job -> refused unless --overwrite: a finished file is never
+    # replaced without it
+    existing = None
+    if comm.rank == 0 and resume and os.path.exists(out):
+        existing = "done" if _finished_fingerprint(out) == fp else "other"
+    existing = comm.bcast(existing, root=0)
+    if existing == "other" and not overwrite:
+        raise InputError(f"{out} already exists and was written by a different job (other inputs or options "
+                         "than this run's), so --resume will not replace it; pass --overwrite to replace it, "
+                         "or choose another -o")
+    if existing == "done":
+        if comm.rank == 0 and os.path.exists(journal) and not os.path.exists(tmp):
             os.remove(journal)
         if verify:
             verify_file(out, plan=plan, comm=comm)
         return IngestReport(out, plan.num_samples, [x.name for x in plan.fields], 0, 0,
-                            time.perf_counter() - t0, plan.num_batches, verify, comm.size)
+                            time.perf_counter() - t0, plan.num_batches, verify, comm.size, already_complete=True)
     # where to start
     start, sizes = 0, {f.name: 0 for f in plan.fields if f.compress}
     if comm.rank == 0 and resume:
@@ -460,7 +493,13 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
     if verify:
         verify_file(tmp, plan=plan, comm=comm)
     if comm.rank == 0:
+        if not parallel:
+            # The mpio path's flush is an MPI_File_sync; h5py's serial flush only hands the bytes
+            # to the OS. Without this fsync a power loss after the rename could leave an OUT
+            # whose name survived but whose data did not.
+            _fsync_path(tmp)
         os.replace(tmp, out)
+        _fsync_path(os.path.dirname(os.path.abspath(out)), directory=True)  # make the rename itself durable
         if os.path.exists(journal):
             os.remove(journal)
     comm.Barrier()
@@ -475,16 +514,18 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
                         row_stored, time.perf_counter() - t0, start, verify, comm.size)
 
 
-def _finished_by(path: str, fingerprint: str) -> bool:
-    """True if ``path`` is a complete SOLAR file written by the job with this fingerprint."""
+def _finished_fingerprint(path: str) -> str | None:
+    """The job fingerprint of ``path`` if it is a complete file written by ``solar ingest``, else None."""
     import h5py
 
     try:
         with h5py.File(path, "r") as f:
-            prov = json.loads(f.attrs.get("provenance", "{}"))
-            return bool(f.attrs.get("complete", False)) and prov.get("fingerprint") == fingerprint
-    except (OSError, ValueError):
-        return False
+            if not bool(f.attrs.get("complete", False)):
+                return None
+            fp = json.loads(f.attrs.get("provenance", "{}")).get("fingerprint")
+            return fp if isinstance(fp, str) else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _min_op(parallel: bool):

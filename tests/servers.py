@@ -1,5 +1,6 @@
 """Real storage servers on 127.0.0.1 for the fsspec tests: Debian's nginx (HTTP with Range
-requests) and moto's S3 server, each started and stopped by the tests that use them.
+requests), Python's http.server (no Range support, optional 403s) and moto's S3 server, each
+started and stopped by the tests that use them.
 
 Import the fixtures into a test module (``from servers import http_root, s3_root, place``).
 ``place`` is parametrized over every fsspec protocol SOLAR supports and gives a writable spot plus
@@ -93,6 +94,40 @@ def nginx_server(root: str) -> Iterator[str]:
             proc.wait()
         if not os.environ.get("SOLAR_KEEP_NGINX_LOGS"):
             shutil.rmtree(conf_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def python_http_server(root: str, forbidden: tuple[str, ...] = ()) -> Iterator[str]:
+    """Serve directory ``root`` with Python's ``http.server`` (in a thread) on 127.0.0.1:<free port>;
+    yields the base URL. Unlike nginx it ignores Range requests (it answers 200 with the whole
+    file), as some servers do; paths in ``forbidden`` (relative to ``root``) answer 403."""
+    import functools
+    import http.server
+    import threading
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def send_head(self):
+            if self.path.split("?", 1)[0].lstrip("/") in forbidden:
+                self.send_error(403)
+                return None
+            return super().send_head()
+
+    class Server(http.server.ThreadingHTTPServer):
+        def handle_error(self, request, client_address) -> None:
+            pass  # a client that stops reading a whole-file answer early: a broken pipe, expected
+
+    srv = Server(("127.0.0.1", 0), functools.partial(Handler, directory=root))
+    thread = threading.Thread(target=srv.serve_forever, name="test-http", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        thread.join(10)
 
 
 @contextlib.contextmanager

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from servers import Place, http_root, place, s3_root  # noqa: F401  (fixtures)
+from servers import Place, free_port, http_root, place, python_http_server, s3_root  # noqa: F401  (fixtures)
 
-from solar.errors import ConfigError, DatasetFormatError, MissingDependencyError, MPIUnavailableError
+from solar.errors import ConfigError, DatasetFormatError, MissingDependencyError, MPIUnavailableError, StorageError
 from solar.io_backends import choose_backend, open_backend, registry
 from solar.io_backends.fsspec import FsspecBackend, write_npy_store
 from solar.io_backends.hdf5 import HDF5Backend
@@ -247,3 +247,52 @@ def test_throttle_charges_each_concurrent_caller_its_own_requests(tmp_path):
         np.testing.assert_array_equal(o, sample_arrays()["x"][[i, i + 10, i + 11]])
     # 8 calls x 2 requests x 10 ms of modelled latency; the real reads are far faster
     assert t.stats.extra["throttle_sleep_us"] <= 8 * 2 * 10_000
+
+
+# -- NOTE [ Storage errors name the URL ] (io_backends/fsspec.py) -----------------------------------
+def _big_file_and_store(root) -> np.ndarray:
+    x = np.arange(20000, dtype=np.float32).reshape(2000, 10)  # 80 KB: rows far past the first block
+    write_h5(os.path.join(root, "c.h5"), {"x": x})
+    write_npy_store(os.path.join(root, "store"), {"x": x}, shard_rows=500)
+    return x
+
+
+def test_http_server_without_range_requests_is_named(tmp_path):
+    """A server that answers Range requests with the whole file (200) used to give fsspec's bare
+    ValueError for HDF5 and a wrong 'truncated' DatasetFormatError for .npy stores."""
+    x = _big_file_and_store(tmp_path)
+    with python_http_server(str(tmp_path)) as base:
+        with pytest.raises(StorageError, match=rf"^{base}/c.h5: the server ignores HTTP Range requests.*"
+                                               "supports them.*copy it to a local path") as ei:
+            FsspecBackend(f"{base}/c.h5", block_size=4096).read_ranges("x", [(1990, 2000)])
+        assert isinstance(ei.value, OSError) and isinstance(ei.value.__cause__, ValueError)  # chained
+        store = FsspecBackend(f"{base}/store")
+        assert store.info("x").shape == x.shape  # the headers are read from byte 0: fine
+        with pytest.raises(StorageError, match=rf"^{base}/store/x.00001.npy: the server ignores HTTP Range"):
+            store.read_ranges("x", [(600, 610)])
+
+
+def test_http_status_errors_name_the_url(tmp_path):
+    """An HTTP 403 used to escape as aiohttp's ClientResponseError (not an OSError, no hint)."""
+    import aiohttp
+
+    _big_file_and_store(tmp_path)
+    with python_http_server(str(tmp_path), forbidden=("c.h5", "store/x.00002.npy")) as base:
+        with pytest.raises(StorageError, match=rf"^{base}/c.h5: the server answered HTTP 403 Forbidden while "
+                                               "opening it; check that you may read it") as ei:
+            FsspecBackend(f"{base}/c.h5").keys()
+        assert isinstance(ei.value, OSError) and isinstance(ei.value.__cause__, aiohttp.ClientResponseError)
+        with pytest.raises(StorageError, match=rf"^{base}/store/x.00002.npy: the server answered HTTP 403"):
+            FsspecBackend(f"{base}/store").keys()  # one shard of the store is forbidden
+
+
+def test_unreachable_s3_endpoint_is_named():
+    """An S3 endpoint nobody answers used to escape as botocore's EndpointConnectionError."""
+    pytest.importorskip("s3fs")
+    opts = {"key": "testing", "secret": "testing",
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"},
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}
+    with pytest.raises(StorageError, match=r"^s3://bucket/c.h5: cannot connect to the S3 endpoint while opening "
+                                           r"it .*check storage_options\['client_kwargs'\]\['endpoint_url'\]") as ei:
+        FsspecBackend("s3://bucket/c.h5", storage_options=opts).keys()
+    assert isinstance(ei.value, OSError) and type(ei.value.__cause__).__name__ == "EndpointConnectionError"

@@ -91,3 +91,44 @@ def test_filtered_sparse_and_empty_datasets_read_right_under_the_default_transfe
     np.testing.assert_array_equal(b.read_all("unwritten"), np.full((6, 2), 2.5))
     b.close()
     comm.Barrier()
+
+
+@pytest.mark.timeout(90, method="thread")  # a hang (the bug) ends the MPI job instead of stalling it
+def test_a_bad_request_on_one_rank_fails_every_rank_instead_of_hanging(comm, shared_tmp):
+    """NOTE [ Collective request checks ] in io_backends/base.py: a sample index or row range out of
+    range (or a wrong out=) on one rank used to raise there alone while the other ranks entered the
+    collective read and hung; now every rank raises, and the ranks stay in step afterwards."""
+    import re
+
+    import solar
+    from solar.ingest import ingest
+
+    path = os.path.join(shared_tmp, "checked.h5")
+    x = np.arange(40 * 3, dtype=np.float32).reshape(40, 3)
+    if comm.rank == 0:
+        np.save(os.path.join(shared_tmp, "in.npy"), x)
+        ingest([os.path.join(shared_tmp, "in.npy")], path, comm=None, progress=False)  # with checksums
+    comm.Barrier()
+    ds = solar.H5Dataset(path, "x")
+    b = ds.backend
+    assert type(b).__name__ == "MPIHDF5Backend"
+    # the first fetch, with nothing to read on the other ranks: every rank loads the checksums alike
+    assert ds.fetch_stored([3] if comm.rank == 0 else []).n == (1 if comm.rank == 0 else 0)
+    size, last = comm.size, comm.rank == comm.size - 1
+    if comm.rank == 0:
+        with pytest.raises(IndexError, match=rf"^{re.escape(path)}: sample index 45 out of range for 40 samples"):
+            ds.fetch_stored([1, 45])
+    else:
+        with pytest.raises(IndexError, match=rf"rank 0 of {size} rejected .*sample index 45 out of range.*rank 0"):
+            ds.fetch_stored([2, 3])
+    with pytest.raises(IndexError, match=r"^\S+:x: row 40 out of range" if last else
+                       rf"rank {size - 1} of {size} rejected .*row 40 out of range for 40 rows"):
+        b.read_ranges("x", [(39, 41)] if last else [(0, 2)])
+    with pytest.raises(ValueError, match=r"^\S+:x: out has shape" if last else rf"rank {size - 1} .*out has shape"):
+        b.read_ranges("x", [(0, 2)], out=np.empty((3 if last else 2, 3), np.float32))
+    # every rank is still in step: the next collective reads pair up and return the right rows
+    got = ds.__getitems__([7, 3 + comm.rank])
+    np.testing.assert_array_equal(np.stack([t.numpy() for t in got]), x[[7, 3 + comm.rank]])
+    np.testing.assert_array_equal(b.read_ranges("x", [(comm.rank, comm.rank + 2)]), x[comm.rank:comm.rank + 2])
+    ds.close()
+    comm.Barrier()

@@ -231,8 +231,64 @@ def test_resume_continues_from_the_journal(tmp_path, monkeypatch):
     mtime = os.stat(out).st_mtime_ns
     again = ingest(paths, out, batch_size=8, abs_error=0.05, resume=True, verify=True, progress=False)
     assert again.resumed_from_batch == 6 and os.stat(out).st_mtime_ns == mtime  # finished: nothing redone
-    other = ingest(paths[:1], out, batch_size=8, abs_error=0.05, resume=True, progress=False)
-    assert other.num_samples == 30  # a different job with --resume rewrites the output
+    with pytest.raises(InputError, match="different job.*--overwrite"):  # see the next test
+        ingest(paths[:1], out, batch_size=8, abs_error=0.05, resume=True, progress=False)
+    other = ingest(paths[:1], out, batch_size=8, abs_error=0.05, resume=True, overwrite=True, progress=False)
+    assert other.num_samples == 30  # a different job replaces the output only with --overwrite
+
+
+def test_resume_never_replaces_a_finished_output(tmp_path, capsys):
+    """`--resume` used to treat an existing OUT like --overwrite and silently replace a finished file
+    of another job. Now: the same job's OUT is reported complete (nothing written, exit 0); any
+    other existing OUT is refused (exit 2) unless --overwrite is given."""
+    from solar.cli import main
+
+    paths, want = _npy_inputs(tmp_path, sizes=(12, 9))
+    out = str(tmp_path / "o.h5")
+    ingest(paths, out, batch_size=4, progress=False)
+    before = (os.stat(out).st_mtime_ns, open(out, "rb").read())
+    listing = set(os.listdir(tmp_path))
+    with pytest.raises(InputError, match=r"o\.h5 already exists and was written by a different job.*--overwrite"):
+        ingest(paths[1:], out, batch_size=4, resume=True, progress=False)  # other inputs
+    with pytest.raises(InputError, match="different job.*--overwrite"):
+        ingest(paths, out, batch_size=8, resume=True, progress=False)  # other options
+    assert main(["ingest", paths[1], "-o", out, "--no-progress", "--resume"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (os.stat(out).st_mtime_ns, open(out, "rb").read()) == before
+    assert set(os.listdir(tmp_path)) == listing  # no OUT.tmp, no journal
+    # the same job: already complete, nothing rewritten
+    rep = ingest(paths, out, batch_size=4, resume=True, progress=False)
+    assert rep.already_complete and rep.num_samples == 21
+    assert main(["ingest", *paths, "-o", out, "--no-progress", "--resume", "--batch-size", "4"]) == 0
+    assert "already complete" in capsys.readouterr().out
+    assert (os.stat(out).st_mtime_ns, open(out, "rb").read()) == before
+    # a file `solar ingest` did not finish is refused too; --overwrite still replaces either
+    other = str(tmp_path / "other.h5")
+    with open(other, "w") as fh:
+        fh.write("not mine")
+    with pytest.raises(InputError, match=r"other\.h5 already exists and is not a finished .*--overwrite"):
+        ingest(paths, other, resume=True, progress=False)
+    assert open(other).read() == "not mine" and not os.path.exists(other + ".tmp")
+    rep = ingest(paths[1:], out, batch_size=4, resume=True, overwrite=True, progress=False)
+    assert not rep.already_complete and rep.num_samples == 9
+    np.testing.assert_array_equal(_read_field(out, "x"), want[12:])
+
+
+def test_serial_ingest_fsyncs_the_output_before_the_rename(tmp_path, monkeypatch):
+    """Serial ingest renamed OUT.tmp to OUT without an fsync (only the MPI path synced, via
+    MPI_File_sync), so a crash could leave OUT named but empty; the directory is synced after."""
+    paths, _ = _npy_inputs(tmp_path, sizes=(5,))
+    out = str(tmp_path / "o.h5")
+    real, synced = os.fsync, []
+
+    def recording(fd):
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), os.path.exists(out)))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    ingest(paths, out, progress=False)
+    assert (os.path.realpath(out + ".tmp"), False) in synced  # the data, before the rename
+    assert (os.path.realpath(tmp_path), True) in synced  # the directory entry, after it
 
 
 def _children(pid: int) -> list[int]:

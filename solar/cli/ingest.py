@@ -27,7 +27,9 @@ def configure(p) -> None:
     bound.add_argument("--abs-error", type=float, help="compress float fields within this absolute error")
     bound.add_argument("--rel-error", type=float,
                        help="compress float fields within REL x (max - min) of each field's values")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last committed batch")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run from its last committed batch (an OUT this same job "
+                        "finished is reported complete; any other existing OUT still needs --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (atomically, at the end)")
     p.add_argument("--verify", action="store_true",
                    help="read everything back before the rename: checksums, and values within the bound")
@@ -75,6 +77,9 @@ def run(args) -> int:
     if rank == 0:
         if args.json:
             print(json.dumps({**rep.__dict__, "ratio": rep.ratio}))
+        elif rep.already_complete:
+            print(f"{rep.output} is already complete (written by this same job: same inputs and options); "
+                  f"nothing to do{', verified' if rep.verified else ''}")
         else:
             resumed = f", resumed at batch {rep.resumed_from_batch}" if rep.resumed_from_batch else ""
             print(f"wrote {rep.output}: {rep.num_samples} samples, fields {', '.join(rep.fields)}, "
