@@ -268,11 +268,13 @@ class CheckpointStore:
         return [m.step for m in self.valid_manifests(warn=False)]
 
     def latest(self) -> Manifest | None:
-        """The newest complete version (torn manifests are skipped)."""
+        """The newest complete version; newer manifests failing their checksum are skipped, with
+        a warning naming them (``solar-ckpt verify`` reports them as problems)."""
         for step in reversed(self.steps()):
             try:
                 return self.read_manifest(step)
-            except CorruptDataError:
+            except CorruptDataError as exc:
+                warnings.warn(f"skipping checkpoint step {step}: {exc}", stacklevel=2)
                 continue
         return None
 

@@ -25,7 +25,7 @@ class VerifyReport:
     chunks_checked: int = 0
     bytes_checked: int = 0
     problems: list[dict] = field(default_factory=list)  # {"kind", "chunk"?, "step", "tensors", "detail"}
-    incomplete: list[dict] = field(default_factory=list)  # torn manifests: ignored by load, not corruption
+    incomplete: list[dict] = field(default_factory=list)  # manifests failing their checksum (also in problems)
 
     @property
     def ok(self) -> bool:
@@ -36,8 +36,10 @@ def verify(root, step: int | None = None, *, progress: bool = False, storage_opt
     """Verify version ``step`` of ``root``, or every version if ``step`` is ``None``.
 
     Returns a report; it never raises for corrupt data (a missing root or step still raises).
-    A torn manifest met while scanning every version is listed in ``incomplete``, not in
-    ``problems``: loaders ignore it, so it is an unfinished save, not damage to a committed one.
+    A manifest that fails its checksum is a problem (also listed in ``incomplete``): manifests
+    are committed by an atomic write (temporary, fsync, rename), so one under its final name can
+    only be damage, or a ``durable=False`` save cut by a power loss. Loaders skip it (``load``
+    falls back to the newest good version, with a warning); the report says so.
     """
     store = CheckpointStore(root, **(storage_options or {}))
     report = VerifyReport(store.root)
@@ -47,9 +49,12 @@ def verify(root, step: int | None = None, *, progress: bool = False, storage_opt
         try:
             manifests.append(store.read_manifest(s))
         except CorruptDataError as exc:
-            entry = {"kind": "manifest", "step": s, "tensors": [], "detail": str(exc)}
-            # asking for that very step makes it a failure; in a scan it is an ignored, unfinished save
-            (report.problems if step is not None else report.incomplete).append(entry)
+            entry = {"kind": "manifest", "step": s, "tensors": [],
+                     "detail": f"{exc}; load() skips this version (damaged, or a durable=False save cut by a "
+                               "power loss); restore it from a copy, or `solar-ckpt gc` removes it"}
+            report.problems.append(entry)
+            if step is None:
+                report.incomplete.append(entry)
     # chunk digest -> (size, [(step, tensor names)])
     where: dict[bytes, tuple[int, list]] = {}
     for m in manifests:
