@@ -624,3 +624,22 @@ def test_a_failed_background_save_is_raised_by_wait_and_by_close(tmp_path):
         with CheckpointWriter(Flaky(str(tmp_path / "c")), chunk_size=4096) as w3:
             w3.save({"w": torch.randn(1000)}, 1)
             raise KeyError("mine")
+
+
+def test_diff_sees_nan_inf_and_large_ints_and_only_the_view_that_changed(tmp_path):
+    from solar.checkpoint.diff import diff
+
+    t = torch.ones(8)
+    t[3], t[5] = float("nan"), float("inf")
+    big = torch.tensor([2**53, 7], dtype=torch.int64)
+    buf = torch.zeros(2, 4096)
+    with CheckpointWriter(tmp_path, chunk_size=4096) as w:
+        w.save({"w": torch.ones(8), "ids": big, "a": buf[0], "b": buf[1]}, 1, blocking=True)
+        buf[0] += 1
+        w.save({"w": t, "ids": big + torch.tensor([1, 0]), "a": buf[0], "b": buf[1]}, 2, blocking=True)
+    rep = diff(f"{tmp_path}@1", f"{tmp_path}@2", values=True)
+    changed = {e["name"]: e for e in rep.changed}
+    assert set(changed) == {"w", "ids", "a"}  # b shares a's storage but did not change
+    assert changed["w"]["changed_elements"] == 2 and changed["w"]["max_rel"] == math.inf
+    assert changed["ids"]["changed_elements"] == 1 and changed["ids"]["max_abs"] == 1.0
+    assert [e["name"] for e in diff(f"{tmp_path}@1", f"{tmp_path}@2").changed] == ["w", "ids", "a"]

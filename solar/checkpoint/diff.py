@@ -211,6 +211,18 @@ def _align(ta: TensorTable, tb: TensorTable) -> tuple[TensorTable, TensorTable, 
 def _value_stats(ta: torch.Tensor, tb: torch.Tensor, atol: float, rtol: float) -> dict:
     a = ta.detach().cpu()
     b = tb.detach().cpu()
+    if not (a.is_floating_point() or a.is_complex() or b.is_floating_point() or b.is_complex()):
+        # integers compare exactly (float64 would merge values above 2**53)
+        a, b = a.to(torch.int64), b.to(torch.int64)
+        delta = (a - b).abs()
+        outside = delta.to(torch.float64) > (atol + rtol * b.abs().to(torch.float64))
+        rel = delta.to(torch.float64) / b.abs().to(torch.float64).clamp_min(1)
+        return {
+            "max_abs": float(delta.max()) if delta.numel() else 0.0,
+            "max_rel": float(rel.max()) if rel.numel() else 0.0,
+            "changed_elements": int(outside.sum()),
+            "elements": int(delta.numel()),
+        }
     if a.is_complex() or b.is_complex():
         a, b = torch.view_as_real(a.to(torch.complex128)), torch.view_as_real(b.to(torch.complex128))
     a = a.to(torch.float64)
@@ -219,9 +231,12 @@ def _value_stats(ta: torch.Tensor, tb: torch.Tensor, atol: float, rtol: float) -
     delta = (a - b).abs()
     delta = torch.where(both_nan | (a == b), torch.zeros_like(delta), delta)  # equal infinities, matching NaNs
     delta = torch.nan_to_num(delta, nan=math.inf)
-    outside = delta > (atol + rtol * b.abs())
+    # rtol * |b| is NaN for an infinite b with rtol = 0; an infinite delta (NaN or inf on one side
+    # only) is a change whatever the tolerance
+    outside = (delta > (atol + (rtol * b.abs() if rtol else 0.0))) | torch.isinf(delta)
     rel = delta / b.abs().clamp_min(torch.finfo(torch.float64).tiny)
     rel = torch.where(delta == 0, torch.zeros_like(rel), rel)
+    rel = torch.where(torch.isinf(delta), torch.full_like(rel, math.inf), rel)  # inf/inf would be NaN
     return {
         "max_abs": float(delta.max()) if delta.numel() else 0.0,
         "max_rel": float(rel.max()) if rel.numel() else 0.0,
@@ -257,9 +272,10 @@ def diff(a: "str | TensorTable", b: "str | TensorTable", *, values: bool = False
         ib = tb.tensors.get(name)
         if ib is None:
             continue
-        if not comparable or ia.exact != ib.exact:
-            # different chunkings, or a view inside a larger SOLAR blob against a tensor's own
-            # bytes: hash what is needed of the tensors themselves with B's chunking
+        if not comparable or not ia.exact or not ib.exact:
+            # different chunkings, or a view inside a larger SOLAR blob (tensors sharing storage):
+            # the blob's digests also cover the other views' bytes, so hash what is needed of the
+            # tensors themselves with B's chunking
             digest = hasher(tb.hash)
             if not comparable or not ia.exact:
                 ia = _tensor_info(ta.loader(name), tb.chunk_size, digest)
