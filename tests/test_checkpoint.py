@@ -643,3 +643,33 @@ def test_diff_sees_nan_inf_and_large_ints_and_only_the_view_that_changed(tmp_pat
     assert changed["w"]["changed_elements"] == 2 and changed["w"]["max_rel"] == math.inf
     assert changed["ids"]["changed_elements"] == 1 and changed["ids"]["max_abs"] == 1.0
     assert [e["name"] for e in diff(f"{tmp_path}@1", f"{tmp_path}@2").changed] == ["w", "ids", "a"]
+
+
+def test_a_restarted_writer_drains_what_a_dead_one_left_in_staging(tmp_path, monkeypatch):
+    from solar.checkpoint import writer as W
+
+    main, stage = tmp_path / "main", tmp_path / "stage"
+    w = CheckpointWriter(main, staging=stage)
+    w.save({"w": torch.full((10,), 1.0)}, 1, blocking=True)
+    monkeypatch.setattr(W.CheckpointWriter, "_drain_version", lambda self, step: (_ for _ in ()).throw(
+        OSError("killed before the drain")))
+    f2 = w.save({"w": torch.full((10,), 2.0)}, 2)
+    with pytest.raises(OSError, match="killed"):
+        f2.result()
+    w.close()
+    monkeypatch.undo()
+    assert list_versions(main) == [1] and list_versions(stage) == [1, 2]
+    with CheckpointWriter(main, staging=stage) as w:
+        w.save({"w": torch.full((10,), 3.0)}, 3, blocking=True)
+    assert list_versions(main) == [1, 2, 3]
+    assert torch.equal(load(main, 2)["w"], torch.full((10,), 2.0))
+
+
+def test_an_over_budget_save_leaves_no_chunks_behind(tmp_path):
+    w = CheckpointWriter(DiskTier(str(tmp_path), capacity_bytes=300_000), chunk_size=4096, keep_last=1)
+    w.save({"w": torch.randn(25_000)}, 1).result()
+    with pytest.raises(CheckpointError, match="budget"):
+        w.save({"w": torch.randn(100_000)}, 2).result()
+    w.save({"w": torch.randn(10)}, 3).result()  # fits once the failed save's chunks are gone
+    w.close()
+    assert list_versions(tmp_path) == [3] and verify(tmp_path).ok

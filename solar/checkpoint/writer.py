@@ -245,6 +245,13 @@ class CheckpointWriter:
         self._futures: list[Future] = []
         self._staged: list[Future] = []
         self._undrained: set[int] = set()  # staged versions whose drain to the main root is pending
+        if self._stage is not None:
+            # versions a killed writer committed to staging but never copied to the main root:
+            # drain them first (kept from staging's gc until they are), oldest first
+            behind = sorted(set(self._stage.store.versions()) - set(self._main.store.versions()))
+            self._undrained.update(behind)
+            for s in behind:
+                self._futures.append(_SaveFuture.following(self._drain.submit(self._drain_version, s)))
         self._closed = False
         self._mutex = threading.Lock()
 
@@ -368,7 +375,11 @@ class CheckpointWriter:
             m, written, nwritten, unchanged, new_trees, new_digests = self._write_chunks(sink, flat, host, step, meta)
         finally:
             self._pool.release(slot)
-        manifest_bytes = sink.store.put_manifest(m)
+        try:
+            manifest_bytes = sink.store.put_manifest(m)
+        except BaseException:
+            self._drop_orphans(sink, new_digests)
+            raise
         sink.known |= new_digests
         self._prev_trees, self._prev_step = new_trees, step
         with self._mutex:
@@ -414,7 +425,11 @@ class CheckpointWriter:
             new_trees[name] = levels
             first += len(leaves)
         wait_futures(list(pending.values()))
-        written = sum(f.result() for f in pending.values())  # raises the first write error
+        failed = [f.exception() for f in pending.values() if f.exception() is not None]
+        if failed:
+            self._drop_orphans(sink, [d for d, f in pending.items() if f.exception() is None])
+            raise failed[0]
+        written = sum(f.result() for f in pending.values())
         skeleton_digest = digest(json.dumps(flat.skeleton, sort_keys=True).encode())
         m = Manifest(
             step=step, hash=self.hash, chunk_size=cs, skeleton=flat.skeleton, tensors=flat.tensors, blobs=entries,
@@ -425,6 +440,18 @@ class CheckpointWriter:
         m.stats = {"logical_bytes": m.logical_bytes, "bytes_written": written, "chunks_total": m.nchunks,
                    "chunks_written": len(pending), "chunks_unchanged": unchanged}
         return m, written, len(pending), unchanged, new_trees, set(pending)
+
+    @staticmethod
+    def _drop_orphans(sink: _Sink, digests) -> None:
+        """Delete the chunks a failed save wrote: no manifest references them, and left behind
+        they would count against the root's byte budget until a full ``gc`` (which the running
+        writer's lock prevents), failing every later save of an over-budget root."""
+        for d in digests:
+            if d not in sink.known:
+                try:
+                    sink.store.delete_chunk(d)
+                except OSError:  # best effort: the next full gc removes what is left
+                    pass
 
     def _chain(self, local: Future) -> Future:
         """A future for the drain to the main root that starts once the local commit is done."""
