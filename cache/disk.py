@@ -60,7 +60,14 @@ def write_atomic(path: str, value: Any, *, fsync: bool = True) -> int:
     """
     view = _view(value)
     directory = os.path.dirname(path) or "."
+    created, d = [], directory
+    while d and not os.path.isdir(d):  # directories this write creates (e.g. a new chunks/xx/)
+        created.append(d)
+        d = os.path.dirname(d)
     os.makedirs(directory, exist_ok=True)
+    if fsync:  # a new directory's entry must reach the disk too, or the file in it can vanish
+        for c in created:
+            _fsync_dir(os.path.dirname(c) or ".")
     tmp = os.path.join(directory, f".{os.path.basename(path)}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -85,12 +92,16 @@ def write_atomic(path: str, value: Any, *, fsync: bool = True) -> int:
             ) from exc
         raise
     if fsync:
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        _fsync_dir(directory)
     return view.nbytes
+
+
+def _fsync_dir(directory: str) -> None:
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 class FileTier(Tier):

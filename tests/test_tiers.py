@@ -92,3 +92,23 @@ def test_fsspec_tier_local_rename_is_atomic(tmp_path):
     assert tier.rename_atomic
     tier.put("a/b", b"x" * 10)
     assert os.listdir(tmp_path / "f" / "a") == ["b"]
+
+
+def test_write_atomic_fsyncs_the_file_its_directory_and_every_directory_it_creates(tmp_path, monkeypatch):
+    from solar.cache import disk
+
+    synced = []
+    real_fsync = os.fsync
+
+    def spy(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(disk.os, "fsync", spy)
+    target = tmp_path / "chunks" / "ab" / "abcd"
+    disk.write_atomic(str(target), b"x" * 10)
+    assert str(tmp_path) in synced and str(tmp_path / "chunks") in synced  # new dirs' entries
+    assert str(tmp_path / "chunks" / "ab") in synced  # the renamed file's entry
+    synced.clear()
+    disk.write_atomic(str(tmp_path / "chunks" / "ab" / "abce"), b"y")
+    assert str(tmp_path / "chunks") not in synced  # nothing new created: only the file and its dir
