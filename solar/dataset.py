@@ -27,6 +27,7 @@ NOTE [ Collective-safe reads ]
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -143,6 +144,7 @@ class H5Dataset(Dataset):
         self.sieve_bytes = int(sieve_bytes)
         self.io_threads = int(io_threads)
         self._pool = None
+        self._pool_lock = threading.Lock()
         self._offsets: dict[str, np.ndarray] = {}
         self._checksums: dict[str, np.ndarray | None] = {}
         keys = set(self.backend.keys())
@@ -161,7 +163,12 @@ class H5Dataset(Dataset):
         state = self.__dict__.copy()
         state["_pool"] = None  # threads do not cross processes; a worker makes its own if it reads
         state.pop("_clones", None)
+        state.pop("_pool_lock", None)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pool_lock = threading.Lock()
 
     def close(self) -> None:
         """Close this process's storage handles (collective on parallel HDF5: call it on every rank)."""
@@ -236,18 +243,21 @@ class H5Dataset(Dataset):
         r = np.searchsorted(starts, lo, side="right") - 1
         pieces = np.stack([ranges[r, 0] + lo - starts[r], ranges[r, 0] + hi - starts[r]], axis=1)
         first = np.searchsorted(lo, cut)  # each thread's first piece
-        if self._pool is None:
-            import pickle
-            from concurrent.futures import ThreadPoolExecutor
+        # One split read at a time per dataset: the clones' handles (an fsspec file's position)
+        # must not be shared by two readers, e.g. two loaders or iterators over one dataset.
+        with self._pool_lock:
+            if self._pool is None:
+                import pickle
+                from concurrent.futures import ThreadPoolExecutor
 
-            self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="solar-io")
-            # One backend per request thread (unpickled copies open their own handles): handles and
-            # per-backend counters are then never shared between threads.
-            self._clones = [pickle.loads(pickle.dumps(self.backend)) for _ in range(self.io_threads)]
-        futs = [self._pool.submit(self._clones[i].read_ranges, key, pieces[a:b], out[cut[i]:cut[i + 1]])
-                for i, (a, b) in enumerate(zip(first[:-1], first[1:])) if b > a]
-        for f in futs:
-            f.result()
+                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="solar-io")
+                # One backend per request thread (unpickled copies open their own handles): handles
+                # and per-backend counters are then never shared between threads.
+                self._clones = [pickle.loads(pickle.dumps(self.backend)) for _ in range(self.io_threads)]
+            futs = [self._pool.submit(self._clones[i].read_ranges, key, pieces[a:b], out[cut[i]:cut[i + 1]])
+                    for i, (a, b) in enumerate(zip(first[:-1], first[1:])) if b > a]
+            for f in futs:
+                f.result()
         return out
 
     def _read_field(self, spec: FieldSpec, rows: np.ndarray) -> list[np.ndarray] | np.ndarray:
