@@ -197,3 +197,99 @@ def test_console_scripts(root):
     assert [v["step"] for v in json.loads(out.stdout)["versions"]] == [10, 20, 30]
     out = subprocess.run([os.path.join(BIN, "solar"), "ckpt", "diff", f"{path}@10", f"{path}@20"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "model.w" in out.stdout, out.stderr
+
+
+# -- bad input and bad output paths: one line naming the file, exit 2 (1 means "differences found") --
+
+def _one_line_error(code, err, *names):
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    for name in names:
+        assert str(name) in err, err
+
+
+def test_diff_damaged_safetensors_names_the_file_exit_2(root, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    path, state = root
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"garbage\n")
+    save_file({"w": state["model"]["w"].clone()}, tmp_path / "good.safetensors")
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes((tmp_path / "good.safetensors").read_bytes()[:-100])
+    for bad in (garbage, truncated):
+        code, _out, err = run_cli(capsys, "diff", f"{path}@10", bad, "--exit-code")
+        _one_line_error(code, err, bad)
+        code, _out, err = run_cli(capsys, "diff", bad, f"{path}@10")
+        _one_line_error(code, err, bad)
+
+
+@pytest.mark.parametrize("output", ["nodir/x.pt", "nodir/x.safetensors", "adir", "adir/"])
+@pytest.mark.parametrize("command", ["restore", "export"])
+def test_restore_to_a_bad_output_path_exit_2(root, tmp_path, capsys, command, output):
+    path, _ = root
+    (tmp_path / "adir").mkdir()
+    target = os.path.join(tmp_path, output)
+    code, _out, err = run_cli(capsys, command, f"{path}@30", "-o", target)
+    _one_line_error(code, err, target.rstrip("/"))
+    assert not (tmp_path / "nodir").exists() and os.listdir(tmp_path / "adir") == []
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_export_of_a_dtype_safetensors_cannot_store_names_the_tensor(tmp_path, capsys):
+    state = {"model": {"c": torch.randn(3, dtype=torch.complex64).to(torch.complex32), "w": torch.ones(2)}}
+    with CheckpointWriter(tmp_path / "ck", chunk_size=4 * KB) as wr:
+        wr.save(state, 1)
+    out = tmp_path / "c.safetensors"
+    code, _out, err = run_cli(capsys, "export", f"{tmp_path / 'ck'}@1", "-o", out)
+    _one_line_error(code, err, out, "'model.c'", "complex32")
+    assert not out.exists() and not [n for n in os.listdir(tmp_path) if ".tmp" in n]
+    code, _out, err = run_cli(capsys, "restore", f"{tmp_path / 'ck'}@1", "-o", tmp_path / "c.pt")  # the advice works
+    assert code == 0, err
+    assert torch.load(tmp_path / "c.pt", weights_only=True)["model"]["c"].dtype == torch.complex32
+
+
+def test_a_failing_output_write_is_one_line_exit_2(root, tmp_path, capsys, monkeypatch):
+    import errno
+
+    path, _ = root
+
+    def full_disk(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    code, _out, err = run_cli(capsys, "restore", f"{path}@30", "-o", tmp_path / "r.pt")
+    _one_line_error(code, err, tmp_path / "r.pt", "No space left")
+    assert os.listdir(tmp_path) == ["ck"]
+
+
+def test_log_json_is_strict_json_when_a_version_writes_nothing(tmp_path, capsys):
+    state = {"w": torch.ones(10)}
+    with CheckpointWriter(tmp_path / "ck", chunk_size=4 * KB) as wr:
+        wr.save(state, 1)
+        wr.save(state, 2)  # every chunk de-duplicated: 0 bytes written, an infinite ratio
+
+    def reject(token):
+        raise AssertionError(f"invalid JSON token {token}")
+
+    code, out, _ = run_cli(capsys, "log", tmp_path / "ck", "--json")
+    data = json.loads(out, parse_constant=reject)
+    assert code == 0 and data["versions"][1]["bytes_written"] == 0 and data["versions"][1]["dedup_ratio"] is None
+    assert data["versions"][0]["dedup_ratio"] == 1.0
+    code, out, _ = run_cli(capsys, "log", tmp_path / "ck")
+    assert code == 0 and "inf" in out.splitlines()[2]
+
+
+def test_diff_json_is_strict_json_when_values_become_inf_or_nan(tmp_path, capsys):
+    import json
+
+    from solar.checkpoint import CheckpointWriter
+
+    t = torch.ones(8)
+    t[3] = float("nan")
+    with CheckpointWriter(tmp_path, chunk_size=4096) as w:
+        w.save({"w": torch.ones(8)}, 1, blocking=True)
+        w.save({"w": t}, 2, blocking=True)
+    main(["diff", f"{tmp_path}@1", f"{tmp_path}@2", "--values", "--json"])
+    out = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert out["changed"][0]["max_abs"] is None and out["changed"][0]["changed_elements"] == 1

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 from typing import Any
 
-from solar.errors import SolarError
+from solar.errors import CheckpointError, InputError, SolarError
 from solar.fileio import write_atomic
 
 __all__ = ["main", "configure", "run"]
@@ -32,8 +34,23 @@ def _table(head: list[str], rows: list[list[Any]]) -> str:
     return table(head, rows)
 
 
+def _strict(obj: Any) -> Any:
+    """``obj`` with non-finite floats as ``None``: JSON has no Infinity or NaN (``json.dumps`` would
+    write them anyway, and strict parsers reject them)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
+
+
 def _emit(args, payload: Any, text: str) -> None:
-    print(json.dumps(payload, indent=2, default=str) if getattr(args, "json", False) else text)
+    if getattr(args, "json", False):
+        print(json.dumps(_strict(payload), indent=2, default=str, allow_nan=False))
+    else:
+        print(text)
 
 
 def _ref(ref: str) -> tuple[str, int | None]:
@@ -62,13 +79,15 @@ def cmd_log(args) -> int:
         written = int(m.stats.get("bytes_written", 0))
         total_logical += m.logical_bytes
         total_written += written
-        ratio = m.logical_bytes / written if written else float("inf")
+        # nothing new written means an infinite ratio; JSON has no Infinity (json.dumps would emit an
+        # invalid token that strict parsers reject), so --json says null and the table says "inf"
+        ratio = m.logical_bytes / written if written else None
         out.append({"step": m.step, "complete": True, "created": m.created, "tensors": len(m.tensors),
                     "logical_bytes": m.logical_bytes, "bytes_written": written, "chunks": m.nchunks,
                     "chunks_written": m.stats.get("chunks_written"), "dedup_ratio": ratio, "root": m.root})
         rows.append([m.step, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created)), len(m.tensors),
                      _bytes(m.logical_bytes), _bytes(written), f"{m.stats.get('chunks_written', '?')}/{m.nchunks}",
-                     "inf" if ratio == float("inf") else f"{ratio:.1f}x"])
+                     "inf" if ratio is None else f"{ratio:.1f}x"])
     summary = {"root": store.root, "versions": out, "logical_bytes": total_logical, "bytes_written": total_written,
                "dedup_ratio": total_logical / total_written if total_written else None}
     text = _table(["step", "created", "tensors", "logical", "written", "new chunks", "dedup"], rows)
@@ -80,9 +99,29 @@ def cmd_log(args) -> int:
     return 0
 
 
+def _check_safetensors_input(path: str) -> None:
+    """Read the header of a ``.safetensors`` input so a damaged one is reported by name.
+
+    The safetensors reader raises its own ``SafetensorError`` (no built-in base, no file name), which
+    would otherwise escape as a traceback with exit 1, the code that means "checkpoints differ".
+    """
+    if not (str(path).endswith(".safetensors") and os.path.isfile(path)):
+        return
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            f.keys()
+    except SafetensorError as exc:
+        raise InputError(f"{path}: cannot read as a .safetensors file ({exc}); the file is damaged or not "
+                         f"safetensors: re-export or re-download it, or compare a .pt, ROOT@STEP or DCP checkpoint") from exc
+
+
 def cmd_diff(args) -> int:
     from .diff import diff, format_report
 
+    for ref in (args.a, args.b):
+        _check_safetensors_input(ref)
     rep = diff(args.a, args.b, values=args.values, atol=args.atol, rtol=args.rtol)
     _emit(args, rep.to_json(), format_report(rep))
     return 1 if args.exit_code and not rep.identical else 0
@@ -152,16 +191,60 @@ def cmd_verify(args) -> int:
     return 0 if rep.ok else 1
 
 
+def _check_output(path: str) -> None:
+    """Fail before reading anything if ``path`` cannot become a file.
+
+    Otherwise torch.save, safetensors and the atomic rename each fail in their own way (RuntimeError,
+    SafetensorError, IsADirectoryError) only after the whole version was read, as a traceback.
+    """
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
+        raise InputError(f"output {path} is a directory; give a file path such as "
+                         f"{os.path.join(path, 'checkpoint.pt')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise InputError(f"output {path}: {parent} {what}; create the directory (mkdir -p {parent}) or choose another -o path")
+    if not os.access(parent, os.W_OK):
+        raise InputError(f"output {path}: directory {parent} is not writable; fix its permissions or choose another -o path")
+
+
+def _write_output(path: str, write) -> None:
+    """``write_atomic`` with failures of the write itself (disk full, I/O error) named by path."""
+    from safetensors import SafetensorError
+
+    try:
+        write_atomic(path, write)
+    except (OSError, RuntimeError, SafetensorError) as exc:  # torch.save reports I/O as RuntimeError
+        raise CheckpointError(f"cannot write {path} ({exc}); check free space and permissions there; "
+                              f"nothing was written") from exc
+
+
+def _safetensors_dtypes() -> set:
+    """The torch dtypes this safetensors version can write (complex32 and complex128 are not among them)."""
+    import torch
+    import safetensors.torch as st
+
+    sizes = getattr(st, "_SIZE", None)  # save_file looks dtypes up in this table (a KeyError otherwise)
+    if isinstance(sizes, dict):
+        return {d for d in sizes if d is not None}
+    return {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+            torch.int16, torch.int8, torch.uint8, torch.bool}
 
 
 def _export_safetensors(reader, path: str) -> int:
     from safetensors.torch import save_file
 
-    from .flatten import materialize
+    from .flatten import DTYPES, materialize
 
     from tqdm import tqdm
 
     m = reader.manifest
+    supported = _safetensors_dtypes()
+    for ref in m.tensors:  # before reading any chunk: safetensors would fail with a bare KeyError
+        if DTYPES[ref.dtype] not in supported:
+            raise InputError(f"cannot export step {m.step} to {path}: tensor {ref.name!r} has dtype {ref.dtype}, "
+                             f"which safetensors cannot store; restore it as a .pt file instead "
+                             f"(-o FILE.pt or --format pt keeps every dtype), or cast the tensor before saving")
     buffers = {}
     tensors = {}
     for ref in tqdm(m.tensors, desc=f"export step {m.step}", unit="tensor", leave=False, disable=None):
@@ -170,7 +253,7 @@ def _export_safetensors(reader, path: str) -> int:
         (t,) = materialize([ref], buffers)
         tensors[ref.name] = t.detach().contiguous().clone()  # safetensors refuses shared or strided storage
     metadata = {"solar_step": str(m.step), "solar_root": m.root, "solar_skeleton": json.dumps(m.skeleton)}
-    write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    _write_output(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     return len(tensors)
 
 
@@ -179,6 +262,7 @@ def cmd_restore(args) -> int:
 
     from .loader import Reader
 
+    _check_output(args.output)
     root, step = _ref(args.ref)
     reader = Reader(root, step)
     fmt = args.format or ("safetensors" if args.output.endswith(".safetensors") else "pt")
@@ -187,7 +271,7 @@ def cmd_restore(args) -> int:
         print(f"wrote {n} tensors of step {reader.manifest.step} to {args.output} (safetensors)")
         return 0
     state = reader.state_dict(map_location="cpu", progress=True)
-    write_atomic(args.output, lambda tmp: torch.save(state, tmp))
+    _write_output(args.output, lambda tmp: torch.save(state, tmp))
     print(f"wrote step {reader.manifest.step} to {args.output} (torch.save)")
     return 0
 

@@ -10,11 +10,17 @@ its views actually touch, so a small view of a huge buffer does not drag the who
 The skeleton is plain JSON (tagged objects for tuples, non-string dict keys, non-finite floats,
 dtypes, devices, bytes), so manifests can be read and diffed without unpickling anything; values
 JSON cannot express fall back to a base64 pickle, which is only unpickled by :func:`unflatten`.
+Subclasses of ``int`` and ``str`` (``IntEnum``, ``StrEnum``, ``IntFlag`` members) take that pickle
+path too, so they come back as themselves rather than as plain numbers and strings. ``float``
+subclasses (``numpy.float64``) are stored as plain JSON floats and come back as ``float``: a numpy
+pickle would tie the manifest to a numpy version and hide the number from ``solar-ckpt show``.
+A value that cannot be pickled (a lambda, a lock, an open file) is refused with its key path.
 """
 
 from __future__ import annotations
 
 import base64
+import enum
 import math
 import pickle
 from collections import OrderedDict
@@ -137,7 +143,8 @@ def flatten(state: Any) -> Flat:
     """Split ``state`` into a JSON skeleton, tensor references and the distinct storage spans.
 
     Raises:
-        InputError: a tensor cannot be saved (sparse, quantized, meta, unsupported dtype).
+        InputError: a tensor cannot be saved (sparse, quantized, meta, unsupported dtype), or a
+            non-tensor value cannot be pickled (a lambda, a lock ...).
     """
     tensors: list[TensorRef] = []
     groups: dict[tuple, list[tuple[int, torch.Tensor, int, int]]] = {}
@@ -164,9 +171,9 @@ def flatten(state: Any) -> Flat:
                                      isinstance(obj, torch.nn.Parameter), bool(obj.requires_grad)))
             groups.setdefault(key, []).append((idx, t, lo, hi))
             return {"__tensor__": idx}
-        if obj is None or isinstance(obj, (bool, int, str)):
+        if obj is None or type(obj) in (bool, int, str):  # exact types: IntEnum etc. are pickled below
             return obj
-        if isinstance(obj, float):
+        if isinstance(obj, float) and not isinstance(obj, enum.Enum):
             return obj if math.isfinite(obj) else {"__float__": repr(obj)}
         if isinstance(obj, torch.dtype):
             return {"__dtype__": dtype_name(obj)}
@@ -182,10 +189,18 @@ def flatten(state: Any) -> Flat:
         if isinstance(obj, dict) and type(obj) in (dict, OrderedDict):
             tag = "__odict__" if type(obj) is OrderedDict else "__dict__"
             pairs = [[enc(k, ""), enc(v, f"{path}.{k}" if path else str(k))] for k, v in obj.items()]
-            if tag == "__dict__" and all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            if tag == "__dict__" and all(type(k) is str and not k.startswith("__") for k in obj):
                 return {k: v for (k, _), (_, v) in zip(obj.items(), pairs)}
             return {tag: pairs}
-        return {"__pickle__": base64.b64encode(pickle.dumps(obj)).decode()}
+        try:
+            data = pickle.dumps(obj)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:  # lambda / lock / local class
+            where = f"key {path!r}" if path else "the state itself"
+            raise InputError(
+                f"cannot save {where}: a {type(obj).__module__}.{type(obj).__qualname__} value cannot be pickled "
+                f"({exc}); drop it from the state dict, or convert it to a plain value (number, string, list, "
+                f"dict, tensor) and rebuild it after load") from exc
+        return {"__pickle__": base64.b64encode(data).decode()}
 
     skeleton = enc(state, "")
     blobs: list[BlobSource] = []
@@ -215,7 +230,7 @@ def materialize(refs: list[TensorRef], blob_buffers: "list[torch.Tensor] | dict[
         t.set_(buf.untyped_storage(), (buf.storage_offset() + ref.offset) // dtype.itemsize, ref.shape, ref.stride)
         if ref.parameter:
             t = torch.nn.Parameter(t, requires_grad=ref.requires_grad)
-        elif ref.requires_grad and t.is_floating_point():
+        elif ref.requires_grad and (t.is_floating_point() or t.is_complex()):  # only these dtypes take grads
             t.requires_grad_(True)
         out.append(t)
     return out

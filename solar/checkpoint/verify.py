@@ -79,17 +79,18 @@ def verify(root, step: int | None = None, *, progress: bool = False, storage_opt
     view = memoryview(bytearray(max((v[0] for v in where.values()), default=0)))
     fns = {h: hasher(h) for h in {v[2] for v in where.values()}}
     for d, (size, uses, hname) in where.items():
+        detail = None
         try:
             n = store.tier.read_into(chunk_key(d), view)
-        except ValueError:
-            n = -1
-        detail = None
-        if n is None:
-            detail = "missing"
-        elif n != size:
-            detail = f"has {n} B, expected {size} B"
-        elif fns[hname](view[:n]) != d:
-            detail = "content does not match its hash"
+        except ValueError:  # tiers refuse a value bigger than the buffer (sized for the largest chunk)
+            detail = f"larger than expected ({size} B)"
+        else:
+            if n is None:
+                detail = "missing"
+            elif n != size:
+                detail = f"has {n} B, expected {size} B"
+            elif fns[hname](view[:n]) != d:
+                detail = "content does not match its hash"
         report.chunks_checked += 1
         report.bytes_checked += size
         if bar is not None:
