@@ -60,6 +60,7 @@ def test_public_api_contract():
     ({"rel_error": float("nan")}, ">= 0"),
     ({"abs_error": float("inf")}, ">= 0"),
     ({"abs_error": "big"}, "number"),
+    ({"abs_error": 10**400}, "finite number"),  # an int beyond float range
 ])
 def test_bad_bounds_raise_config_error(kwargs, match):
     with pytest.raises(ConfigError, match=match):
@@ -81,6 +82,42 @@ def test_bad_inputs_raise_config_error():
         sc.decode(sc.encode(np.zeros(4, np.float32), abs_error=1), out=torch.empty(5))
     with pytest.raises(ConfigError, match="bytes-like"):
         sc.decode_batch([123])
+    blob = sc.encode(np.zeros(4, np.float32), abs_error=1)
+    with pytest.raises(ConfigError, match="float32 or float64 data, got a torch.bfloat16 tensor"):
+        sc.encode(torch.zeros(4, dtype=torch.bfloat16), abs_error=1)
+    with pytest.raises(ConfigError, match="torch.Tensor"):
+        sc.decode(blob, out=np.empty(4, np.float32))
+    with pytest.raises(ConfigError, match="must not require grad"):
+        sc.decode(blob, out=torch.empty(4, requires_grad=True))
+    with pytest.raises(ConfigError, match="bytes-like"):
+        sc.header_info("abc")
+    with pytest.raises(ConfigError, match="Python objects"):
+        sc.header_info(np.array([b"x"], dtype=object))
+
+
+def test_blob_forms_and_out_identity():
+    x = np.linspace(0, 1, 24, dtype=np.float32).reshape(2, 12)
+    blob = sc.encode(x, abs_error=1e-3)
+    spaced = np.zeros(2 * len(blob), np.uint8)
+    spaced[::2] = np.frombuffer(blob, np.uint8)
+    strided = memoryview(spaced)[::2]  # a non-contiguous memoryview of the blob's bytes
+    assert sc.header_info(strided).shape == (2, 12)
+    assert torch.equal(sc.decode(strided), sc.decode(blob))
+    out = torch.empty(2, 12)
+    assert sc.decode(blob, out=out) is out  # out= is returned itself, not a view of it
+
+
+def test_a_huge_dimension_beside_a_zero_is_corrupt_data():
+    """shape (0, 2**63) has 0 elements, so the size check alone let it through."""
+    from solar.codec.header import pack_header, read_header
+
+    b0 = sc.encode(np.zeros((0, 3), np.float32), abs_error=1e-3)
+    h = read_header(b0)
+    payload = bytes(b0[h.payload_offset:])
+    forged = pack_header(h.descriptor, h.dtype, (0, 2**63), h.abs_error, h.meta, payload) + payload
+    for fn in (sc.header_info, sc.decode, lambda b: sc.decode_batch([b])):
+        with pytest.raises(CorruptDataError, match="larger than any blob"):
+            fn(forged)
 
 
 def test_device_argument_forms():
@@ -272,3 +309,14 @@ def test_sparse_sections_of_a_group_are_placed_and_checked_together():
         for group in ([items[0]], []):
             with pytest.raises(CorruptDataError, match=f"^sample 7: .*{why}"):
                 _sparse_group(group + [(forged, "none", len(deltas), "sample 7", 1)], np.dtype("<i8"), n)
+
+
+def test_a_signalling_nan_encodes_without_warnings_and_comes_back_exact():
+    import warnings
+
+    x = np.ones(8, np.float32)
+    x.view(np.uint32)[3] = 0x7FA00000  # a signalling NaN: casting it to float64 raises "invalid"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = sc.decode(sc.encode(x, abs_error=1e-3)).numpy()
+    assert y.view(np.uint32)[3] == 0x7FA00000

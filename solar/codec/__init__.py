@@ -61,6 +61,10 @@ def _as_array(array) -> np.ndarray:
         import torch
 
         if isinstance(array, torch.Tensor):
+            if array.dtype not in (torch.float32, torch.float64):
+                raise ConfigError(
+                    f"solar.codec.encode needs float32 or float64 data, got a {array.dtype} tensor; cast "
+                    "first (e.g. tensor.float()) or store the field raw")
             array = array.detach().cpu().numpy()
     except ImportError:  # pragma: no cover
         pass
@@ -94,19 +98,28 @@ def encode(array, *, abs_error: float | None = None, rel_error: float | None = N
     return get_codec(codec).encode(x, eb)
 
 
-def _parse(blob, what: str) -> Parsed:
+def _as_blob(blob, what: str):
+    """``blob`` as a contiguous bytes-like object, or a ConfigError saying what was passed."""
     if not isinstance(blob, (bytes, bytearray, memoryview, np.ndarray)):
         raise ConfigError(f"{what}: expected bytes-like codec blob, got {type(blob).__name__}")
     if isinstance(blob, np.ndarray):
-        blob = np.ascontiguousarray(blob).view(np.uint8).reshape(-1)
+        if blob.dtype.hasobject:
+            raise ConfigError(f"{what}: expected the blob's bytes, got a numpy array of Python objects")
+        return np.ascontiguousarray(blob).view(np.uint8).reshape(-1)
+    if isinstance(blob, memoryview) and not blob.contiguous:
+        return blob.tobytes()
+    return blob
+
+
+def _parse(blob, what: str) -> Parsed:
+    blob = _as_blob(blob, what)
     header = read_header(blob, what)
     return Parsed(header, payload_of(blob, header, what), what)
 
 
 def header_info(blob) -> HeaderInfo:
     """Descriptor, dtype, shape and bound of ``blob`` (header checksum verified, payload not)."""
-    if isinstance(blob, np.ndarray):
-        blob = np.ascontiguousarray(blob).view(np.uint8).reshape(-1)
+    blob = _as_blob(blob, "codec blob")
     h: Header = read_header(blob)
     return HeaderInfo(h.descriptor, h.codec, h.version, h.dtype, h.shape, h.abs_error, h.nbytes, h.blob_len)
 
@@ -132,7 +145,8 @@ def decode(blob, *, device="cpu", out=None, compile: bool | None = None):
     p = _parse(blob, "codec blob")
     _check_out(out, p.header, device)
     with fused.use(compile):
-        return _codec_for(p).decode_group([p], device, None if out is None else out.view((1,) + p.header.shape))[0]
+        x = _codec_for(p).decode_group([p], device, None if out is None else out.view((1,) + p.header.shape))[0]
+    return x if out is None else out
 
 
 def _check_out(out, h: Header, device) -> None:
@@ -143,6 +157,10 @@ def _check_out(out, h: Header, device) -> None:
     from .torch_ops import TORCH_DTYPES
 
     want = TORCH_DTYPES[h.dtype.itemsize]
+    if not isinstance(out, torch.Tensor):
+        raise ConfigError(f"out= must be a torch.Tensor ({want}, shape {h.shape}), got {type(out).__name__}")
+    if out.requires_grad:
+        raise ConfigError("out= must not require grad (decoding writes into it in place); pass out.detach()")
     dev = torch.device(device)
     same_device = out.device.type == dev.type and (dev.index is None or out.device.index == dev.index)
     if tuple(out.shape) != h.shape or out.dtype != want or not same_device or not out.is_contiguous():

@@ -215,7 +215,9 @@ def _static_problem(desc_raw: bytes, dtype_code: int, shape: tuple, abs_error: f
         return "", f"malformed codec descriptor {desc_raw!r}"
     if dtype_code not in DTYPES:
         return descriptor, f"unknown dtype code {dtype_code}"
-    if math.prod(shape) > MAX_ELEMENTS:
+    # every dimension on its own too: with a 0 among them the product passes, but a later
+    # reshape or allocation of the huge one would not
+    if math.prod(shape) > MAX_ELEMENTS or any(d > MAX_ELEMENTS for d in shape):
         return descriptor, f"header declares shape {tuple(shape)}, larger than any blob SOLAR writes"
     if not (abs_error >= 0.0 and math.isfinite(abs_error)):
         return descriptor, f"invalid error bound {abs_error!r} in header"

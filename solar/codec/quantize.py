@@ -31,8 +31,8 @@ def resolve_bound(x: np.ndarray, abs_error, rel_error) -> float:
     name, val = ("abs_error", abs_error) if abs_error is not None else ("rel_error", rel_error)
     try:
         val = float(val)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name} must be a number, got {val!r}") from None
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float range
+        raise ConfigError(f"{name} must be a finite number >= 0, got {val!r}") from None
     if not (math.isfinite(val) and val >= 0):
         raise ConfigError(f"{name} must be a finite number >= 0, got {val!r}")
     if abs_error is not None:
@@ -81,9 +81,9 @@ def within_bound(x: np.ndarray, y: np.ndarray, eb: float) -> np.ndarray:
     float64, so ``|s| < eb`` implies ``|x - y| < eb`` and ``|s| > eb`` implies ``|x - y| > eb``.
     Only ``|s| == eb`` is ambiguous; those few pairs get an error-free difference (Knuth TwoSum).
     """
-    a = x.astype(np.float64, copy=False)
-    b = y.astype(np.float64, copy=False)
-    with np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):  # (a signalling NaN warns in the casts too)
+        a = x.astype(np.float64, copy=False)
+        b = y.astype(np.float64, copy=False)
         s = a - b
         mag = np.abs(s)
         ok = mag < eb
