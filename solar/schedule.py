@@ -56,6 +56,7 @@ __all__ = ["PlanConfig", "EpochPlan", "Planner", "global_order", "sampler_num_sa
            "capacity_for_bytes", "POLICIES"]
 
 POLICIES = ("solar", "lru", "fifo")
+INT64_MAX = 2**63 - 1
 
 
 def sampler_num_samples(n: int, world_size: int, drop_last: bool) -> int:
@@ -170,6 +171,14 @@ class PlanConfig:
         if not isinstance(C, (int, np.integer)) or C < 0:
             raise ConfigError(f"buffer capacity must be >= 0 samples per rank, got {C!r}; "
                               "pass 0 to disable the buffer")
+        # plans index int64 arrays with these, and torch seeds its generator with seed + epoch
+        for name, value in (("num_samples", N), ("world_size", P), ("batch_size", b), ("buffer capacity", C)):
+            if value > INT64_MAX:
+                raise ConfigError(f"{name} must be at most 2**63-1 (int64), got {value}; use a realistic size")
+        seed = self.seed
+        if not isinstance(seed, (int, np.integer)) or not -INT64_MAX - 1 <= seed <= INT64_MAX:
+            raise ConfigError(f"seed must be an integer in [-2**63, 2**63-1] (int64, so that seed + epoch stays within "
+                              f"what torch.Generator.manual_seed accepts), got {seed!r}; use a smaller seed")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.drop_last and N < P:

@@ -68,3 +68,13 @@ def test_info_names_the_mpi_library_without_initializing_mpi_here(capsys):
     assert lib and "\x00" not in lib and "MPI" in lib
     mpi_mod = sys.modules.get("mpi4py.MPI")
     assert mpi_mod is None or not mpi_mod.Is_initialized()
+
+
+def test_bench_without_a_name_reports_only_the_name(capsys):
+    try:
+        rc = main(["bench"])
+    except SystemExit as exc:
+        rc = exc.code
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.strip().splitlines()[-1] == "solar bench: error: the following arguments are required: name"

@@ -79,3 +79,103 @@ def test_golden_plan_is_stable(tmp_path, capsys):
     golden = json.loads((FIXTURES / "plan-v1-N40-P2-b4-C6-s3.json").read_text())
     assert json.loads(dump.read_text()) == golden
     assert check_dump(golden, capacity=6, batch_size=4)["hits"] > 0
+
+
+def _run_plan(capsys, *args):
+    rc = main(["plan", "--samples", "10", "--batch-size", "3", "--buffer", "5", *args])
+    return rc, capsys.readouterr()
+
+
+@pytest.mark.parametrize("option, where", [
+    ("--dump", "missing/x.json"), ("--dump", "dir/"), ("--dump", "dir"),
+    ("--plot", "missing/x.png"), ("--plot", "dir/"),
+])
+def test_bad_output_paths_are_refused_before_planning(capsys, tmp_path, option, where):
+    (tmp_path / "dir").mkdir()
+    path = str(tmp_path / where) + ("/" if where.endswith("/") else "")
+    rc, out = _run_plan(capsys, option, path)
+    assert rc == 2 and out.out == ""
+    err = out.err.strip()
+    assert "\n" not in err and err.startswith(f"solar plan: {option} ")
+    assert ("is a directory" in err) if "dir" in where else ("does not exist" in err and "mkdir -p" in err)
+
+
+def test_a_failed_write_is_one_line(capsys, tmp_path, monkeypatch):
+    import errno
+
+    from solar.cli import plan
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(plan, "write_text_atomic", full)
+    rc, out = _run_plan(capsys, "--dump", str(tmp_path / "plan.json"))
+    assert rc == 1
+    assert out.err.strip() == (f"solar plan: cannot write --dump {tmp_path / 'plan.json'} (No space left on device); "
+                               f"check free space and permissions there; {tmp_path / 'plan.json'} was not written")
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--seed", "99999999999999999999"], "seed must be an integer in [-2**63, 2**63-1]"),
+    (["--seed", str(-2**63 - 1)], "seed must be an integer"),
+    (["--buffer", "99999999999999999999"], "buffer capacity must be at most 2**63-1"),
+    (["--samples", "99999999999999999999"], "num_samples must be at most 2**63-1"),
+    (["--batch-size", "99999999999999999999"], "batch_size must be at most 2**63-1"),
+    (["--world-size", "99999999999999999999"], "world_size must be at most 2**63-1"),
+])
+def test_out_of_range_numbers_are_config_errors(capsys, args, match):
+    rc, out = _run_plan(capsys, *args)
+    assert rc == 2 and out.err.strip() == out.err.strip().splitlines()[0]
+    assert match in out.err
+
+
+def test_extreme_int64_seeds_still_plan(capsys):
+    from solar.errors import ConfigError
+    from solar.schedule import PlanConfig
+
+    for seed in (2**63 - 1, -2**63, -1):
+        rc, out = _run_plan(capsys, "--seed", str(seed), "--json")
+        assert rc == 0, out.err
+    with pytest.raises(ConfigError, match="seed"):
+        PlanConfig(10, seed=2**64 - 1)
+
+
+def test_plan_larger_than_memory_is_refused_before_allocating(capsys, monkeypatch, tmp_path):
+    from solar.cli import plan
+    from solar.schedule import Planner
+
+    def boom(self, config):
+        raise AssertionError("the planner must not be built")
+
+    monkeypatch.setattr(Planner, "__init__", boom)
+    rc, out = _run_plan(capsys, "--samples", "100000000000", "--batch-size", "1", "--buffer", "1", "--epochs", "1")
+    assert rc == 2 and "GiB of memory" in out.err and "use fewer --samples (N=100000000000)" in out.err
+    monkeypatch.setattr(plan, "available_memory", lambda: 2**30)
+    rc, out = _run_plan(capsys, "--samples", "10", "--batch-size", "1", "--world-size", str(2**40))
+    assert rc == 2 and "use a smaller --world-size" in out.err
+    rc, out = _run_plan(capsys, "--samples", "5000000", "--plot", str(tmp_path / "hits.png"))
+    assert rc == 2 and "leave out --plot" in out.err and "\n" not in out.err.strip()
+
+
+def test_plan_that_fits_is_not_refused(capsys, monkeypatch):
+    from solar.cli import plan
+
+    monkeypatch.setattr(plan, "available_memory", lambda: None)  # unknown: never refuse
+    assert _run_plan(capsys, "--json")[0] == 0
+    monkeypatch.setattr(plan, "available_memory", lambda: 2**30)
+    assert _run_plan(capsys, "--json")[0] == 0
+
+
+@pytest.mark.parametrize("epochs", ["0", "-1"])
+def test_zero_epochs_is_a_usage_error(capsys, epochs):
+    rc, out = _run_plan(capsys, "--epochs", epochs)
+    assert rc == 2 and out.err.strip() == f"solar plan: --epochs must be >= 1, got {epochs}"
+
+
+def test_one_epoch_has_no_hit_rate_to_report(capsys):
+    """The reported hit rate is that of epochs >= 2 (docs/loader.md); with one epoch there is none."""
+    rc, out = _run_plan(capsys, "--epochs", "1", "--json")
+    rep = json.loads(out.out)
+    assert rc == 0 and rep["hit_rate"] is None and len(rep["epochs"]) == 1
+    rc, out = _run_plan(capsys, "--epochs", "1")
+    assert rc == 0 and "hit rate (epochs >= 2): n/a" in out.out

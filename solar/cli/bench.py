@@ -29,7 +29,8 @@ def available() -> list[str]:
 def configure(parser: argparse.ArgumentParser) -> None:
     names = available()
     parser.add_argument("name", help=f"benchmark to run: {', '.join(names) or 'none found'}, or 'all'")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="passed to bench/<name>/run.py")
+    rest = parser.add_argument("args", nargs=argparse.REMAINDER, help="passed to bench/<name>/run.py")
+    rest.required = False  # argparse marks a REMAINDER positional required; it may be empty
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -19,6 +20,12 @@ from solar.schedule import POLICIES
 
 #: A dump holds one [index, hit] pair per access; above this many accesses it is refused.
 MAX_DUMP_ACCESSES = 2_000_000
+
+#: Peak bytes one plan holds, per sample of the dataset and per position of the padded epoch
+#: order, by policy (measured ~100 B per sample for solar, ~260 B for the Python baselines, with
+#: N equal to the positions), and per dumped access (nested lists plus the JSON text).
+PLAN_BYTES = {"solar": (40, 80), "lru": (160, 160), "fifo": (160, 160)}
+DUMP_BYTES_PER_ACCESS = 200
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -74,8 +81,9 @@ def simulate(args: argparse.Namespace, policy: str, dump: list | None = None) ->
         epochs.append({"epoch": e, "hit_rate": plan.hit_rate, "misses": plan.misses, "read_calls": plan.read_calls()})
         if dump is not None:
             dump.append(plan.to_dump())
+    # the hit rate is measured on epochs >= 2 (the first only fills the buffers): none without them
     later = [x["hit_rate"] for x in epochs[1:]]
-    return {"hit_rate": sum(later) / len(later) if later else 0.0, "bound": cfg.bound, "balanced": balanced,
+    return {"hit_rate": sum(later) / len(later) if later else None, "bound": cfg.bound, "balanced": balanced,
             "policy": policy, "samples": cfg.num_samples, "world_size": cfg.world_size, "batch_size": cfg.batch_size,
             "buffer": cfg.capacity, "seed": cfg.seed, "plan_seconds_per_epoch": max(seconds) if seconds else 0.0,
             "epochs": epochs}
@@ -99,33 +107,122 @@ def plot(path: str, reports: dict[str, dict]) -> None:
            title=f"N={rep['samples']} P={rep['world_size']} b={rep['batch_size']} C={rep['buffer']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110), suffix=".png")
-    plt.close(fig)
+    try:
+        write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110), suffix=".png")
+    finally:
+        plt.close(fig)
+
+
+def check_output(option: str, path: str) -> None:
+    """Refuse, before planning, an output ``path`` that cannot become a file (ConfigError)."""
+    from solar.errors import ConfigError
+
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
+        name = "plan.json" if option == "--dump" else "hits.png"
+        raise ConfigError(f"{option} {path} is a directory; give a file path such as {os.path.join(path, name)}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise ConfigError(f"{option} {path}: {parent} {what}; create the directory (mkdir -p {parent}) "
+                          f"or choose another {option} path")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{option} {path}: directory {parent} is not writable; fix its permissions "
+                          f"or choose another {option} path")
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate (MemAvailable, capped by a cgroup limit), or None if unknown."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, OSError, ValueError):
+            return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            avail = min(avail, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def plan_bytes(cfg, policy: str, accesses: int = 0) -> int:
+    """Estimated peak memory of planning with ``policy`` (epochs are planned one at a time)."""
+    per_sample, per_position = PLAN_BYTES[policy]
+    positions = cfg.per_rank * cfg.world_size  # the padded global order, before DataLoader's drop_last
+    return per_sample * cfg.num_samples + per_position * positions + DUMP_BYTES_PER_ACCESS * accesses
+
+
+def check_memory(args: argparse.Namespace, cfg) -> None:
+    """Refuse (ConfigError) a plan whose estimated memory exceeds what is available, before allocating it."""
+    from solar.errors import ConfigError
+
+    avail = available_memory()
+    if avail is None:
+        return
+    accesses = cfg.epoch_length * args.epochs if args.dump else 0
+    policies = POLICIES if args.plot else (args.policy,)
+    need = max(plan_bytes(cfg, p, accesses if p == args.policy else 0) for p in policies)
+    if need <= avail:
+        return
+    fixes = [f"use fewer --samples (N={cfg.num_samples})"]
+    if cfg.per_rank * cfg.world_size > 2 * cfg.num_samples:
+        fixes.append(f"use a smaller --world-size (P={cfg.world_size} pads each epoch to "
+                     f"{cfg.per_rank * cfg.world_size} positions)")
+    if args.plot and plan_bytes(cfg, args.policy, accesses) <= avail:
+        fixes.append("leave out --plot (it also runs the baselines, which need more memory)")
+    gib = 2**30
+    raise ConfigError(f"planning needs about {need / gib:.1f} GiB of memory but {avail / gib:.1f} GiB is available; "
+                      f"{', or '.join(fixes)}")
 
 
 def run(args: argparse.Namespace) -> int:
     from solar.errors import ConfigError
 
-    if args.epochs < 1:
-        raise SystemExit("solar plan: --epochs must be >= 1")
-    if args.dump and args.samples * args.epochs > MAX_DUMP_ACCESSES:
-        print(f"solar plan: --dump writes one entry per access; {args.samples} x {args.epochs} epochs is more "
-              f"than {MAX_DUMP_ACCESSES}; use fewer samples or epochs", file=sys.stderr)
-        return 2
-    dump: list | None = [] if args.dump else None
     try:
+        if args.epochs < 1:
+            raise ConfigError(f"--epochs must be >= 1, got {args.epochs}")
+        if args.dump and args.samples * args.epochs > MAX_DUMP_ACCESSES:
+            raise ConfigError(f"--dump writes one entry per access; {args.samples} x {args.epochs} epochs is more "
+                              f"than {MAX_DUMP_ACCESSES}; use fewer samples or epochs")
+        for option, path in (("--dump", args.dump), ("--plot", args.plot)):
+            if path:
+                check_output(option, path)
+        check_memory(args, _config(args, args.policy))
+        dump: list | None = [] if args.dump else None
         report = simulate(args, args.policy, dump)
     except ConfigError as exc:
         print(f"solar plan: {exc}", file=sys.stderr)
         return 2
+    outputs = []
     if args.dump:
-        write_text_atomic(args.dump, json.dumps({"epochs": dump}, separators=(",", ":")))
+        outputs.append(("--dump", args.dump,
+                        lambda p: write_text_atomic(p, json.dumps({"epochs": dump}, separators=(",", ":")))))
     if args.plot:
         reports = {args.policy: report}
         for other in POLICIES:
             if other != args.policy:
                 reports[other] = simulate(args, other)
-        plot(args.plot, reports)
+        outputs.append(("--plot", args.plot, lambda p: plot(p, reports)))
+    for option, path, write in outputs:
+        try:
+            write(path)
+        except OSError as exc:  # checked above, so: disk full, permissions changed, an I/O error
+            print(f"solar plan: cannot write {option} {path} ({exc.strerror or exc}); check free space and "
+                  f"permissions there; {path} was not written", file=sys.stderr)
+            return 1
     if args.json:
         print(json.dumps(report))
         return 0
@@ -134,6 +231,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'epoch':>5} {'hit rate':>9} {'misses':>9} {'read calls':>10}")
     for e in report["epochs"]:
         print(f"{e['epoch']:>5} {e['hit_rate']:>9.4f} {e['misses']:>9} {e['read_calls']:>10}")
-    print(f"hit rate (epochs >= 2): {report['hit_rate']:.4f}   bound min(1, PC/N): {report['bound']:.4f}   "
+    hit = ("n/a (no epoch after the first; plan --epochs 2 or more)" if report["hit_rate"] is None
+           else f"{report['hit_rate']:.4f}")
+    print(f"hit rate (epochs >= 2): {hit}   bound min(1, PC/N): {report['bound']:.4f}   "
           f"balanced: {report['balanced']}")
     return 0
