@@ -22,6 +22,9 @@ Example::
         for batch in loader:               # {"x": tensor, "y": tensor}, like DALIGenericIterator
             ...
 
+Each field gets a channels-first DALI layout from its sample rank (``"CHW"`` for ``(C, H, W)``), so
+``fn.flip(x, horizontal=1)`` above flips the width; ``layout=`` overrides it.
+
 Without a GPU the pipeline is CPU-only (``device_id=None``; DALI 2.4 rejects
 ``types.CPU_ONLY_DEVICE_ID``). With one, pass ``device_id=0`` and move data to the GPU inside
 ``define`` (``x.gpu()``) to run GPU operators there.
@@ -29,9 +32,11 @@ Without a GPU the pipeline is CPU-only (``device_id=None``; DALI 2.4 rejects
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from torch.utils.data import IterableDataset
 
 from solar.errors import ConfigError, MissingDependencyError
 
@@ -59,36 +64,102 @@ def _as_numpy(t) -> np.ndarray:
     return np.ascontiguousarray(t)
 
 
+_END = object()
+
+#: DALI layout of a sample by its rank, in torch's channels-first order (``fn.flip(horizontal=1)``
+#: then flips W, the last axis). Other ranks get no layout.
+_LAYOUTS = {2: "HW", 3: "CHW", 4: "CDHW"}
+
+
+def _rank(value) -> int:
+    shape = getattr(value, "shape", None)
+    return len(shape) if shape is not None else np.ndim(value)
+
+
+def _sample_ranks(dataset) -> list[int] | None:
+    """Rank of each field of one sample, or None when the dataset gives no sample to look at.
+
+    A storage-backed dataset without a transform describes its fields (no read); any other
+    dataset is asked for its first sample, which is also how the number of fields of a plain
+    dataset (``TensorDataset(x, y)``, no ``fields``) is known before the pipeline is built."""
+    specs = getattr(dataset, "specs", None)
+    if specs and getattr(dataset, "transform", None) is None and all(hasattr(s, "sample_shape") for s in specs):
+        ranks = [len(s.sample_shape) for s in specs]
+        return ranks[:1] if getattr(dataset, "_single", False) else ranks
+    try:
+        if isinstance(dataset, IterableDataset):
+            sample = next(iter(dataset), _END)  # a separate pass over the stream, not the loader's
+        else:
+            sample = dataset[0] if len(dataset) else _END
+    except (TypeError, NotImplementedError):  # no len() or no item access: nothing to look at
+        return None
+    if sample is _END:
+        return None
+    fields = sample if isinstance(sample, (tuple, list)) else (sample,)
+    return [_rank(f) for f in fields]
+
+
 class _EpochSource:
     """Batch-mode source for ``fn.external_source``: one SOLAR epoch per run of :meth:`epoch`.
 
     With ``cycle="raise"`` DALI re-invokes the generator function after every reset (without it,
     a batch-mode generator source ends for good after one epoch), so each DALI epoch iterates
-    the SOLAR loader once more, in the order of the loader's current epoch."""
+    the SOLAR loader once more, in the order of the loader's current epoch.
+
+    DALI pulls ``prefetch_queue_depth`` batches ahead of the caller, so the SOLAR loader's own
+    position runs ahead too. ``states`` keeps, for the batches DALI has pulled, the SOLAR state
+    after each (its head: the state after the last batch the caller received), so that the
+    :class:`DALILoader` can report the caller's position; ``end`` is the state once the epoch's
+    loop is over. Setting ``stop`` ends the running epoch at the next pull (an abandoned epoch:
+    only the batches already prefetched are left to drain)."""
 
     def __init__(self, loader, n_outputs: int) -> None:
         self.loader = loader
         self.n = n_outputs
+        self.states: deque[dict[str, Any]] = deque()
+        self.end: dict[str, Any] | None = None
+        self.stop = False
 
     def epoch(self):
-        for batch in self.loader:
+        self.states.clear()
+        self.end = None
+        it = iter(self.loader)
+        self.states.append(self.loader.state_dict())
+        while not self.stop:
+            batch = next(it, _END)
+            if batch is _END:
+                self.end = self.loader.state_dict()
+                return
             fields = batch if isinstance(batch, (tuple, list)) else (batch,)
             if len(fields) != self.n:
-                raise ConfigError(f"the dataset gives {len(fields)} fields per sample, the pipeline expects {self.n}")
-            yield tuple(_as_numpy(f) for f in fields)
+                raise ConfigError(f"the dataset gives {len(fields)} fields per sample, the pipeline expects {self.n}; "
+                                  "pass a dataset whose samples all have the same fields")
+            arrays = tuple(_as_numpy(f) for f in fields)
+            self.states.append(self.loader.state_dict())
+            yield arrays
 
 
 class DALILoader:
     """A DALI pipeline over the batches :class:`solar.DataLoader` plans and reads.
 
+    Each ``iter(loader)`` starts a new epoch, as ``solar.DataLoader`` does (the one
+    :meth:`set_epoch` chose, else the next), even after a ``break``: what DALI had prefetched of
+    the abandoned epoch is dropped. One iterator runs at a time (DALI has one pipeline): a new
+    ``iter(loader)`` ends the previous one.
+
     Args:
         dataset: a storage-backed dataset (:class:`solar.H5Dataset`), or any dataset
-            ``solar.DataLoader`` accepts; samples are tuples of fields or one tensor.
+            ``solar.DataLoader`` accepts; samples are tuples of fields or one tensor. Without a
+            ``fields`` attribute the number of fields is read off the first sample.
         batch_size: per-rank batch size.
         define: ``define(*fields) -> outputs``: DALI operators on the fields' DataNodes
             (default: the fields unchanged). Return one node or a tuple.
         output_map: names of the pipeline's outputs (default: the dataset's ``fields`` if it has
             them and ``define`` keeps their number, else ``out0, out1 ...``).
+        layout: DALI layout of each field's samples (one string, or one per field; ``None``
+            entries are inferred). Default from the sample's rank in torch's channels-first
+            order: ``"HW"`` (2-D), ``"CHW"`` (3-D), ``"CDHW"`` (4-D), none otherwise, so that
+            ``fn.flip(x, horizontal=1)`` flips the width. Pass e.g. ``"HWC"`` for channels-last data.
         device_id: ``None`` for a CPU-only pipeline (default), or a CUDA device index.
         num_threads: DALI CPU threads.
         prefetch_queue_depth: batches DALI prepares ahead.
@@ -98,8 +169,9 @@ class DALILoader:
     """
 
     def __init__(self, dataset, batch_size: int, *, define: Callable | None = None,
-                 output_map: Sequence[str] | None = None, device_id: int | None = None, num_threads: int = 2,
-                 prefetch_queue_depth: int = 2, **loader_options: Any) -> None:
+                 output_map: Sequence[str] | None = None, layout: str | Sequence[str | None] | None = None,
+                 device_id: int | None = None, num_threads: int = 2, prefetch_queue_depth: int = 2,
+                 **loader_options: Any) -> None:
         dali, fn, DALIGenericIterator, LastBatchPolicy = _dali()
         from solar.loader import DataLoader
 
@@ -107,12 +179,20 @@ class DALILoader:
                                   and "batch_sampler" not in loader_options)
         self.loader = DataLoader(dataset, batch_size=batch_size, **loader_options)
         fields = tuple(getattr(dataset, "fields", ()) or ())
-        n_in = len(fields) if fields and not getattr(dataset, "_single", False) else 1
+        ranks = _sample_ranks(dataset)
+        if fields:
+            n_in = len(fields) if not getattr(dataset, "_single", False) else 1
+        else:
+            n_in = len(ranks) if ranks else 1
+        if ranks is not None and len(ranks) != n_in:
+            ranks = None
+        self.layout = self._layouts(layout, n_in, ranks)
+        self._source = _EpochSource(self.loader, n_in)
         self.pipe = dali.Pipeline(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
                                   prefetch_queue_depth=prefetch_queue_depth)
         with self.pipe:
-            nodes = fn.external_source(source=_EpochSource(self.loader, n_in).epoch, num_outputs=n_in, batch=True,
-                                       cycle="raise", no_copy=False)
+            nodes = fn.external_source(source=self._source.epoch, num_outputs=n_in, batch=True,
+                                       cycle="raise", no_copy=False, layout=list(self.layout))
             nodes = list(nodes) if isinstance(nodes, (list, tuple)) else [nodes]
             outs = define(*nodes) if define is not None else nodes
             outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
@@ -125,18 +205,99 @@ class DALILoader:
         self.pipe.build()
         self._iter = DALIGenericIterator([self.pipe], self.output_map, last_batch_policy=LastBatchPolicy.PARTIAL,
                                          auto_reset=False, prepare_first_batch=False)
+        self._pulled = False     # DALI has run the source since its last reset (a reset is due)
+        self._active = None      # token of the newest iterator while its epoch runs
+        self._state: dict[str, Any] | None = None  # reported outside an epoch; None: the loader's
+
+    @staticmethod
+    def _layouts(layout, n: int, ranks: list[int] | None) -> list[str]:
+        inferred = [_LAYOUTS.get(r, "") for r in ranks] if ranks is not None else [""] * n
+        if layout is None:
+            return inferred
+        given = [layout] if isinstance(layout, str) else list(layout)
+        if len(given) != n:
+            raise ConfigError(f"layout has {len(given)} entries for {n} fields; pass one layout string per field "
+                              "(None to infer it)")
+        out = []
+        for i, (g, inf) in enumerate(zip(given, inferred)):
+            if g is None:
+                out.append(inf)
+                continue
+            if not isinstance(g, str):
+                raise ConfigError(f"layout for field {i} must be a string such as 'HWC' or None, got {g!r}")
+            if g and ranks is not None and len(g) != ranks[i]:
+                raise ConfigError(f"layout {g!r} for field {i} does not fit its {ranks[i]}-D samples; give one "
+                                  f"letter per axis (e.g. {_LAYOUTS.get(ranks[i], 'none')!r}) or None to infer it")
+            out.append(g)
+        return out
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose seeded order the next iteration follows (as ``DataLoader.set_epoch``)."""
         self.loader.set_epoch(epoch)
 
     def __iter__(self):
-        for out in self._iter:
+        self._restart()
+        token = self._active = object()
+        return self._batches(token)
+
+    def _restart(self) -> None:
+        """Bring DALI to the start of a new epoch, whatever the last iteration did.
+
+        DALI resets only at the end of an epoch and keeps what it prefetched, so an epoch left
+        early is ended first (:meth:`_abandon`); the reset then makes DALI call the source again,
+        which iterates the SOLAR loader anew (its next epoch)."""
+        if not self._pulled:
+            return
+        if self._active is not None and self._source.states:  # left early: the caller's position
+            self._state = self._source.states[0]
+        self._abandon()
+        self._pulled = False
+        self._iter.reset()  # DALI may prefetch the new epoch right here
+        self._pulled = True
+
+    def _abandon(self) -> None:
+        """End a running epoch: the source stops pulling from the SOLAR loader and the batches DALI
+        already prepared (at most ``prefetch_queue_depth``) are drained and dropped."""
+        if self._active is None:
+            return
+        self._active = None
+        self._source.stop = True
+        try:
+            while True:
+                next(self._iter)
+        except StopIteration:
+            pass
+        finally:
+            self._source.stop = False
+            self._source.states.clear()
+
+    def _batches(self, token):
+        while True:
+            if self._active is not token:
+                raise ConfigError("this DALILoader iterator was superseded by a newer iter(loader): DALI runs one "
+                                  "pipeline, so only the newest iterator yields; iterate one at a time or build "
+                                  "another DALILoader")
+            self._pulled = True
+            try:
+                out = next(self._iter)
+            except StopIteration:
+                self._state = self._source.end
+                self._active = None
+                return
+            if self._source.states:
+                self._source.states.popleft()  # the head is now the state after this batch
             yield out[0]
 
     def state_dict(self) -> dict[str, Any]:
-        """The SOLAR loader's resume state (DALI holds no order of its own)."""
-        return self.loader.state_dict()
+        """The SOLAR loader's resume state at the batches the caller received (DALI holds no
+        order of its own, and what it prefetched is not counted); see NOTE [ Resume ] in
+        ``solar/loader.py``."""
+        if self._active is not None and self._source.states:
+            return dict(self._source.states[0])
+        return dict(self._state) if self._state is not None else self.loader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` on the next ``iter(loader)`` (a running epoch is ended here)."""
+        self._abandon()
         self.loader.load_state_dict(state)
+        self._state = dict(state)

@@ -66,3 +66,119 @@ def test_dali_operators_run_on_solar_batches(h5):
     torch.testing.assert_close(torch.cat([g["x2"] for g in got]), ref * 2)
     assert got[0]["y64"].dtype == torch.float64
     np.testing.assert_array_equal(torch.cat([g["y64"] for g in got]).numpy(), torch.cat([w[1] for w in want]).double().numpy())
+
+
+def _keys(batch):
+    """Per-sample identity of a batch: the first values of each sample's first field."""
+    return [tuple(r) for r in batch.flatten(1)[:, :3].tolist()]
+
+
+def test_each_iteration_starts_a_fresh_epoch_whatever_the_previous_one_did(h5):
+    # a break (DALI has already prefetched batches of the old epoch), a break right after the last
+    # batch and an iter() never consumed must all leave the next iteration on a whole new epoch,
+    # the one solar.DataLoader gives after the same steps (set_epoch or the automatic advance)
+    import solar
+    from solar.dali import DALILoader
+
+    kw = dict(shuffle=True, seed=5, buffer=0)
+    dl = DALILoader(solar.H5Dataset(h5), batch_size=8, prefetch_queue_depth=3, **kw)
+    ref = solar.DataLoader(solar.H5Dataset(h5), batch_size=8, distributed=True, **kw)
+
+    def run(loader, get, stop=None):
+        out = []
+        for i, b in enumerate(loader):
+            out.append(_keys(get(b)))
+            if stop is not None and i + 1 == stop:
+                break
+        return out
+
+    steps = [(0, 1), (1, None), (None, 2), (None, 6), (5, 0), (None, None), (2, None)]
+    for epoch, stop in steps:
+        if epoch is not None:
+            dl.set_epoch(epoch)
+            ref.set_epoch(epoch)
+        if stop == 0:
+            iter(dl), iter(ref)  # started, nothing taken
+            continue
+        got, want = run(dl, lambda b: b["x"], stop), run(ref, lambda b: b[0], stop)
+        assert got == want, f"set_epoch({epoch}), stop after {stop}: DALILoader's epoch differs from solar.DataLoader's"
+        assert len(got) == (stop or 6)
+
+
+def test_state_dict_counts_the_batches_the_caller_received_not_dalis_prefetch(h5):
+    import solar
+    from solar.dali import DALILoader
+    from solar.testing.resume import check_save_load_state
+
+    def make():
+        return DALILoader(solar.H5Dataset(h5), batch_size=8, shuffle=True, seed=5, buffer=0.5, prefetch_queue_depth=3)
+
+    assert check_save_load_state(make) == 8  # every save point 0..6, and after the loop
+    dl = make()
+    dl.set_epoch(0)
+    it = iter(dl)
+    next(it), next(it)
+    assert dl.state_dict()["position"] == 16  # two batches of 8 received, though DALI pulled more
+
+
+def test_documented_flip_example_flips_the_width_axis_of_chw_samples(h5):
+    import nvidia.dali.fn as fn
+
+    import solar
+    from solar.dali import DALILoader
+
+    want = _solar_batches(h5, 0, shuffle=False)
+    for kwargs, axis in (({"horizontal": 1}, -1), ({"horizontal": 0, "vertical": 1}, -2)):  # horizontal defaults to 1
+        dl = DALILoader(solar.H5Dataset(h5), batch_size=8, shuffle=False, define=lambda x, y: (fn.flip(x, **kwargs), y))
+        got = list(dl)
+        for g, (wx, wy) in zip(got, want, strict=True):
+            torch.testing.assert_close(g["x"], wx.flip(axis), rtol=0, atol=0)
+            torch.testing.assert_close(g["y"], wy, rtol=0, atol=0)
+        assert dl.layout == ["CHW", "CHW"]
+
+
+def test_layout_follows_the_sample_rank_and_can_be_overridden():
+    import nvidia.dali.fn as fn
+
+    import solar
+    from solar.dali import DALILoader
+    from torch.utils.data import TensorDataset
+
+    hw = torch.arange(10 * 4 * 6, dtype=torch.float32).view(10, 4, 6)
+    hwc = torch.arange(10 * 4 * 6 * 3, dtype=torch.float32).view(10, 4, 6, 3)
+    labels = torch.arange(10)
+    flip = lambda *nodes: (fn.flip(nodes[0], horizontal=1), *nodes[1:])  # noqa: E731
+
+    def layouts(x, y):  # the layout DALI's operators see, as bytes
+        return fn.get_property(x, key="layout"), fn.get_property(y, key="layout")
+
+    batch = next(iter(DALILoader(TensorDataset(hw, labels), batch_size=4, define=layouts)))
+    assert bytes(batch["out0"][0].numpy()) == b"HW" and bytes(batch["out1"][0].numpy()) == b""
+    dl = DALILoader(TensorDataset(hw.unsqueeze(1)), batch_size=4, define=flip)  # (C, H, W)
+    torch.testing.assert_close(torch.cat([b["out0"] for b in dl]), hw.unsqueeze(1).flip(-1), rtol=0, atol=0)
+    assert dl.layout == ["CHW"]
+    dl = DALILoader(TensorDataset(hwc), batch_size=4, define=flip, layout="HWC")  # channels-last data
+    torch.testing.assert_close(torch.cat([b["out0"] for b in dl]), hwc.flip(-2), rtol=0, atol=0)
+    assert dl.layout == ["HWC"]
+    with pytest.raises(solar.ConfigError, match="layout has 1 entries for 2 fields"):
+        DALILoader(TensorDataset(hw, labels), batch_size=4, layout=["HW"])
+    with pytest.raises(solar.ConfigError, match="'CHW'.*field 0.*2-D"):
+        DALILoader(TensorDataset(hw, labels), batch_size=4, layout=["CHW", None])
+
+
+def test_plain_tuple_dataset_gives_one_output_per_field():
+    import solar
+    from solar.dali import DALILoader
+    from torch.utils.data import TensorDataset
+
+    x = torch.arange(40, dtype=torch.float32).view(20, 2)
+    y = torch.arange(20)
+    ds = TensorDataset(x, y)
+    dl = DALILoader(ds, batch_size=8)
+    assert dl.output_map == ["out0", "out1"]
+    got = list(dl)
+    want = list(solar.DataLoader(ds, batch_size=8, distributed=True))
+    assert [len(g["out0"]) for g in got] == [8, 8, 4]
+    for g, (wx, wy) in zip(got, want, strict=True):
+        torch.testing.assert_close(g["out0"], wx, rtol=0, atol=0)
+        torch.testing.assert_close(g["out1"], wy, rtol=0, atol=0)
