@@ -183,6 +183,13 @@ class DataLoader(tud.DataLoader):
                 break
         return _TrackedIter(it, self)
 
+    def _epoch_positions(self) -> int:
+        """Global positions an epoch of the (Distributed) sampler consumes after drop_last."""
+        n = len(self.sampler)
+        if self.drop_last:
+            n -= n % self.batch_size
+        return n * self.sampler.num_replicas
+
     def _plain_skip(self, resume: dict[str, Any]) -> int:
         """Batches a plain (not storage-backed) dataset skips to resume: torch's own batches."""
         if resume["mode"] == "passthrough":
@@ -190,6 +197,10 @@ class DataLoader(tud.DataLoader):
         if self._progress["start"] == 0:
             return 0
         G = self.sampler.num_replicas * self.batch_size
+        if self._progress["start"] >= self._epoch_positions():  # saved after the last batch
+            self._progress["start"] = 0
+            self._progress["batches"] = -(-self._epoch_positions() // G)
+            return self._progress["batches"]
         if self._progress["start"] % G:
             raise ConfigError(f"load_state_dict: the state stopped at global position {self._progress['start']}, "
                               f"inside a global batch of {G} (world size x batch size); a dataset that is not "
@@ -235,6 +246,8 @@ class DataLoader(tud.DataLoader):
             done = p["done"]
             epoch = p.get("epoch", s.epoch) if p["started"] else s.epoch
             position = 0 if not p["started"] else (p.get("start", 0) + p["batches"] * G)
+            # after the epoch's last, short global batch the count overshoots: the end is the end
+            position = min(position, self._epoch_positions())
             state.update(epoch=int(epoch), position=int(position), world_size=s.num_replicas, seed=int(s.seed),
                          shuffle=bool(s.shuffle), drop_last=bool(s.drop_last), global_batch=G, epoch_done=bool(done))
         else:

@@ -414,3 +414,15 @@ def test_save_load_state_on_a_plain_dataset_with_distributed_sampler():
         return solar.DataLoader(ds, batch_size=3, sampler=tud.DistributedSampler(ds, num_replicas=2, rank=1, seed=6))
 
     assert check_save_load_state(make) == 9
+
+
+@pytest.mark.parametrize("storage", [True, False])
+def test_resume_after_the_last_short_batch(h5path, storage):
+    """96 samples in batches of 10 (or 45 in batches of 4): the last global batch is short, and a
+    state saved right after it (before the loop sees StopIteration) resumes with nothing left."""
+    def make():
+        ds = solar.H5Dataset(h5path) if storage else Squares(45)
+        s = tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=3)
+        return solar.DataLoader(ds, batch_size=10 if storage else 4, sampler=s, buffer=0.25)
+
+    assert check_save_load_state(make) >= 3
