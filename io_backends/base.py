@@ -67,6 +67,16 @@ class IOStats:
         self.bytes_read = self.read_calls = self.rows_read = 0
         self.extra.clear()
 
+    def absorb(self, other: "IOStats") -> None:
+        """Add ``other``'s counts to these and zero ``other`` (a request thread's backend clone
+        reporting to the backend its owner reads through)."""
+        self.bytes_read += other.bytes_read
+        self.read_calls += other.read_calls
+        self.rows_read += other.rows_read
+        for k, v in other.extra.items():
+            self.extra[k] = self.extra.get(k, 0) + v
+        other.reset()
+
 
 def normalize_ranges(ranges: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
     """Return ``ranges`` as an ``(k, 2)`` int64 array of sorted, disjoint ``[start, stop)`` pairs.

@@ -256,8 +256,12 @@ class H5Dataset(Dataset):
                 self._clones = [pickle.loads(pickle.dumps(self.backend)) for _ in range(self.io_threads)]
             futs = [self._pool.submit(self._clones[i].read_ranges, key, pieces[a:b], out[cut[i]:cut[i + 1]])
                     for i, (a, b) in enumerate(zip(first[:-1], first[1:])) if b > a]
-            for f in futs:
-                f.result()
+            try:
+                for f in futs:
+                    f.result()
+            finally:  # the clones' counters belong to ds.backend.stats
+                for clone in self._clones:
+                    self.backend.stats.absorb(clone.stats)
         return out
 
     def _read_field(self, spec: FieldSpec, rows: np.ndarray) -> list[np.ndarray] | np.ndarray:

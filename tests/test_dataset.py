@@ -73,6 +73,8 @@ def test_sieving_reads_through_small_gaps_and_threads_split_requests(raw_path, t
     a, b = exact.fetch_stored(rows), sieved.fetch_stored(rows)
     assert exact.stats.read_calls == 4 + 4 and sieved.stats.read_calls == 3 + 2  # y rows are 8 B
     assert sieved.stats.bytes_in > exact.stats.bytes_in
+    for ds in (exact, sieved):  # the request threads' reads count in the dataset's backend too
+        assert ds.backend.stats.bytes_read == ds.stats.bytes_in > 0
     for f in ("x", "y"):
         assert torch.equal(a.fields[f], b.fields[f])
     with h5py.File(raw_path) as f:
