@@ -41,6 +41,7 @@ _LAZY = {
     "checkpoint": "solar.checkpoint",
     "io_backends": "solar.io_backends",
     "cache": "solar.cache",
+    "dist": "solar.dist",
 }
 
 

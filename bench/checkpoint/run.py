@@ -191,12 +191,17 @@ def bench_embedding(work: str, base: Baselines, rows: int, dim: int, per_step: i
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gib", type=float, default=1.0, help="size of the model + optimizer state dict")
+    ap.add_argument("--gib", type=float, default=None,
+                    help="size of the model + optimizer state dict (default 1.0; 0.125 with --quick)")
     ap.add_argument("--chunk-mib", type=float, default=1.0)
     ap.add_argument("--dir", default=None, help="scratch directory on the disk to test (default: a temp dir)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results.json"))
-    ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    ap.add_argument("--quick", action="store_true", help="small sizes (a 1/8 GiB state), for a smoke run")
     args = ap.parse_args(argv)
+    if args.gib is None:
+        args.gib = 0.125 if args.quick else 1.0
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="solar-ckpt-bench-", dir=args.dir)
     chunk = int(args.chunk_mib * MiB)
     total = int(args.gib * (1 << 30))

@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("solar.cli.demo", "the main job: build a synthetic dataset, train with SOLAR and torch, compare"),
     "plan": ("solar.cli.plan", "compute a SOLAR schedule and report its hit rate against the bound"),
     "ingest": ("solar.cli.ingest", "build a (compressed) SOLAR HDF5 dataset, in parallel under mpirun"),
-    "bench": ("solar.cli.bench", "run the benchmarks in bench/ (loader, io, codec, checkpoint)"),
+    "bench": ("solar.cli.bench", "run the benchmarks in bench/ (loader, io, codec, checkpoint, plan)"),
     "ckpt": ("solar.checkpoint.cli", "incremental checkpoints: log, diff, show, verify, restore, export, gc"),
 }
 

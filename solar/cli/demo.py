@@ -50,18 +50,18 @@ def _write(args: argparse.Namespace, path: str) -> str:
 
     if args.write_only or under_mpirun():
         comm = mpi_comm()
-        write_ptycho_h5(path, args.samples, args.size, args.seed, comm=comm)
+        write_ptycho_h5(path, args.samples, args.size, args.seed, comm=comm, progress=not args.no_progress)
         return f"{comm.size if comm else 1} MPI rank(s)"
     if _parallel_possible() and args.ranks > 1:
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                    OMPI_MCA_rmaps_base_oversubscribe="1")
         cmd = ["mpirun", "-n", str(args.ranks), "--bind-to", "none", sys.executable, "-m", "solar.cli", "demo",
                "--write-only", "--samples", str(args.samples), "--size", str(args.size), "--out", args.out,
-               "--seed", str(args.seed)]
+               "--seed", str(args.seed)] + (["--no-progress"] if args.no_progress else [])
         subprocess.run(cmd, check=True, env=env)
         return f"{args.ranks} MPI ranks, parallel HDF5 (driver='mpio')"
     print("MPI or MPI-enabled h5py not available: writing serially", file=sys.stderr)
-    write_ptycho_h5(path, args.samples, args.size, args.seed, comm=None)
+    write_ptycho_h5(path, args.samples, args.size, args.seed, comm=None, progress=not args.no_progress)
     return "1 process, serial HDF5"
 
 
