@@ -208,7 +208,7 @@ class Backend(ABC):
         self.stats.bytes_read += total * info.row_nbytes
         return out
 
-    def agree(self, problem: IndexError | ValueError | None) -> None:
+    def agree(self, problem: Exception | None) -> None:
         """Raise ``problem`` -- on a collective backend, on every rank if any rank has one.
 
         A check guarding a collective call must not fail on one rank alone: the others would
@@ -217,8 +217,9 @@ class Backend(ABC):
         one small ``allreduce`` over :attr:`comm`, so every rank must call this at the same point.
 
         Raises:
-            IndexError / ValueError: ``problem`` on the rank that has it; on the other ranks an
-                error of the same built-in type naming the lowest failing rank and its message.
+            IndexError / CorruptDataError / ValueError: ``problem`` on the rank that has it; on
+                the other ranks an error of the same kind naming the lowest failing rank and its
+                message (any other exception type is reported to them as a ValueError).
         """
         if not self.collective:
             if problem is not None:
@@ -226,16 +227,20 @@ class Backend(ABC):
             return
         from mpi4py import MPI
 
+        from solar.errors import CorruptDataError
+
         comm = self.comm
-        kind = "index" if isinstance(problem, IndexError) else "value"
+        kind = ("index" if isinstance(problem, IndexError) else
+                "corrupt" if isinstance(problem, CorruptDataError) else "value")
         mine = (0, comm.rank, kind, str(problem)) if problem is not None else (1, comm.rank, "", "")
         failed, rank, kind, why = comm.allreduce(mine, op=MPI.MIN)  # the lowest failing rank, if any
         if problem is not None:
             raise problem
         if failed == 0:
-            cls = IndexError if kind == "index" else ValueError
-            raise cls(f"{self.url}: rank {rank} of {comm.size} rejected its read request ({why}); every rank "
-                      f"stops here instead of waiting in the collective read: fix the request on rank {rank}")
+            cls = {"index": IndexError, "corrupt": CorruptDataError}.get(kind, ValueError)
+            what = "found corrupt data" if kind == "corrupt" else "rejected its read request"
+            raise cls(f"{self.url}: rank {rank} of {comm.size} {what} ({why}); every rank stops here instead "
+                      f"of waiting in the next collective read: see rank {rank}'s error")
 
     @abstractmethod
     def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:

@@ -292,8 +292,14 @@ class H5Dataset(Dataset):
             data = [buf[a:a + n] for a, n in zip(start.tolist(), sizes.tolist())]
         if self.verify and self._has_checksum[spec.name] and (len(rows) or self.backend.collective):
             # checksums are of the stored bytes; on a collective backend every rank loads them in
-            # the same fetch (a collective read), whether or not it has rows to check
-            self._verify(spec, rows, data)
+            # the same fetch (a collective read), whether or not it has rows to check; a damaged
+            # sample on one rank stops every rank here, before the next collective read
+            problem = None
+            try:
+                self._verify(spec, rows, data)
+            except CorruptDataError as exc:
+                problem = exc
+            self.backend.agree(problem)
         if spec.kind == "raw" and not data.dtype.isnative:  # torch holds native byte order only
             data = data.astype(data.dtype.newbyteorder("="))
         return data
@@ -389,7 +395,12 @@ class H5Dataset(Dataset):
         whole = self.fetch_stored(flat, buffer=buffer, keep=keep, shared=shared, evict=evict)
         bounds = np.r_[0, np.cumsum(lengths)].tolist()
         if decode:
-            tensors = self.decode(whole)
+            problem = None
+            try:
+                tensors = self.decode(whole)
+            except CorruptDataError as exc:  # one rank's damaged blob stops every rank (collective reads)
+                problem = exc
+            self.backend.agree(problem)
             return [StoredBatch(b - a, indices=whole.indices[a:b],
                                 decoded={name: t[a:b] for name, t in tensors.items()})
                     for a, b in zip(bounds[:-1], bounds[1:])]

@@ -75,3 +75,37 @@ def test_breaking_out_of_an_epoch_early_keeps_collective_reads_in_step(comm, sha
     assert n == 96 // comm.size
     assert comm.allreduce(1) == comm.size
     ds.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("verify", [True, False], ids=["checksum", "codec"])
+def test_a_damaged_sample_on_one_rank_fails_every_rank_instead_of_hanging(comm, shared_tmp, verify):
+    """A checksum (or codec) failure on one rank is agreed before the next collective read; before,
+    the other rank waited in that read forever."""
+    import faulthandler
+
+    import h5py
+
+    from solar.ingest import ingest
+
+    src, path = os.path.join(shared_tmp, "dmg.npy"), os.path.join(shared_tmp, f"dmg-{verify}.h5")
+    if comm.rank == 0:
+        np.save(src, np.random.default_rng(3).standard_normal((40, 6, 6)).astype(np.float32))
+    comm.Barrier()
+    ingest([src], path, rel_error=1e-3, progress=False)
+    if comm.rank == 0:
+        with h5py.File(path, "r+") as f:
+            off = f["x/offsets"][:]
+            f["x/data"][off[13] + 40:off[13] + 44] ^= np.uint8(0xFF)  # damage sample 13's codec blob
+    comm.Barrier()
+    ds = solar.H5Dataset(path, verify=verify)
+    loader = solar.DataLoader(ds, batch_size=4, buffer=0, sampler=tud.DistributedSampler(
+        ds, num_replicas=comm.size, rank=comm.rank, shuffle=False))
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the job instead of blocking CI
+    try:
+        with pytest.raises(solar.CorruptDataError):
+            for _ in loader:
+                pass
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    comm.Barrier()
