@@ -26,7 +26,10 @@ NOTE [ Ingest crash safety ]
     complete (and verified when asked). If any rank dies (SIGKILL), ``OUT`` is untouched.
     ``--resume`` reopens ``OUT.tmp``, checks the journal's fingerprint (inputs, fields, bounds,
     batch size) and continues after the last committed batch, rewriting anything a dead batch
-    left half-written. The world size may differ between the runs: a batch is a global unit.
+    left half-written. The world size may differ between the runs: a batch is a global unit (a
+    file a serial run started is restarted under mpirun: parallel HDF5 cannot grow its chunked
+    datasets). Under mpirun, an error on one rank inside the write loop aborts the job with its
+    message (the others would wait in the next collective write); committed batches stay.
     If ``OUT.tmp`` cannot be opened any more, the run starts over. Serially, ``OUT.tmp`` is
     fsynced before the rename (under MPI the collective flush is an ``MPI_File_sync``) and the
     directory after it. A finished ``OUT`` is only ever replaced with ``--overwrite``: ``--resume``
@@ -429,6 +432,10 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
         try:
             f = h5py.File(tmp, "r+", **kw)
             for name, size in sizes.items():
+                if parallel and f[name]["data"].id.get_create_plist().get_alloc_time() != h5py.h5d.ALLOC_TIME_EARLY:
+                    # made by a serial run: its chunks are allocated as written, and parallel HDF5
+                    # cannot grow such a dataset (MPI_ERR_TYPE on one rank, a hang on the others)
+                    raise ValueError("it was started by a serial run; resume it without mpirun to keep its batches")
                 f[name]["data"].resize((size,))
         except (OSError, KeyError, ValueError) as exc:
             if f is not None:
@@ -484,6 +491,15 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
             if os.environ.get("SOLAR_INGEST_TEST_DELAY"):  # lets the crash test kill a rank mid-run
                 time.sleep(float(os.environ["SOLAR_INGEST_TEST_DELAY"]))
         _finish(f, plan, sizes, inputs, comm, dxpl, fp)
+    except BaseException as exc:
+        if parallel and comm.size > 1 and not isinstance(exc, KeyboardInterrupt):
+            # One rank failed between collective writes: the others wait in the next one, and the
+            # collective close below would hang this rank too. Say why, then end the whole job
+            # (the journal keeps every committed batch for --resume).
+            print(f"solar ingest: rank {comm.rank} failed: {type(exc).__name__}: {exc}; aborting the job "
+                  f"(resume with --resume)", file=sys.stderr, flush=True)
+            comm.Abort(1)
+        raise
     finally:
         bar.close()
         f.close()

@@ -40,3 +40,39 @@ def test_parallel_ingest_matches_serial(comm, shared_tmp, bound):
             np.testing.assert_array_equal(a[k][:], b[k][:])
     assert verify_file(par, comm=comm) > 0
     comm.Barrier()
+
+
+def test_resuming_a_serially_started_compressed_ingest_under_mpirun(comm, shared_tmp, monkeypatch):
+    """A serial run's OUT.tmp grows its chunked datasets as written, which parallel HDF5 cannot
+    extend (MPI_ERR_TYPE on one rank, a hang on the other): the MPI run starts over instead."""
+    import faulthandler
+
+    import solar.ingest as si
+
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the job instead of blocking CI
+    paths = _inputs(comm, shared_tmp)
+    out, ref = os.path.join(shared_tmp, "resumed.h5"), os.path.join(shared_tmp, "fresh.h5")
+    if comm.rank == 0:
+        calls = {"n": 0}
+        real = si._write_rows
+
+        def dies(*a, **k):  # the serial run dies after a few committed batches
+            calls["n"] += 1
+            if calls["n"] > 12:
+                raise KeyboardInterrupt
+            return real(*a, **k)
+
+        monkeypatch.setattr(si, "_write_rows", dies)
+        with pytest.raises(KeyboardInterrupt):
+            ingest(paths, out, abs_error=0.01, batch_size=5, comm=None, progress=False, commit_interval=0)
+        monkeypatch.undo()
+        assert si._journal_read(out + si.JOURNAL_SUFFIX)["batches_done"] > 0
+        ingest(paths, ref, abs_error=0.01, batch_size=5, comm=None, progress=False)
+    comm.Barrier()
+    rep = ingest(paths, out, abs_error=0.01, batch_size=5, resume=True, progress=False)
+    assert rep.world_size == 2 and rep.resumed_from_batch == 0  # started over
+    with h5py.File(out, "r") as a, h5py.File(ref, "r") as b:
+        for k in ("x/data", "x/offsets", checksum_key("x")):
+            np.testing.assert_array_equal(a[k][:], b[k][:])
+    faulthandler.cancel_dump_traceback_later()
+    comm.Barrier()
