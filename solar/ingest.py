@@ -206,8 +206,11 @@ def _validate(inputs, output, fields, abs_error, rel_error, resume, overwrite, b
     compress = abs_error is not None or rel_error is not None
     plans = [FieldPlan(n, tuple(fi.shape), fi.dtype.str, compress and fi.dtype.kind == "f" and fi.dtype.itemsize in (4, 8),
                        abs_error if compress else None) for n, fi in infos.items()]
-    if any(p.compress for p in plans) and len(next(p for p in plans if p.compress).shape) > 4:
-        raise ConfigError("the codec handles samples of up to 4 dimensions; store this field raw")
+    deep = [p for p in plans if p.compress and len(p.shape) > 4]  # every field, before anything is written
+    if deep:
+        raise ConfigError(f"field {deep[0].name!r} has {len(deep[0].shape)}-D samples {deep[0].shape}; the codec "
+                          "handles samples of up to 4 dimensions: reshape them, or ingest this field without "
+                          "--abs-error/--rel-error")
     starts = np.concatenate([[0], np.cumsum([s.n for s in sources])]).astype(int).tolist()
     return Plan(output, sources, plans, starts[-1], batch_size, rel_error, abs_error, starts[:-1])
 

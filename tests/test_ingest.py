@@ -131,7 +131,8 @@ def test_fsspec_inputs(tmp_path):
     np.testing.assert_array_equal(_read_field(out, "x"), np.concatenate([a, a]))
 
 
-@pytest.mark.parametrize("case", ["missing", "shape", "dtype", "exists", "both-bounds", "npy-fields", "url-out"])
+@pytest.mark.parametrize("case", ["missing", "shape", "dtype", "exists", "both-bounds", "npy-fields", "url-out",
+                                  "5d-second-field"])
 def test_bad_input_stops_before_writing(tmp_path, case):
     paths, _ = _npy_inputs(tmp_path, sizes=(4, 4))
     out = str(tmp_path / "o.h5")
@@ -156,6 +157,11 @@ def test_bad_input_stops_before_writing(tmp_path, case):
     elif case == "npy-fields":
         kw = {"fields": ["a", "b"]}
         match, err = "part0.npy.*one --fields name", InputError
+    elif case == "5d-second-field":  # the codec takes up to 4-D samples; every field is checked
+        paths = [str(tmp_path / "two.npz")]
+        np.savez(paths[0], a=np.zeros((3, 4), np.float32), b=np.zeros((3, 1, 1, 1, 2, 2), np.float32))
+        kw = {"rel_error": 1e-3}
+        match, err = "field 'b' has 5-D samples", ConfigError
     else:
         out = "s3://bucket/o.h5"
         match, err = "local", ConfigError
