@@ -150,7 +150,10 @@ class DataLoader(tud.DataLoader):
 
     # -- iteration ------------------------------------------------------------------------------
     def __iter__(self):
-        if self._auto_epoch and self._progress["started"] and not self._epoch_set:
+        # advance by itself only if nobody chose the epoch since the last iteration started: not
+        # loader.set_epoch, and not the torch idiom loader.sampler.set_epoch (which bypasses us)
+        if self._auto_epoch and self._progress["started"] and not self._epoch_set \
+                and self.sampler.epoch == self._progress.get("epoch"):
             self.sampler.set_epoch(self.sampler.epoch + 1)
         self._epoch_set = False
         resume = self._progress.pop("resume", None)
@@ -279,6 +282,7 @@ class DataLoader(tud.DataLoader):
                                       f"DistributedSampler with {key}={state[key]!r}")
             if state["epoch_done"]:
                 s.set_epoch(state["epoch"] + 1)
+                self._epoch_set = True  # chosen: the next iteration must not advance it again
                 return
             s.set_epoch(state["epoch"])
             self._epoch_set = True

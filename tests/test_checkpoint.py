@@ -207,9 +207,10 @@ def test_fsspec_root_lock_and_roundtrip():
     root = "memory://solar-ckpt-test/root"
     state = {"a": torch.randn(10 * KB), "b": [1, 2]}
     with CheckpointWriter(root, chunk_size=4 * KB) as w:
-        with pytest.raises(CheckpointLockedError, match="LOCK"):
+        # messages name the URL as given, so the recovery they suggest points at the right object
+        with pytest.raises(CheckpointLockedError, match=f"delete {root}/LOCK"):
             CheckpointWriter(root)
-        w.save(state, 1)
+        assert w.save(state, 1).result().root == root
         state["a"][0] = 1.0
         assert w.save(state, 2).result().chunks_written == 1
     assert list_versions(root) == [1, 2]
@@ -661,6 +662,7 @@ def test_a_restarted_writer_drains_what_a_dead_one_left_in_staging(tmp_path, mon
     assert list_versions(main) == [1] and list_versions(stage) == [1, 2]
     with CheckpointWriter(main, staging=stage) as w:
         w.save({"w": torch.full((10,), 3.0)}, 3, blocking=True)
+        assert [(type(r).__name__, r.step) for r in w.wait()] == [("SaveResult", 2), ("SaveResult", 3)]  # 2: drained
     assert list_versions(main) == [1, 2, 3]
     assert torch.equal(load(main, 2)["w"], torch.full((10,), 2.0))
 

@@ -96,7 +96,11 @@ def test_sigkill_while_saving_never_loses_the_last_committed_version(tmp_path):
             zygote.stdin.flush()
             pid = int(zygote.stdout.readline())
             time.sleep(rng.uniform(0.0, 0.2 if job == "save" else 0.02))
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # a small gc can finish first; a saver loops until killed
+                assert job == "gc", f"saver {pid} exited before it was killed (its error is on stderr)"
+                continue
             kills += 1
             _gone(pid)
             with_temporaries += any(".tmp-" in n for _d, _s, files in os.walk(root) for n in files)
@@ -116,6 +120,6 @@ def test_sigkill_while_saving_never_loses_the_last_committed_version(tmp_path):
     finally:
         zygote.stdin.close()
         zygote.wait(timeout=60)
-    assert kills >= 60
+    assert kills >= 50
     assert last > 10, "the savers barely committed anything; the test did not exercise increments"
     print(f"{kills} SIGKILLs, newest step {last}, {with_temporaries} kills left torn temporaries behind")

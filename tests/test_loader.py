@@ -340,6 +340,15 @@ def test_distributed_option_takes_rank_from_the_environment(h5path, monkeypatch)
     assert a == [4] * 6 and loader.sampler.epoch == 0
     list(loader)
     assert loader.sampler.epoch == 1  # advanced by itself
+    for e in (2, 3):  # the torch idiom through the sampler: honoured, not advanced once more
+        loader.sampler.set_epoch(e)
+        list(loader)
+        assert loader.sampler.epoch == e
+    state = loader.state_dict()  # epoch 3 done
+    list(loader)  # epoch 4
+    loader.load_state_dict(state)  # back to after epoch 3: the next iteration is epoch 4, not 5
+    list(loader)
+    assert loader.sampler.epoch == 4
 
 
 def test_golden_state_v1_still_loads(tmp_path):

@@ -159,7 +159,9 @@ class CheckpointStore:
         if not create and not isinstance(root, Tier):
             _must_exist(os.fspath(root), storage_options)
         self.tier = open_tier(root, durable=durable, **storage_options)
-        self.root = str(getattr(self.tier, "root", None) or getattr(self.tier, "url", None) or root)
+        # what messages and results name: the URL as given (an fsspec tier's ``root`` has lost its
+        # scheme, so `solar-ckpt ... ROOT` commands built from it would point elsewhere)
+        self.root = str(getattr(self.tier, "url", None) or getattr(self.tier, "root", None) or root)
         from solar.cache.disk import DiskTier
 
         self.local_dir = self.tier.root if isinstance(self.tier, DiskTier) else None

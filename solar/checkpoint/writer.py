@@ -251,7 +251,7 @@ class CheckpointWriter:
             behind = sorted(set(self._stage.store.versions()) - set(self._main.store.versions()))
             self._undrained.update(behind)
             for s in behind:
-                self._futures.append(_SaveFuture.following(self._drain.submit(self._drain_version, s)))
+                self._futures.append(_SaveFuture.following(self._drain.submit(self._redrain, s)))
         self._closed = False
         self._mutex = threading.Lock()
 
@@ -468,6 +468,15 @@ class CheckpointWriter:
 
         local.add_done_callback(lambda _f: self._drain.submit(drain))
         return out
+
+    def _redrain(self, step: int) -> SaveResult:
+        """Drain a version a dead writer left in staging; its result as for any save."""
+        t0 = time.perf_counter()
+        written = self._drain_version(step)
+        m = self._main.store.read_manifest(step)
+        st = m.stats or {}
+        return SaveResult(step, m.logical_bytes, written, m.nchunks, st.get("chunks_written", 0),
+                          st.get("chunks_unchanged", 0), 0, 0.0, time.perf_counter() - t0, self.root)
 
     def _drain_version(self, step: int) -> int:
         src, dst = self._stage.store, self._main
