@@ -67,7 +67,7 @@ def write_atomic(path: str, value: Any, *, fsync: bool = True) -> int:
     os.makedirs(directory, exist_ok=True)
     if fsync:  # a new directory's entry must reach the disk too, or the file in it can vanish
         for c in created:
-            _fsync_dir(os.path.dirname(c) or ".")
+            fsync_path(os.path.dirname(c) or ".", directory=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -92,16 +92,23 @@ def write_atomic(path: str, value: Any, *, fsync: bool = True) -> int:
             ) from exc
         raise
     if fsync:
-        _fsync_dir(directory)
+        fsync_path(directory, directory=True)
     return view.nbytes
 
 
-def _fsync_dir(directory: str) -> None:
-    dfd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: str, *, directory: bool = False) -> None:
+    """``fsync`` a file (its data reaches the disk) or a directory (the entries made in it do).
+
+    Some file systems cannot fsync a directory (EINVAL); its entries are then as durable as the
+    file system allows, and that is not an error."""
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
     try:
-        os.fsync(dfd)
+        os.fsync(fd)
+    except OSError:
+        if not directory:
+            raise
     finally:
-        os.close(dfd)
+        os.close(fd)
 
 
 class FileTier(Tier):

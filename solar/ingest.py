@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from solar.cache.disk import fsync_path
 from solar.errors import ConfigError, InputError, MPIUnavailableError
 from solar.ingest_sources import Source, open_sources
 from solar.ingest_verify import verify_file
@@ -308,19 +309,6 @@ def _journal_write(path: str, record: dict) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_path(path: str, directory: bool = False) -> None:
-    """``fsync`` a file (its data reaches the disk) or a directory (a rename in it does)."""
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
-    try:
-        os.fsync(fd)
-    except OSError:
-        if not directory:
-            raise
-        # some file systems cannot fsync a directory (EINVAL); the rename is as durable as they allow
-    finally:
-        os.close(fd)
-
-
 def _journal_read(path: str) -> dict | None:
     try:
         with open(path) as fh:
@@ -516,9 +504,9 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
             # The mpio path's flush is an MPI_File_sync; h5py's serial flush only hands the bytes
             # to the OS. Without this fsync a power loss after the rename could leave an OUT
             # whose name survived but whose data did not.
-            _fsync_path(tmp)
+            fsync_path(tmp)
         os.replace(tmp, out)
-        _fsync_path(os.path.dirname(os.path.abspath(out)), directory=True)  # make the rename itself durable
+        fsync_path(os.path.dirname(os.path.abspath(out)), directory=True)  # make the rename itself durable
         if os.path.exists(journal):
             os.remove(journal)
     comm.Barrier()

@@ -188,10 +188,9 @@ class DataLoader(tud.DataLoader):
 
     def _epoch_positions(self) -> int:
         """Global positions an epoch of the (Distributed) sampler consumes after drop_last."""
-        n = len(self.sampler)
-        if self.drop_last:
-            n -= n % self.batch_size
-        return n * self.sampler.num_replicas
+        from solar.schedule import epoch_positions
+
+        return epoch_positions(len(self.sampler), self.sampler.num_replicas, self.batch_size, self.drop_last)
 
     def _plain_skip(self, resume: dict[str, Any]) -> int:
         """Batches a plain (not storage-backed) dataset skips to resume: torch's own batches."""

@@ -66,6 +66,14 @@ def sampler_num_samples(n: int, world_size: int, drop_last: bool) -> int:
     return math.ceil(n / world_size)
 
 
+def epoch_positions(per_rank: int, world_size: int, batch_size: int, drop_last_batch: bool) -> int:
+    """Positions of the global order an epoch consumes: every rank's samples, less DataLoader's
+    dropped last batch."""
+    if drop_last_batch:
+        per_rank -= per_rank % batch_size
+    return per_rank * world_size
+
+
 def global_order(n: int, world_size: int, seed: int, epoch: int, shuffle: bool = True,
                  drop_last: bool = False) -> np.ndarray:
     """The padded/truncated global order of one epoch (int64), identical to DistributedSampler's.
@@ -201,10 +209,7 @@ class PlanConfig:
     @property
     def epoch_length(self) -> int:
         """Positions of the global order an epoch consumes (after DataLoader's drop_last)."""
-        n = self.per_rank
-        if self.drop_last_batch:
-            n -= n % self.batch_size
-        return n * self.world_size
+        return epoch_positions(self.per_rank, self.world_size, self.batch_size, self.drop_last_batch)
 
     def steps_per_epoch(self) -> int:
         n = self.per_rank

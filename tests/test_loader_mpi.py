@@ -108,4 +108,6 @@ def test_a_damaged_sample_on_one_rank_fails_every_rank_instead_of_hanging(comm, 
                 pass
     finally:
         faulthandler.cancel_dump_traceback_later()
+    del loader
+    ds.close()  # collective; an mpio file still open at MPI_Finalize aborts the job
     comm.Barrier()

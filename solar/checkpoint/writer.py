@@ -123,14 +123,6 @@ class _HostPool:
             self._cond.notify_all()
             return self._free.pop()
 
-    def skip(self, ticket: int) -> None:
-        """Give up ``ticket``'s turn without a slot (its save failed before staging)."""
-        with self._cond:
-            while self._serving != ticket:
-                self._cond.wait()
-            self._serving += 1
-            self._cond.notify_all()
-
     def release(self, slot: int) -> None:
         with self._cond:
             self._free.append(slot)
@@ -403,17 +395,15 @@ class CheckpointWriter:
             leaves = hash_chunks(arr, cs, digest)
             levels = merkle.build(leaves, digest)
             name = flat.tensors[blob.tensors[0]].name if blob.tensors else f"<blob {i}>"
-            changed = merkle.diff(self._prev_trees.get(name), levels)
+            # The Merkle diff says what differs from the previous version (the save's statistics).
+            # What is written is every chunk the store is not known to hold: a chunk the diff
+            # calls unchanged may be gone (gc removed the previous version's chunks, e.g. when it
+            # was older than the versions kept).
+            unchanged += len(leaves) - len(merkle.diff(self._prev_trees.get(name), levels))
             view = memoryview(arr)
             spans = chunk_spans(blob.nbytes, cs)
-            # The Merkle diff only says what differs from the previous version; a chunk it calls
-            # unchanged is skipped only if the store is known to hold it (gc may have removed the
-            # previous version's chunks, e.g. when it was older than the versions kept).
-            todo = set(changed.tolist())
-            todo.update(j for j, row in enumerate(leaves) if row.tobytes() not in sink.known)
-            unchanged += len(leaves) - len(changed)
-            for j in sorted(todo):
-                d = leaves[j].tobytes()
+            for j, row in enumerate(leaves):
+                d = row.tobytes()
                 if d in sink.known or d in pending:
                     continue
                 a, e = spans[j]
