@@ -49,6 +49,8 @@ class Tier(ABC):
     name: ClassVar[str] = "abstract"
     #: True if values survive the process (disk, remote); False for memory tiers.
     persistent: ClassVar[bool] = False
+    #: True if :meth:`put_new` is an atomic create: of callers racing for one key, exactly one wins.
+    exclusive_create: bool = False
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
         if capacity_bytes is not None and capacity_bytes < 0:
@@ -101,6 +103,20 @@ class Tier(ABC):
     def exists(self, key: Hashable) -> bool:
         """Whether ``key`` is stored, without counting a hit or a miss (dedup probes are not reads)."""
         return key in self
+
+    def put_new(self, key: Hashable, value: Any) -> bool:
+        """Store ``value`` only if ``key`` is absent; return True iff this call stored it.
+
+        Why: a lock object on shared storage must be created by exactly one of two writers that
+        race for it; a check followed by a :meth:`put` lets both pass the check and the second
+        overwrite the first. Tiers whose storage has an exclusive create (``O_EXCL``/``link`` on a
+        file system, ``If-None-Match: *`` on S3) override this and set :attr:`exclusive_create`.
+        This default checks and then puts: callers that need exclusion read the value back.
+        Like :meth:`put`, returns False (storing nothing) when the value does not fit the budget.
+        """
+        if self.exists(key):
+            return False
+        return self.put(key, value)
 
     def keys_with_prefix(self, prefix: str) -> Iterator[Hashable]:
         """Keys that are strings starting with ``prefix`` (e.g. ``"chunks/"``)."""

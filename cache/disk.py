@@ -52,11 +52,16 @@ def _view(value: Any) -> memoryview:
     return memoryview(value).cast("B")
 
 
-def write_atomic(path: str, value: Any, *, fsync: bool = True) -> int:
+def write_atomic(path: str, value: Any, *, fsync: bool = True, replace: bool = True) -> int:
     """Write ``value`` to ``path`` via a temporary file + fsync + rename; return the bytes written.
+
+    ``replace=False`` publishes the temporary with ``link`` instead of ``rename``: it fails with
+    ``FileExistsError`` (and leaves ``path`` as it was) if ``path`` exists, atomically, so of
+    two writers racing to create ``path`` exactly one succeeds.
 
     Raises:
         TierFullError: the file system is out of space (the temporary is removed, ``path`` untouched).
+        FileExistsError: ``replace=False`` and ``path`` exists.
     """
     view = _view(value)
     directory = os.path.dirname(path) or "."
@@ -79,7 +84,13 @@ def write_atomic(path: str, value: Any, *, fsync: bool = True) -> int:
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            finally:
+                os.unlink(tmp)
     except OSError as exc:
         try:
             os.unlink(tmp)
@@ -172,6 +183,29 @@ class FileTier(Tier):
         return data
 
     def put(self, key: Hashable, value: Any) -> bool:
+        return self._store(key, value, create=False)
+
+    def put_new(self, key: Hashable, value: Any) -> bool:
+        return self._store(key, value, create=True)
+
+    def _create(self, path: str, view: memoryview) -> bool:
+        """Write ``view`` to ``path`` only if it is absent; False if it exists.
+
+        The default checks, then writes (not exclusive); subclasses with an exclusive create
+        override it and set :attr:`exclusive_create`."""
+        if self._exists_path(path):
+            return False
+        self._write(path, view)
+        return True
+
+    def _exists_path(self, path: str) -> bool:
+        try:
+            self._read(path)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return False
+        return True
+
+    def _store(self, key: Hashable, value: Any, create: bool) -> bool:
         path = self.path(key)
         view = _view(value)
         n = view.nbytes
@@ -180,7 +214,12 @@ class FileTier(Tier):
                 self.stats.rejected += 1
                 return False
         old = self._size(path) if self._used is not None else 0
-        self._write(path, view)
+        if create:
+            if not self._create(path, view):
+                return False
+            old = 0
+        else:
+            self._write(path, view)
         with self._lock:
             if self._used is not None:
                 self._used += n - old
@@ -256,6 +295,15 @@ class DiskTier(FileTier):
 
     def _write(self, path: str, view: memoryview) -> None:
         write_atomic(path, view, fsync=self.fsync)
+
+    exclusive_create = True  # link(2) of a finished temporary fails if the name exists
+
+    def _create(self, path: str, view: memoryview) -> bool:
+        try:
+            write_atomic(path, view, fsync=self.fsync, replace=False)
+        except FileExistsError:
+            return False
+        return True
 
     def _unlink(self, path: str) -> None:
         os.unlink(path)

@@ -14,12 +14,17 @@ import uuid
 from typing import Hashable, Iterator
 
 from .base import TierFullError
-from .disk import FileTier, key_to_relpath
+from .disk import FileTier, key_to_relpath, write_atomic
 
 __all__ = ["FsspecTier"]
 
 #: Protocols whose single-object writes are atomic (no temporary + rename needed).
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory", "http", "https"}
+#: Protocols whose ``pipe_file(mode="create")`` is an exclusive create: S3's conditional PUT
+#: (``If-None-Match: *``, which s3fs sends) and the in-process memory file system.
+_EXCLUSIVE_PIPE = {"s3", "s3a", "memory"}
+#: Local file systems: exclusive create by link(2), as in :class:`~solar.cache.DiskTier`.
+_LOCAL = {"file", "local"}
 
 
 class FsspecTier(FileTier):
@@ -42,6 +47,8 @@ class FsspecTier(FileTier):
         self.root = root.rstrip("/") or "/"
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         self.rename_atomic = not (set(protocols) & _OBJECT_STORES)
+        self._local = bool(set(protocols) & _LOCAL)
+        self.exclusive_create = self._local or bool(set(protocols) & _EXCLUSIVE_PIPE)
         self.fs.makedirs(self.root, exist_ok=True)
 
     @classmethod
@@ -81,6 +88,22 @@ class FsspecTier(FileTier):
                 raise TierFullError(f"no space left writing {path} on {self.url} ({view.nbytes} B); free space on that storage") from exc
             raise
 
+    def _create(self, path: str, view: memoryview) -> bool:
+        if self._local:
+            try:
+                write_atomic(path, view, replace=False)
+            except FileExistsError:
+                return False
+            return True
+        if not self.exclusive_create:
+            return super()._create(path, view)
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        try:
+            self.fs.pipe_file(path, bytes(view), mode="create")
+        except FileExistsError:
+            return False
+        return True
+
     def _unlink(self, path: str) -> None:
         if not self.fs.isfile(path):  # object stores delete missing keys without an error
             raise FileNotFoundError(path)
@@ -97,7 +120,10 @@ class FsspecTier(FileTier):
         yield from (r for r in sorted(rels) if r and not any(c.startswith(".") for c in r.split("/")))
 
     def exists(self, key: Hashable) -> bool:
-        return bool(self.fs.isfile(self.path(key)))
+        return self._exists_path(self.path(key))
+
+    def _exists_path(self, path: str) -> bool:
+        return bool(self.fs.isfile(path))
 
     def __repr__(self) -> str:
         cap = "unbounded" if self.capacity_bytes is None else f"{self.capacity_bytes} B"

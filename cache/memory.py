@@ -22,6 +22,7 @@ class MemoryTier(Tier):
     """
 
     name = "memory"
+    exclusive_create = True  # within the process: dict.setdefault is one atomic step under the GIL
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
         super().__init__(capacity_bytes)
@@ -46,6 +47,19 @@ class MemoryTier(Tier):
             return False
         self._data[key] = value
         self._used += delta
+        self.stats.bytes_in += n
+        return True
+
+    def put_new(self, key: Hashable, value: Any) -> bool:
+        n = _nbytes(value)
+        if key in self._data:
+            return False
+        if self.capacity_bytes is not None and self._used + n > self.capacity_bytes:
+            self.stats.rejected += 1
+            return False
+        if self._data.setdefault(key, value) is not value:  # another thread created it meanwhile
+            return False
+        self._used += n
         self.stats.bytes_in += n
         return True
 

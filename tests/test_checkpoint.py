@@ -547,6 +547,27 @@ def test_s3_root_on_a_real_moto_server(s3_bucket):
     assert gc(root, keep_last=1, storage_options=opts).removed_versions == [2]
 
 
+def test_s3_lock_is_an_exclusive_create(s3_bucket, monkeypatch):
+    """Two writers that both saw no LOCK (forced here: every existence check says "absent"):
+    S3's conditional PUT lets only the first create it; the second is refused and the first
+    keeps its lock (a check-then-put let the second overwrite it and both write)."""
+    from solar.cache.fsspec_tier import FsspecTier
+
+    bucket, opts = s3_bucket
+    root = f"{bucket}/lockrace-{os.getpid()}"
+    with CheckpointWriter(root, storage_options=opts) as w:
+        tier = FsspecTier(root, storage_options=opts)
+        mine = tier.get("LOCK")
+        assert mine is not None
+        monkeypatch.setattr(FsspecTier, "_exists_path", lambda self, path: False)
+        with pytest.raises(CheckpointLockedError, match="locked by another writer"):
+            CheckpointWriter(root, storage_options=opts)
+        monkeypatch.undo()
+        assert tier.get("LOCK") == mine
+        w.save({"x": torch.ones(4)}, 1).result()
+    assert not FsspecTier(root, storage_options=opts).exists("LOCK")  # released on close
+
+
 def test_c_order_bytes_of_a_single_element_with_a_non_unit_stride():
     # found by Hypothesis: torch calls this tensor contiguous, yet it cannot be viewed as bytes
     t = torch.arange(4, dtype=torch.float32)[::2][1:2]

@@ -122,17 +122,24 @@ class _Lock:
             self.fd = fd
             return
         tier = self.store.tier
-        if tier.exists("LOCK"):
-            holder = (tier.get("LOCK") or b"?").decode(errors="replace")
-            raise CheckpointLockedError(
-                f"checkpoint root {self.store.root} is locked by another writer ({holder}); if that writer "
-                f"crashed, delete {self.store.root}/LOCK, then retry"
-            )
         owner["token"] = uuid.uuid4().hex
-        self.token = json.dumps(owner).encode()
-        tier.put("LOCK", self.token)
-        if tier.get("LOCK") != self.token:  # lost a race with another writer
+        token = json.dumps(owner).encode()
+        # an exclusive create where the storage has one (S3's conditional PUT, link(2)): of two
+        # writers racing here exactly one gets the lock; elsewhere the read-back below catches
+        # most races (a check-then-put cannot catch all of them)
+        if not tier.put_new("LOCK", token):
+            holder = tier.get("LOCK")
+            if holder is None:
+                raise CheckpointError(
+                    f"could not create the lock object {self.store.root}/LOCK: the storage refused it "
+                    f"(full?); free space there, then retry")
+            raise CheckpointLockedError(
+                f"checkpoint root {self.store.root} is locked by another writer "
+                f"({holder.decode(errors='replace')}); if that writer crashed, delete {self.store.root}/LOCK, then retry"
+            )
+        if tier.get("LOCK") != token:  # lost a race with another writer (tiers without exclusive create)
             raise CheckpointLockedError(f"checkpoint root {self.store.root} was locked concurrently by another writer")
+        self.token = token
 
     def release(self) -> None:
         if self.fd is not None:

@@ -91,6 +91,42 @@ class TierTests:
         assert tier.put("a", b"x" * 100) is True  # an overwrite only needs the difference
         assert tier.nbytes == 100
 
+    def test_put_new_stores_only_when_absent(self, tier_cls, tmp_path):
+        tier = tier_cls.example(str(tmp_path), 100)
+        assert tier.put_new("lock", b"first") is True
+        assert tier.put_new("lock", b"second") is False
+        assert tier.get("lock") == b"first" and tier.nbytes == 5
+        assert tier.put_new("big", b"x" * 96) is False  # over the budget: refused, nothing stored
+        assert "big" not in tier and tier.nbytes == 5
+        tier.delete("lock")
+        assert tier.put_new("lock", b"third") is True and tier.get("lock") == b"third"
+
+    def test_put_new_race_has_one_winner(self, tier_cls, tmp_path):
+        """Tiers that claim an exclusive create: of threads racing for one key, exactly one wins
+        and its value is the one stored, even when every racer has seen the key absent first."""
+        import threading
+
+        tier = tier_cls.example(str(tmp_path), None)
+        if not tier.exclusive_create:
+            return
+        n = 6
+        barrier = threading.Barrier(n)
+        won: list[bytes] = []
+
+        def race(i: int) -> None:
+            value = b"writer-%d" % i
+            assert not tier.exists("lock")
+            barrier.wait()
+            if tier.put_new("lock", value):
+                won.append(value)
+
+        threads = [threading.Thread(target=race, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(won) == 1 and tier.get("lock") == won[0]
+
     def test_prefix_listing(self, tier_cls, tmp_path):
         tier = tier_cls.example(str(tmp_path), None)
         for key in ["chunks/aa/1", "chunks/ab/2", "manifests/3", "chunksx"]:
