@@ -24,8 +24,8 @@ NOTE [ Ingest phases ]
 NOTE [ Ingest crash safety ]
     Everything is written to ``OUT.tmp``; ``OUT`` appears only by ``os.replace`` after the file is
     complete (and verified when asked). If any rank dies (SIGKILL), ``OUT`` is untouched.
-    ``--resume`` reopens ``OUT.tmp``, checks the journal's fingerprint (inputs, fields, bounds,
-    batch size) and continues after the last committed batch, rewriting anything a dead batch
+    ``--resume`` reopens ``OUT.tmp``, checks the journal's fingerprint (inputs with their size
+    and mtime, fields, bounds, batch size) and continues after the last committed batch, rewriting anything a dead batch
     left half-written. The world size may differ between the runs: a batch is a global unit (a
     file a serial run started is restarted under mpirun: parallel HDF5 cannot grow its chunked
     datasets). Under mpirun, an error on one rank inside the write loop aborts the job with its
@@ -127,7 +127,10 @@ class Plan:
         return -(-self.num_samples // self.batch_size)
 
     def fingerprint(self) -> str:
-        desc = {"inputs": [(s.url, s.n, s.per_file, s.keys) for s in self.sources],
+        """The job's identity for ``--resume``: inputs (with their size and modification stamp,
+        :meth:`Source.stamp`), fields, bounds and batch size. Stats every input: call it on one
+        rank and broadcast."""
+        desc = {"inputs": [(s.url, s.n, s.per_file, s.keys, s.stamp()) for s in self.sources],
                 "fields": [asdict(f) for f in self.fields], "batch_size": self.batch_size}
         return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -386,7 +389,7 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
         raise err
     _bound_pass(plan, comm)
     out, tmp, journal = plan.output, plan.output + TMP_SUFFIX, plan.output + JOURNAL_SUFFIX
-    fp = plan.fingerprint()
+    fp = comm.bcast(plan.fingerprint() if comm.rank == 0 else None, root=0)  # one rank stats the inputs
 
     # --resume when OUT exists (see NOTE [ Ingest crash safety ]): written by this very job (same
     # fingerprint; it may have died between the rename and removing the journal) -> nothing to

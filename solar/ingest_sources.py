@@ -110,6 +110,28 @@ class Source:
         self._pid = os.getpid()
         return self._handle
 
+    def stamp(self) -> list:
+        """``[size, modification stamp]`` of the input file, for the job fingerprint.
+
+        Why: ``--resume`` must not append batches of a changed input to a file started from the
+        old one; shapes and dtypes alone do not see new values. Size and mtime (or an object
+        store's ETag / Last-Modified) are the cheap signals ``make`` and ``rsync`` use. Missing
+        metadata gives ``None`` entries (that part of the check is then skipped)."""
+        path = self.url.rpartition(":")[0] if self.kind == "hdf5" and _h5_dataset_suffix(self.url) else self.url
+        if "://" not in path or path.startswith("file://"):
+            st = os.stat(path[len("file://"):] if path.startswith("file://") else path)
+            return [st.st_size, st.st_mtime_ns]
+        from fsspec.core import url_to_fs
+
+        fs, p = url_to_fs(path, **self.storage_options)
+        try:
+            info = fs.info(p)
+        except (OSError, NotImplementedError):
+            return [None, None]
+        mark = next((info[k] for k in ("ETag", "etag", "mtime", "LastModified", "last_modified", "updated",
+                                        "created") if info.get(k) is not None), None)
+        return [info.get("size"), None if mark is None else str(mark)]
+
     def close(self) -> None:
         if self._handle is not None and self._pid == os.getpid() and hasattr(self._handle, "close"):
             self._handle.close()

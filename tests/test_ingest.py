@@ -243,6 +243,35 @@ def test_resume_continues_from_the_journal(tmp_path, monkeypatch):
     assert other.num_samples == 30  # a different job replaces the output only with --overwrite
 
 
+def test_resume_starts_over_when_an_input_changed(tmp_path, monkeypatch, capsys):
+    """Same shapes, new values: the fingerprint carries each input's size and mtime, so the
+    interrupted file's batches (made from the old values) are not kept."""
+    import solar.ingest as ing
+
+    paths, _ = _npy_inputs(tmp_path, sizes=(30, 17))
+    out = str(tmp_path / "o.h5")
+    real, calls = ing.sample_checksum, {"n": 0}
+
+    def dying(buf):
+        calls["n"] += 1
+        if calls["n"] > 20:
+            raise KeyboardInterrupt
+        return real(buf)
+
+    monkeypatch.setattr(ing, "sample_checksum", dying)
+    with pytest.raises(KeyboardInterrupt):
+        ingest(paths, out, batch_size=8, abs_error=0.05, progress=False, commit_interval=0)
+    monkeypatch.setattr(ing, "sample_checksum", real)
+    new = np.load(paths[0]) + 10.0  # regenerated input: same shape and dtype, other values
+    np.save(paths[0], new)
+    rep = ingest(paths, out, batch_size=8, abs_error=0.05, resume=True, verify=True, progress=False)
+    assert rep.resumed_from_batch == 0 and "starting over" in capsys.readouterr().err
+    assert np.abs(_read_field(out, "x")[:30] - new).max() <= 0.05
+    with pytest.raises(InputError, match="different job"):  # a finished output of the old input
+        os.utime(paths[1])
+        ingest(paths, out, batch_size=8, abs_error=0.05, resume=True, progress=False)
+
+
 def test_resume_never_replaces_a_finished_output(tmp_path, capsys):
     """`--resume` used to treat an existing OUT like --overwrite and silently replace a finished file
     of another job. Now: the same job's OUT is reported complete (nothing written, exit 0); any
