@@ -320,6 +320,30 @@ def test_flipped_byte_is_found_by_verify_and_refused_by_load(tmp_path):
     assert load(tmp_path, verify=False)["weight"].numel() == 16 * KB  # explicitly unchecked read still works
 
 
+def test_verify_repair_lets_the_next_save_heal_a_damaged_chunk(tmp_path):
+    """A writer trusts the chunks it finds, so saving the same bytes again used to leave the
+    damaged copy (and every version using it) broken; after ``verify(repair=True)`` the next
+    save rewrites it, which heals the old version too."""
+    state, store = _one_version(tmp_path)
+    digest = store.read_manifest(7).blob_digests(0)[2].tobytes()
+    path = store.tier.path(chunk_key(digest))
+    data = bytearray(open(path, "rb").read())
+    data[5] ^= 0x10
+    open(path, "wb").write(bytes(data))
+    lost = store.read_manifest(7).blob_digests(1)[0].tobytes()  # and one chunk deleted by hand
+    store.delete_chunk(lost)
+    with CheckpointWriter(tmp_path) as w:
+        with pytest.raises(CheckpointLockedError):  # repair deletes chunks: not under a running writer
+            verify(tmp_path, repair=True)
+    rep = verify(tmp_path, repair=True)
+    assert rep.removed_chunks == [digest.hex()] and sorted(rep.marked_chunks) == sorted([digest.hex(), lost.hex()])
+    assert {p["detail"] for p in verify(tmp_path).problems} == {"missing"}
+    with CheckpointWriter(tmp_path, chunk_size=4 * KB) as w:
+        assert w.save(state, 8).result().chunks_written == 2
+    assert verify(tmp_path).ok and not store.damaged_digests()  # markers go once rewritten
+    assert_same(load(tmp_path, 7), state)
+
+
 def test_missing_chunk_is_an_error(tmp_path):
     _state, store = _one_version(tmp_path)
     digest = store.read_manifest(7).blob_digests(1)[0].tobytes()

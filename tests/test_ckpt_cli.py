@@ -153,6 +153,8 @@ def test_verify_finds_and_names_corruption(root, capsys):
     assert code == 0  # step 10 does not use that chunk
     code, out, _ = run_cli(capsys, "verify", path)
     assert code == 1 and f"CORRUPT chunk {digest.hex()}" in out and "model.w" in out
+    code, out, _ = run_cli(capsys, "verify", path, "--repair", "--json")
+    assert code == 1 and json.loads(out)["removed_chunks"] == [digest.hex()] and not os.path.exists(fname)
 
 
 def test_restore_and_export(root, tmp_path, capsys):

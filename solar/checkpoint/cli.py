@@ -177,14 +177,19 @@ def cmd_verify(args) -> int:
     from .verify import verify
 
     root, step = _ref(args.ref)
-    rep = verify(root, step, progress=not args.json)
+    rep = verify(root, step, progress=not args.json, repair=args.repair)
     payload = {"root": rep.root, "ok": rep.ok, "steps": rep.steps, "chunks_checked": rep.chunks_checked,
-               "bytes_checked": rep.bytes_checked, "problems": rep.problems, "incomplete": rep.incomplete}
+               "bytes_checked": rep.bytes_checked, "problems": rep.problems, "incomplete": rep.incomplete,
+               "removed_chunks": rep.removed_chunks, "marked_chunks": rep.marked_chunks}
     lines = [f"ignored incomplete manifest of step {p['step']}: {p['detail']}" for p in rep.incomplete]
     for p in rep.problems:
         what = f"chunk {p['chunk']}" if p["kind"] == "chunk" else f"{p['kind']} of step {p.get('step')}"
         steps = p.get("steps", [p.get("step")])
         lines.append(f"CORRUPT {what}: {p['detail']}; steps {steps}; tensors: {', '.join(p['tensors']) or '-'}")
+    if rep.marked_chunks:
+        lines.append(f"repair: deleted {len(rep.removed_chunks)} damaged chunks and marked "
+                     f"{len(rep.marked_chunks)} damaged or missing ones; the next writer's save that "
+                     "produces their bytes rewrites them (until then the steps above cannot be loaded)")
     status = "OK" if rep.ok else f"FAILED ({len(rep.problems)} problems)"
     lines.append(f"verify {root}: {status}: {len(rep.steps)} versions, {rep.chunks_checked} chunks, {_bytes(rep.bytes_checked)} re-hashed")
     _emit(args, payload, "\n".join(lines))
@@ -309,6 +314,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("verify", help="recompute every hash; name corrupt chunks and the tensors they touch")
     p.add_argument("ref", metavar="ROOT[@STEP]")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--repair", action="store_true",
+                   help="delete damaged chunks and mark them and missing ones, so the next writer's saves "
+                        "rewrite them (takes the writer lock)")
     p.set_defaults(func=cmd_verify)
     for name, help_ in (("restore", "write one version as a torch.save (.pt) or .safetensors file"),
                         ("export", "export one version (default format: safetensors)")):

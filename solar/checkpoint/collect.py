@@ -60,6 +60,9 @@ def collect(store: CheckpointStore, keep_last: int | None = None, *, dry_run: bo
     report.live = live
     dropped = [m for m in manifests if m.step in set(report.removed_versions)]
     candidates = list(store.chunk_digests()) if full_sweep else sorted(referenced(dropped))
+    if full_sweep and not dry_run:
+        for digest in store.damaged_digests() - live:  # no kept version needs that chunk any more
+            store.clear_damaged(digest)
     for digest in candidates:
         if digest not in live:
             report.removed_chunks += 1

@@ -32,6 +32,10 @@ __all__ = ["CheckpointStore", "open_tier", "chunk_key", "manifest_key", "parse_r
 
 _MANIFESTS = "manifests/"
 _CHUNKS = "chunks/"
+#: Empty markers ``damaged/<hex digest>``: chunks ``verify --repair`` found damaged or missing.
+#: A writer starting on the root treats them as absent and rewrites them when it produces
+#: their bytes (then the marker goes).
+_DAMAGED = "damaged/"
 
 
 def _local_dir(root: str) -> str | None:
@@ -216,6 +220,21 @@ class CheckpointStore:
 
     def delete_chunk(self, digest: bytes) -> bool:
         return self.tier.delete(chunk_key(digest))
+
+    def mark_damaged(self, digest: bytes) -> None:
+        self.tier.put(f"{_DAMAGED}{digest.hex()}", b"")
+
+    def damaged_digests(self) -> set[bytes]:
+        out = set()
+        for key in self.tier.keys_with_prefix(_DAMAGED):
+            try:
+                out.add(bytes.fromhex(str(key)[len(_DAMAGED):]))
+            except ValueError:
+                continue
+        return out
+
+    def clear_damaged(self, digest: bytes) -> None:
+        self.tier.delete(f"{_DAMAGED}{digest.hex()}")
 
     def read_chunk_into(self, digest: bytes, out: memoryview) -> int:
         n = self.tier.read_into(chunk_key(digest), out)

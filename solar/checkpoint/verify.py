@@ -3,6 +3,13 @@
 ``verify`` checks each manifest's own checksum, recomputes every Merkle root from the manifest's
 digests, then reads every distinct chunk once and re-hashes it. A bad chunk is reported with the
 versions and tensors it touches, which is what a user needs to decide which version to restore.
+
+``repair=True`` also deletes the chunks whose bytes are damaged and marks them, and missing
+ones, under ``damaged/``. Why: chunks are content addressed, so a damaged copy can never serve
+any version, and a writer trusts the chunks its root's manifests reference (its known-chunk set,
+built without probing the store) and would never write those bytes again. A writer started after
+the repair (e.g. the relaunched job) treats marked chunks as absent: the next save that produces
+the same bytes writes them afresh, which heals every version that references them.
 """
 
 from __future__ import annotations
@@ -26,14 +33,22 @@ class VerifyReport:
     bytes_checked: int = 0
     problems: list[dict] = field(default_factory=list)  # {"kind", "chunk"?, "step", "tensors", "detail"}
     incomplete: list[dict] = field(default_factory=list)  # manifests failing their checksum (also in problems)
+    removed_chunks: list[str] = field(default_factory=list)  # repair=True: damaged chunks deleted (hex digests)
+    marked_chunks: list[str] = field(default_factory=list)  # repair=True: damaged or missing, to be rewritten
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
-def verify(root, step: int | None = None, *, progress: bool = False, storage_options: dict | None = None) -> VerifyReport:
+def verify(root, step: int | None = None, *, progress: bool = False, repair: bool = False,
+           storage_options: dict | None = None) -> VerifyReport:
     """Verify version ``step`` of ``root``, or every version if ``step`` is ``None``.
+
+    ``repair=True`` takes the root's writer lock (``CheckpointLockedError`` while a writer runs
+    there), deletes every chunk whose stored bytes are damaged and marks those and the missing
+    ones for rewriting (see the module docstring); they stay listed in ``problems`` and are named
+    in ``removed_chunks`` (deleted) and ``marked_chunks`` (both).
 
     Returns a report; it never raises for corrupt data (a missing root or step still raises).
     A manifest that fails its checksum is a problem (also listed in ``incomplete``): manifests
@@ -42,6 +57,26 @@ def verify(root, step: int | None = None, *, progress: bool = False, storage_opt
     falls back to the newest good version, with a warning); the report says so.
     """
     store = CheckpointStore(root, **(storage_options or {}))
+    if not repair:
+        return _verify(store, step, progress)
+    lock = store.lock()
+    try:
+        report = _verify(store, step, progress)
+        for p in report.problems:
+            if p["kind"] != "chunk":
+                continue
+            digest = bytes.fromhex(p["chunk"])
+            store.mark_damaged(digest)  # marked first: a repair killed between the two is redone
+            if p["detail"] != "missing":
+                store.delete_chunk(digest)
+                report.removed_chunks.append(p["chunk"])
+            report.marked_chunks.append(p["chunk"])
+        return report
+    finally:
+        lock.release()
+
+
+def _verify(store: CheckpointStore, step: int | None, progress: bool) -> VerifyReport:
     report = VerifyReport(store.root)
     steps = [step] if step is not None else store.steps()
     manifests = []

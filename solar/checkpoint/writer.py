@@ -162,6 +162,16 @@ class _Sink:
         if hasattr(store.tier, "cleanup_temp"):
             store.tier.cleanup_temp()  # temporaries of a killed writer; safe under the lock
         self.known: set[bytes] = referenced(store.valid_manifests(warn=False))
+        # chunks `verify --repair` found damaged or missing: not trusted, rewritten when produced
+        self.damaged = store.damaged_digests()
+        self.known -= self.damaged
+
+    def add_known(self, digests: set[bytes]) -> None:
+        """Digests now in the store; damaged markers of rewritten chunks are cleared."""
+        self.known |= digests
+        for d in digests & self.damaged:
+            self.store.clear_damaged(d)
+            self.damaged.discard(d)
 
     def gc(self, keep_last: int | None, protect: "set[int] | frozenset[int]" = frozenset()) -> None:
         if keep_last is not None:
@@ -372,7 +382,7 @@ class CheckpointWriter:
         except BaseException:
             self._drop_orphans(sink, new_digests)
             raise
-        sink.known |= new_digests
+        sink.add_known(new_digests)
         self._prev_trees, self._prev_step = new_trees, step
         with self._mutex:
             if self._stage is not None:
@@ -481,7 +491,7 @@ class CheckpointWriter:
 
         written = sum(self._io.map(copy, sorted(todo)))
         dst.store.put_manifest(m)
-        dst.known |= todo
+        dst.add_known(todo)
         dst.gc(self.keep_last, frozenset({step}))
         with self._mutex:
             self._undrained.discard(step)
