@@ -126,6 +126,7 @@ class SolarBatchSampler(BatchSampler):
         self._capacity = 0
         self._resume: dict | None = None
         self._open = False  # a scheduled iteration started and not run to its end
+        self._stopped: int | None = None  # steps the last iteration handed out, once it is closed
         self._capacities: dict[tuple[int, int, int], int] = {}
         #: what the running (or last) iteration is: mode, epoch, start position, global batch ...
         self.current: dict[str, Any] = {}
@@ -225,13 +226,9 @@ class SolarBatchSampler(BatchSampler):
 
         resume, self._resume = self._resume, None
         if self.mode == "schedule" and self._open:
-            # NOTE [ Early stop ]: the planner marks a whole epoch's keeps as buffered when it
-            # plans it; the last scheduled iteration stopped before its end, so the buffer does not
-            # hold what the planner believes and would never be refilled. Start over with a new
-            # planner and an empty buffer (the next epoch refills it). Every rank decides this
-            # alike: ranks stop at the same step of a data-parallel loop.
-            self._key = None
+            self._after_early_stop()
         self._open = self.mode == "schedule"
+        self._stopped = None
         P, rank = self._prepare()
         b, C = self._geometry()[2], self._capacity
 
@@ -261,9 +258,62 @@ class SolarBatchSampler(BatchSampler):
         size = self.group_size(b)
         groups = iter(lambda: list(itertools.islice(steps, size)), [])
         collective = bool(getattr(getattr(self.dataset, "backend", None), "collective", False))
-        for group in _prefetch(groups, fetch, 1 if self.prefetch else 0, cancel=not collective):
-            yield from group
+        handed = 0
+        passes = _prefetch(groups, fetch, 1 if self.prefetch else 0, cancel=not collective)
+        try:
+            for group in passes:
+                for batch in group:
+                    handed += 1
+                    yield batch
+        finally:
+            passes.close()  # the running read has finished: nothing touches the buffer any more
+            self._stopped = handed
         self._open = False
+
+    def _after_early_stop(self) -> None:
+        """NOTE [ Early stop ]: the last scheduled iteration stopped before its end.
+
+        The planner applied that whole epoch's keeps and evictions when it planned it, so it
+        believes the buffer holds what only the full epoch would have left. It is rewound to the
+        steps the iteration handed out (:meth:`Planner.rewind`), and the buffer drops what the
+        read-ahead past them kept; what the read-ahead evicted is a planned hit the buffer lacks,
+        read and put back when it comes (``EpochPlan.rank_actions``). The planners of all ranks
+        must stay identical, so the rewind needs every rank to have stopped at the same step: a
+        single process, or a collective backend, where one allreduce checks it (all ranks
+        iterate together there anyway). Otherwise, or when the old iteration is still open (its
+        iterator is still referenced), the planner and the buffer start over empty: one epoch
+        of hits is lost, the same on every rank.
+        """
+        plan, steps = self.current.get("plan"), self._stopped
+        P, rank, _ = self._geometry()
+        ok = (steps is not None and plan is not None and plan.undo is not None and self._planner is not None
+              and self._key == self.plan_config())
+        steps = self._agree(steps if ok else -1, P)
+        if steps < 0:
+            self._key = None
+            return
+        self._planner.rewind(plan, steps)
+        if self.buffer is not None:
+            keys = [k for k in self.buffer.keys() if isinstance(k, tuple) and len(k) == 2]
+            if keys:
+                idx = np.fromiter((int(k[1]) for k in keys), np.int64, len(keys))
+                held = self._planner.holds(idx, rank)
+                for k, h in zip(keys, held.tolist()):
+                    if not h:
+                        self.buffer.delete(k)
+
+    def _agree(self, steps: int, world_size: int) -> int:
+        """``steps`` if every rank has the same value, else -1 (see :meth:`_after_early_stop`)."""
+        if world_size == 1:
+            return steps
+        backend = getattr(self.dataset, "backend", None)
+        comm = getattr(backend, "comm", None) if getattr(backend, "collective", False) else None
+        if comm is None or comm.Get_size() != world_size:
+            return -1
+        from mpi4py import MPI
+
+        lo, hi = comm.allreduce(steps, op=MPI.MIN), comm.allreduce(steps, op=MPI.MAX)
+        return lo if lo == hi else -1
 
     @property
     def _decode_ahead(self) -> bool:

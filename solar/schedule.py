@@ -242,6 +242,11 @@ class EpochPlan:
     evict_step: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     evict_rank: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     evict_sample: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    #: samples the rebalancing released when they were first read this epoch (not kept; no evict)
+    release_sample: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    release_pos: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    #: the planner state this plan changed, as it was before: (samples, resident, owner)
+    undo: tuple | None = field(default=None, repr=False)
     _by_rank: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -270,15 +275,20 @@ class EpochPlan:
         return self._by_rank[rank]
 
     def rank_actions(self, rank: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per step, what ``rank``'s buffer does: ``(samples to keep after reading, samples to evict)``."""
-        pos = np.flatnonzero((self.rank == rank) & self.keep)
-        ksteps = pos // self.global_batch
-        mine = self.evict_rank == rank
-        esteps, esamples = self.evict_step[mine], self.evict_sample[mine]
-        out = []
-        for k in range(self.num_steps):
-            out.append((self.samples[pos[ksteps == k]], esamples[esteps == k]))
-        return out
+        """Per step, what ``rank``'s buffer does: ``(samples it holds after reading, samples to evict)``.
+
+        The first array is the step's keeps *and* its planned hits: a planned hit the buffer
+        does not have after all (a put the byte budget refused, an eviction by read-ahead past
+        an early stop) is then read and put back, instead of being read again every epoch.
+        """
+        pos = np.flatnonzero((self.rank == rank) & (self.keep | self.hit))
+        cuts = np.arange(1, self.num_steps) * self.global_batch
+        keeps = np.split(self.samples[pos], np.searchsorted(pos, cuts)) if self.num_steps else []
+        mine = np.flatnonzero(self.evict_rank == rank)
+        mine = mine[np.argsort(self.evict_step[mine], kind="stable")]
+        evicts = np.split(self.evict_sample[mine], np.searchsorted(self.evict_step[mine], np.arange(1, self.num_steps)))
+        # a hit may be the step's eviction (served first, then dropped): not held afterwards
+        return [(np.setdiff1d(k, e) if len(e) else k, e) for k, e in zip(keeps, evicts)]
 
     def read_calls(self) -> int:
         """Coalesced range reads this epoch needs: runs of consecutive indices per (step, rank)."""
@@ -408,10 +418,13 @@ class Planner:
         self._start = start
         G, P = c.global_batch, c.world_size
         if c.policy == "solar":
+            res0, own0 = self._resident.copy(), self._owner.copy()
             rank, hit, keep = self._plan_pinned(samples, G, P)
             plan = EpochPlan(epoch, start, G, P, samples, rank, hit, keep)
             if self.rebalance and P > 1 and c.capacity:
                 self._rebalance(plan, self.order(epoch + 1))
+            changed = np.flatnonzero((res0 != self._resident) | (own0 != self._owner))
+            plan.undo = (changed, res0[changed], own0[changed])  # O(changes), not O(N), is kept
         else:
             rank, hit, keep = self._plan_baseline(samples, G, P, epoch)
             plan = EpochPlan(epoch, start, G, P, samples, rank, hit, keep)
@@ -448,7 +461,7 @@ class Planner:
         pos, u = pos[ok], u[ok]
         ucell = kn[u] * P + plan.rank[pos]
         pos, u, ucell = pos[room[ucell] > 0], u[room[ucell] > 0], ucell[room[ucell] > 0]
-        ev_step, ev_rank, ev_sample = [], [], []
+        ev_step, ev_rank, ev_sample, rel = [], [], [], []
         by_rank = np.argsort(plan.rank[pos], kind="stable")  # positions stay ascending within a rank
         pos, u, ucell = pos[by_rank], u[by_rank], ucell[by_rank]
         bounds = np.searchsorted(plan.rank[pos], np.arange(P + 1))
@@ -479,10 +492,43 @@ class Planner:
             ev_step.append(ustep[j][~loaded_now])
             ev_rank.append(np.full(int((~loaded_now).sum()), r, dtype=np.int64))
             ev_sample.append(d[~loaded_now])
+            rel.append(d[loaded_now])
         if ev_step:
             plan.evict_step = np.concatenate(ev_step)
             plan.evict_rank = np.concatenate(ev_rank)
             plan.evict_sample = np.concatenate(ev_sample)
+            plan.release_sample = np.concatenate(rel)
+            plan.release_pos = first_pos[plan.release_sample]
+
+    def holds(self, indices: np.ndarray, rank: int) -> np.ndarray:
+        """Whether ``rank``'s buffer holds each index, as far as the plans made so far go."""
+        idx = np.asarray(indices, dtype=np.int64)
+        ok = (idx >= 0) & (idx < len(self._resident))
+        out = np.zeros(len(idx), dtype=bool)
+        out[ok] = self._resident[idx[ok]] & (self._owner[idx[ok]] == rank)
+        return out
+
+    def rewind(self, plan: EpochPlan, steps: int) -> None:
+        """Make the residency what ``plan`` leaves after its first ``steps`` steps only.
+
+        For an iteration stopped early (NOTE [ Early stop ] in solar/sampler.py): :meth:`plan`
+        applied the whole epoch's keeps, evictions and ownership moves at once; this undoes them
+        (``plan.undo``) and re-applies those of the executed steps. ``plan`` must be the last
+        plan made. Every rank must rewind to the same ``steps``: plans stay identical across
+        ranks only if their planners are.
+        """
+        if plan.undo is None:
+            raise ValueError("this plan has no undo record (only the solar policy's plans do)")
+        idx, res, own = plan.undo
+        self._resident[idx], self._owner[idx] = res, own
+        p = min(steps * plan.global_batch, len(plan.samples))
+        kept = np.flatnonzero(plan.keep[:p])
+        self._resident[plan.samples[kept]] = True
+        self._owner[plan.samples[kept]] = plan.rank[kept]  # adoptions move ownership; pins keep it
+        gone = plan.evict_sample[plan.evict_step < steps]
+        self._resident[gone], self._owner[gone] = False, -1
+        self._owner[plan.release_sample[plan.release_pos < p]] = -1
+        plan.undo = None  # applied: a second rewind would start from the rewound state
 
     def reset(self) -> None:
         """Forget residency (buffers emptied, e.g. a new process)."""

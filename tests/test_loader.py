@@ -208,18 +208,39 @@ def test_world_size_one_matches_torch_and_hits_from_epoch_two(h5path, workers):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_an_epoch_stopped_early_costs_one_epoch_of_hits_not_all_later_ones(h5path, workers):
+def test_an_epoch_stopped_early_keeps_the_hits_of_its_executed_steps(h5path, workers):
+    """NOTE [ Early stop ]: the planner is rewound to the steps handed out (read-ahead past them
+    is dropped from the buffer), so the next epoch hits what those steps kept; later epochs
+    reach the bound. (Before: the buffer started over empty, and 0 hits in epoch 1.)"""
     loader = _rank_loaders(h5path, 1, 8, 0.5, num_workers=workers)[0]
+    ss = loader.solar_sampler
     for k, _ in enumerate(loader):
         if k == 1:
             break
+    plan = ss.current["plan"]
+    assert ss._stopped == 2 + (2 * workers if workers else 0)  # torch's workers draw 2 steps each ahead
+    kept = int(plan.keep[:ss._stopped * plan.global_batch].sum())
+    assert 0 < kept < 48
     hits = []
     for e in (1, 2, 3):
         loader.sampler.set_epoch(e)
         h0 = loader.dataset.stats.hits
         list(loader)
         hits.append(loader.dataset.stats.hits - h0)
-    assert hits == [0, 48, 48]  # epoch 1 refills the buffer the stopped epoch left unknown
+    assert hits == [kept, 48, 48]
+
+
+def test_a_loop_that_cuts_every_epoch_short_still_fills_the_buffer(h5path):
+    loader = _rank_loaders(h5path, 1, 8, 0.5)[0]
+    hits = []
+    for e in range(6):
+        loader.sampler.set_epoch(e)
+        h0 = loader.dataset.stats.hits
+        for k, _ in enumerate(loader):
+            if k == 5:  # a per-epoch step limit: 6 of 12 steps
+                break
+        hits.append(loader.dataset.stats.hits - h0)
+    assert hits[0] == 0 and hits[-1] > 12 and hits == sorted(hits)  # climbs; before: 0 every epoch
 
 
 def test_shuffle_without_sampler_matches_torch_and_uses_the_buffer(h5path):

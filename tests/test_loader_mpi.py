@@ -70,9 +70,17 @@ def test_breaking_out_of_an_epoch_early_keeps_collective_reads_in_step(comm, sha
                 time.sleep(0.01)  # rank 0 consumes slower: prefetch progress differs between ranks
             if k == 4:
                 break  # every rank stops after the same step, as a training loop would
+    planner = loader.solar_sampler._planner
     sampler.set_epoch(3)
+    h0 = ds.stats.hits
     n = sum(len(x) for x, _ in loader)  # a full epoch afterwards: collective reads still match up
     assert n == 96 // comm.size
+    # the ranks agreed on the stop step, so the planner was rewound, not started over: the
+    # buffer still serves what the cut-short epochs kept (before: an empty buffer, no hits)
+    plan = loader.solar_sampler.current["plan"]
+    assert loader.solar_sampler._planner is planner
+    served = comm.allreduce(ds.stats.hits - h0)
+    assert 0 < served <= int(plan.hit.sum())
     assert comm.allreduce(1) == comm.size
     ds.close()
 

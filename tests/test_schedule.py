@@ -25,11 +25,12 @@ def torch_global_batches(n, P, b, seed, epoch, shuffle, drop_last, drop_last_bat
     return [sorted(x for r in range(P) for x in per[r][k * b:(k + 1) * b]) for k in range(steps)]
 
 
-def replay_buffers(plan, kept, capacity):
+def replay_buffers(plan, kept, capacity, steps=None):
     """What each rank's buffer does at run time: per step, hits must be held; then it evicts and
-    keeps what the plan says; it may never hold more than ``capacity`` samples."""
+    keeps what the plan says; it may never hold more than ``capacity`` samples. ``steps``: only
+    the first ``steps`` steps (an iteration stopped early)."""
     actions = [plan.rank_actions(r) for r in range(plan.world_size)]
-    for k in range(plan.num_steps):
+    for k in range(plan.num_steps if steps is None else steps):
         sl = plan.step_slice(k)
         for r in range(plan.world_size):
             mine = plan.rank[sl] == r
@@ -82,6 +83,49 @@ def test_plan_keeps_torch_global_batches_balances_ranks_and_only_claims_valid_hi
     assert stats["max_kept"] <= c.capacity
     if c.capacity == 0:
         assert stats["hits"] == 0
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configs, st.integers(0, 2), st.floats(0, 1))
+def test_rewind_leaves_exactly_the_residency_of_the_executed_steps(cfg, stop_epoch, where):
+    """An iteration stopped after ``s`` steps: the rewound planner believes each rank holds what
+    its buffer holds after those steps (the run-time model), and later epochs plan only hits that
+    are really held."""
+    c = make_config(*cfg)
+    planner = Planner(c)
+    kept = [set() for _ in range(c.world_size)]
+
+    def held():
+        return [set(np.flatnonzero(planner._resident & (planner.owners(np.arange(c.num_samples)) == r)).tolist())
+                for r in range(c.world_size)]
+
+    for e in range(stop_epoch):
+        replay_buffers(planner.plan(e), kept, c.capacity)
+        assert held() == kept
+    plan = planner.plan(stop_epoch)
+    s = round(where * plan.num_steps)
+    replay_buffers(plan, kept, c.capacity, steps=s)
+    planner.rewind(plan, s)
+    assert held() == kept
+    for e in range(stop_epoch + 1, stop_epoch + 3):
+        replay_buffers(planner.plan(e), kept, c.capacity)
+        assert held() == kept
+
+
+def test_rewind_lets_epochs_cut_short_fill_the_buffer():
+    """Every epoch stopped after a quarter of its steps: each quarter adds its reads to the
+    buffer, so the hit rate climbs towards the bound P*C/N (before rewinding existed, the
+    buffer started empty every epoch: no hits at all)."""
+    n, P, b, C = 4096, 4, 16, 512
+    planner = Planner(PlanConfig(n, P, b, C, seed=1))
+    rates = []
+    for e in range(10):
+        plan = planner.plan(e)
+        s = plan.num_steps // 4
+        rates.append(float(plan.hit[:s * plan.global_batch].mean()))
+        planner.rewind(plan, s)
+    assert rates[0] == 0 and all(b > a for a, b in zip(rates[:7], rates[1:7]))
+    assert rates[-1] > 0.85 * P * C / n
 
 
 def test_pinned_policy_reaches_the_bound_and_beats_the_baselines():
