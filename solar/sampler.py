@@ -127,6 +127,7 @@ class SolarBatchSampler(BatchSampler):
         self._resume: dict | None = None
         self._open = False  # a scheduled iteration started and not run to its end
         self._stopped: int | None = None  # steps the last iteration handed out, once it is closed
+        self._token: object | None = None  # identifies the newest iteration
         self._capacities: dict[tuple[int, int, int], int] = {}
         #: what the running (or last) iteration is: mode, epoch, start position, global batch ...
         self.current: dict[str, Any] = {}
@@ -229,7 +230,9 @@ class SolarBatchSampler(BatchSampler):
             self._after_early_stop()
         self._open = self.mode == "schedule"
         self._stopped = None
+        token = self._token = object()  # this iteration; an older one closing later reports nothing
         P, rank = self._prepare()
+        buffer = self.buffer  # an older iteration's last read never lands in a newer buffer
         b, C = self._geometry()[2], self._capacity
 
         def fetch(group: list[tuple]) -> list[StepBatch]:
@@ -247,7 +250,7 @@ class SolarBatchSampler(BatchSampler):
                 def keep(miss: np.ndarray) -> np.ndarray:
                     return np.isin(miss, wanted)
             steps = [g[0] for g in group]
-            stored = self.dataset.fetch_steps(steps, buffer=self.buffer, keep=keep, shared=self.shared, evict=evict,
+            stored = self.dataset.fetch_steps(steps, buffer=buffer, keep=keep, shared=self.shared, evict=evict,
                                               **({"decode": True} if self._decode_ahead else {}))
             out = [StepBatch(indices) for indices in steps]
             for batch, st in zip(out, stored):
@@ -267,8 +270,10 @@ class SolarBatchSampler(BatchSampler):
                     yield batch
         finally:
             passes.close()  # the running read has finished: nothing touches the buffer any more
-            self._stopped = handed
-        self._open = False
+            if self._token is token:
+                self._stopped = handed
+        if self._token is token:
+            self._open = False
 
     def _after_early_stop(self) -> None:
         """NOTE [ Early stop ]: the last scheduled iteration stopped before its end.

@@ -230,6 +230,24 @@ def test_an_epoch_stopped_early_keeps_the_hits_of_its_executed_steps(h5path, wor
     assert hits == [kept, 48, 48]
 
 
+def test_an_older_iterator_closed_late_does_not_disturb_the_newer_one(h5path):
+    loader = _rank_loaders(h5path, 1, 8, 0.5)[0]
+    ss = loader.solar_sampler
+    old = iter(loader)
+    next(old)  # still open when the next iteration starts: that one starts over
+    loader.sampler.set_epoch(1)
+    for k, _ in enumerate(loader):
+        if k == 2:
+            break
+    plan = ss.current["plan"]
+    kept = int(plan.keep[:3 * plan.global_batch].sum())
+    del old  # closes now: must not report its 1 step as the newest iteration's stop
+    loader.sampler.set_epoch(2)
+    h0 = loader.dataset.stats.hits
+    list(loader)
+    assert loader.dataset.stats.hits - h0 == kept > 8
+
+
 def test_a_loop_that_cuts_every_epoch_short_still_fills_the_buffer(h5path):
     loader = _rank_loaders(h5path, 1, 8, 0.5)[0]
     hits = []
