@@ -226,8 +226,8 @@ class SolarBatchSampler(BatchSampler):
         from solar.dataset import StepBatch
 
         resume, self._resume = self._resume, None
-        if self.mode == "schedule" and self._open:
-            self._after_early_stop()
+        if self.mode == "schedule":
+            self._settle_last_iteration()
         self._open = self.mode == "schedule"
         self._stopped = None
         token = self._token = object()  # this iteration; an older one closing later reports nothing
@@ -275,50 +275,63 @@ class SolarBatchSampler(BatchSampler):
         if self._token is token:
             self._open = False
 
-    def _after_early_stop(self) -> None:
-        """NOTE [ Early stop ]: the last scheduled iteration stopped before its end.
+    def _settle_last_iteration(self) -> None:
+        """NOTE [ Early stop ]: before a scheduled iteration, account for how the last one ended.
 
-        The planner applied that whole epoch's keeps and evictions when it planned it, so it
-        believes the buffer holds what only the full epoch would have left. It is rewound to the
-        steps the iteration handed out (:meth:`Planner.rewind`), and the buffer drops what the
-        read-ahead past them kept; what the read-ahead evicted is a planned hit the buffer lacks,
-        read and put back when it comes (``EpochPlan.rank_actions``). The planners of all ranks
-        must stay identical, so the rewind needs every rank to have stopped at the same step: a
-        single process, or a collective backend, where one allreduce checks it (all ranks
-        iterate together there anyway). Otherwise, or when the old iteration is still open (its
-        iterator is still referenced), the planner and the buffer start over empty: one epoch
-        of hits is lost, the same on every rank.
+        The planner applied the last plan's whole epoch of keeps and evictions when it made it.
+        If that iteration stopped early (``break``, a step limit, an error), the planner is
+        rewound to the steps it handed out (:meth:`Planner.rewind`), and the buffer drops what
+        the read-ahead kept past them; what the read-ahead evicted is a planned hit the buffer
+        lacks, read and put back when it comes (``EpochPlan.rank_actions``).
+
+        The planners of all ranks must stay identical (they decide, without communication, which
+        rank serves which sample), so a rewind needs every rank stopped at the same step. In one
+        process that is given. With a collective backend every rank iterates together anyway, so
+        each reports how its last iteration ended in one allreduce, ended or not: the same stop
+        everywhere rewinds, anything else starts every rank over. With several ranks on a serial
+        backend (torchrun, mpirun without parallel HDF5) there is nothing to agree with: an
+        early stop starts that rank over with an empty buffer and a fresh plan, which every rank
+        of a data-parallel loop does alike. So does an iteration whose iterator is still
+        referenced when the next one starts (its read-ahead may still run).
         """
-        plan, steps = self.current.get("plan"), self._stopped
+        plan = self.current.get("plan") if self.current.get("mode") == "schedule" else None
         P, rank, _ = self._geometry()
-        ok = (steps is not None and plan is not None and plan.undo is not None and self._planner is not None
-              and self._key == self.plan_config())
-        steps = self._agree(steps if ok else -1, P)
+        if self._open:  # stopped early, or still open
+            ok = (self._stopped is not None and plan is not None and plan.undo is not None
+                  and self._planner is not None and self._key == self.plan_config())
+            mine = self._stopped if ok else -1
+        else:  # ran to its end (or there was none): nothing to rewind here
+            mine = plan.num_steps if plan is not None else -2
+        collective = bool(getattr(getattr(self.dataset, "backend", None), "collective", False)) and P > 1
+        if collective:
+            steps, any_open = self._agree(mine, int(self._open))
+        elif P == 1 or not self._open:
+            steps, any_open = mine, self._open
+        else:
+            steps, any_open = -1, True
+        if not any_open or steps == -2:
+            return
         if steps < 0:
-            self._key = None
+            self._key = None  # start over: new planner and buffer, on every rank alike
             return
         self._planner.rewind(plan, steps)
         if self.buffer is not None:
-            keys = [k for k in self.buffer.keys() if isinstance(k, tuple) and len(k) == 2]
+            keys = [k for k in self.buffer.keys()
+                    if isinstance(k, tuple) and len(k) == 2 and isinstance(k[1], (int, np.integer))]
             if keys:
-                idx = np.fromiter((int(k[1]) for k in keys), np.int64, len(keys))
-                held = self._planner.holds(idx, rank)
+                held = self._planner.holds(np.fromiter((k[1] for k in keys), np.int64, len(keys)), rank)
                 for k, h in zip(keys, held.tolist()):
                     if not h:
                         self.buffer.delete(k)
 
-    def _agree(self, steps: int, world_size: int) -> int:
-        """``steps`` if every rank has the same value, else -1 (see :meth:`_after_early_stop`)."""
-        if world_size == 1:
-            return steps
-        backend = getattr(self.dataset, "backend", None)
-        comm = getattr(backend, "comm", None) if getattr(backend, "collective", False) else None
-        if comm is None or comm.Get_size() != world_size:
-            return -1
+    def _agree(self, steps: int, is_open: int) -> tuple[int, bool]:
+        """Over all ranks of the collective backend: ``(steps if all ranks have it, else -1,
+        whether any rank's last iteration is open)``."""
         from mpi4py import MPI
 
-        lo, hi = comm.allreduce(steps, op=MPI.MIN), comm.allreduce(steps, op=MPI.MAX)
-        return lo if lo == hi else -1
+        comm = self.dataset.backend.comm
+        lo, hi, any_open = (comm.allreduce(v, op=MPI.MAX) for v in (-steps, steps, is_open))
+        return (hi if -lo == hi else -1), bool(any_open)
 
     @property
     def _decode_ahead(self) -> bool:

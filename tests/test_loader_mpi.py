@@ -86,6 +86,31 @@ def test_breaking_out_of_an_epoch_early_keeps_collective_reads_in_step(comm, sha
 
 
 @pytest.mark.mpi
+def test_ranks_that_end_an_epoch_differently_keep_identical_plans(comm, shared_tmp):
+    """Rank 0 leaves the loop right after the epoch's last batch (its iteration stays open),
+    the others run it to its end. Every rank must still plan the next epoch alike (they decide
+    without communication who serves which sample); before, rank 0 alone started over with a
+    fresh planner, and the ranks' plans of epoch 1 differed."""
+    path = os.path.join(shared_tmp, "ends.h5")
+    write_ptycho_h5(path, 96, 8, seed=5, comm=comm, progress=False)
+    comm.Barrier()
+    ds = solar.H5Dataset(path)
+    sampler = tud.DistributedSampler(ds, num_replicas=comm.size, rank=comm.rank, seed=2)
+    loader = solar.DataLoader(ds, batch_size=4, sampler=sampler, buffer=0.5, prefetch=2)
+    for k, _ in enumerate(loader):
+        if comm.rank == 0 and k == len(loader) - 1:
+            break
+    sampler.set_epoch(1)
+    n = sum(len(x) for x, _ in loader)
+    assert n == 96 // comm.size
+    plan = loader.solar_sampler.current["plan"]
+    ranks = comm.allgather(plan.rank.tobytes())
+    assert all(r == ranks[0] for r in ranks)
+    assert plan.hit.sum() > 0  # and nobody started over: the epoch-0 keeps are hits
+    ds.close()
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("verify", [True, False], ids=["checksum", "codec"])
 def test_a_damaged_sample_on_one_rank_fails_every_rank_instead_of_hanging(comm, shared_tmp, verify):
     """A checksum (or codec) failure on one rank is agreed before the next collective read; before,
