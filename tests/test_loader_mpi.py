@@ -53,14 +53,18 @@ def test_two_ranks_plan_alike_split_global_batches_and_hit_from_epoch_two(comm, 
     ds.close()  # collective on parallel HDF5: every rank closes
 
 
-@pytest.mark.mpi
-def test_breaking_out_of_an_epoch_early_keeps_collective_reads_in_step(comm, shared_tmp):
-    path = os.path.join(shared_tmp, "early.h5")
-    write_ptycho_h5(path, 96, 8, seed=3, comm=comm, progress=False)
+def _ptycho_loader(comm, path, data_seed, order_seed, buffer):
+    """A synthetic PtychoNN file written by every rank, and a 4-per-rank loader over it."""
+    write_ptycho_h5(path, 96, 8, seed=data_seed, comm=comm, progress=False)
     comm.Barrier()
     ds = solar.H5Dataset(path)
-    sampler = tud.DistributedSampler(ds, num_replicas=comm.size, rank=comm.rank, seed=1)
-    loader = solar.DataLoader(ds, batch_size=4, sampler=sampler, buffer=0.25, prefetch=2)
+    sampler = tud.DistributedSampler(ds, num_replicas=comm.size, rank=comm.rank, seed=order_seed)
+    return ds, sampler, solar.DataLoader(ds, batch_size=4, sampler=sampler, buffer=buffer, prefetch=2)
+
+
+@pytest.mark.mpi
+def test_breaking_out_of_an_epoch_early_keeps_collective_reads_in_step(comm, shared_tmp):
+    ds, sampler, loader = _ptycho_loader(comm, os.path.join(shared_tmp, "early.h5"), 3, 1, 0.25)
     for e in range(3):
         sampler.set_epoch(e)
         for k, (x, _) in enumerate(loader):
@@ -90,13 +94,9 @@ def test_ranks_that_end_an_epoch_differently_keep_identical_plans(comm, shared_t
     """Rank 0 leaves the loop right after the epoch's last batch (its iteration stays open),
     the others run it to its end. Every rank must still plan the next epoch alike (they decide
     without communication who serves which sample); before, rank 0 alone started over with a
-    fresh planner, and the ranks' plans of epoch 1 differed."""
-    path = os.path.join(shared_tmp, "ends.h5")
-    write_ptycho_h5(path, 96, 8, seed=5, comm=comm, progress=False)
-    comm.Barrier()
-    ds = solar.H5Dataset(path)
-    sampler = tud.DistributedSampler(ds, num_replicas=comm.size, rank=comm.rank, seed=2)
-    loader = solar.DataLoader(ds, batch_size=4, sampler=sampler, buffer=0.5, prefetch=2)
+    fresh planner: no hits there, and its rebalancing (which moves ownership by residency) no
+    longer matched the other ranks'."""
+    ds, sampler, loader = _ptycho_loader(comm, os.path.join(shared_tmp, "ends.h5"), 5, 2, 0.5)
     for k, _ in enumerate(loader):
         if comm.rank == 0 and k == len(loader) - 1:
             break
