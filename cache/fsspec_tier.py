@@ -8,8 +8,10 @@ that :meth:`exists` holds a complete value.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import posixpath
+import threading
 import uuid
 from typing import Hashable, Iterator
 
@@ -25,6 +27,8 @@ _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory", "ht
 _EXCLUSIVE_PIPE = {"s3", "s3a", "memory"}
 #: Local file systems: exclusive create by link(2), as in :class:`~solar.cache.DiskTier`.
 _LOCAL = {"file", "local"}
+#: memory:// is one dict per process; its "create" is a check then a write, so creates take this.
+_MEMORY_CREATE = threading.Lock()
 
 
 class FsspecTier(FileTier):
@@ -47,7 +51,8 @@ class FsspecTier(FileTier):
         self.root = root.rstrip("/") or "/"
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         self.rename_atomic = not (set(protocols) & _OBJECT_STORES)
-        self._local = bool(set(protocols) & _LOCAL)
+        self._protocols = set(protocols)
+        self._local = bool(self._protocols & _LOCAL)
         self.exclusive_create = self._local or bool(set(protocols) & _EXCLUSIVE_PIPE)
         self.fs.makedirs(self.root, exist_ok=True)
 
@@ -99,7 +104,9 @@ class FsspecTier(FileTier):
             return super()._create(path, view)
         self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
         try:
-            self.fs.pipe_file(path, bytes(view), mode="create")
+            # memory://'s own "create" checks, then writes; one process-wide lock makes it exclusive
+            with _MEMORY_CREATE if "memory" in self._protocols else contextlib.nullcontext():
+                self.fs.pipe_file(path, bytes(view), mode="create")
         except FileExistsError:
             return False
         return True

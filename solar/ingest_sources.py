@@ -128,8 +128,8 @@ class Source:
             info = fs.info(p)
         except (OSError, NotImplementedError):
             return [None, None]
-        mark = next((info[k] for k in ("ETag", "etag", "mtime", "LastModified", "last_modified", "updated",
-                                        "created") if info.get(k) is not None), None)
+        norm = {str(k).lower().replace("-", "").replace("_", ""): v for k, v in info.items() if v is not None}
+        mark = next((norm[k] for k in ("etag", "mtime", "lastmodified", "updated", "created") if k in norm), None)
         return [info.get("size"), None if mark is None else str(mark)]
 
     def close(self) -> None:

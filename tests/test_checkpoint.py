@@ -23,6 +23,7 @@ from solar.checkpoint.manifest import decode, encode
 from solar.checkpoint.store import CheckpointStore, chunk_key, manifest_key, referenced
 from solar.errors import CheckpointError, CheckpointLockedError, ConfigError, CorruptDataError, InputError
 from test_tiers import s3_bucket  # noqa: F401  (fixture: moto S3 on 127.0.0.1)
+from servers import http_root  # noqa: F401  (fixture: nginx on 127.0.0.1)
 
 KB = 1024
 
@@ -344,6 +345,20 @@ def test_verify_repair_lets_the_next_save_heal_a_damaged_chunk(tmp_path):
     assert_same(load(tmp_path, 7), state)
 
 
+def test_repair_markers_survive_a_writer_gc_until_rewritten(tmp_path):
+    """With keep_last the writer rebuilds its known-chunk set after every commit; the damaged
+    markers must stay subtracted, or a later save of the same bytes references a missing chunk."""
+    state, store = _one_version(tmp_path)
+    lost = store.read_manifest(7).blob_digests(0)[1].tobytes()
+    store.delete_chunk(lost)
+    verify(tmp_path, repair=True)
+    with CheckpointWriter(tmp_path, chunk_size=4 * KB, keep_last=5) as w:
+        w.save({"other": torch.ones(10)}, 8).result()  # a commit (and its gc) before the rewrite
+        assert w.save(state, 9).result().chunks_written == 1
+    assert verify(tmp_path).ok and not store.damaged_digests()
+    assert_same(load(tmp_path, 9), state)
+
+
 def test_missing_chunk_is_an_error(tmp_path):
     _state, store = _one_version(tmp_path)
     digest = store.read_manifest(7).blob_digests(1)[0].tobytes()
@@ -569,6 +584,41 @@ def test_s3_root_on_a_real_moto_server(s3_bucket):
     assert bits(load(root, storage_options=opts)["x"]) == bits(x)
     assert verify(root, storage_options=opts).ok
     assert gc(root, keep_last=1, storage_options=opts).removed_versions == [2]
+
+
+def test_lock_released_between_create_and_read_is_taken_not_reported_as_full(tmp_path):
+    """put_new fails because another writer holds LOCK, which it releases before we read the
+    holder: the lock is free, so acquiring retries instead of blaming a full storage."""
+    from solar.cache import MemoryTier
+    from solar.checkpoint.store import CheckpointStore
+
+    class ReleasedMeanwhile(MemoryTier):
+        first = True
+
+        def get(self, key):
+            if key == "LOCK" and self.first:  # the other writer's close lands right here
+                self.first = False
+                self.delete("LOCK")
+            return super().get(key)
+
+    tier = ReleasedMeanwhile()
+    tier.put("LOCK", b'{"pid": 1}')
+    lock = CheckpointStore(tier, create=True).lock()
+    assert tier.get("LOCK") == lock.token
+    lock.release()
+
+
+def test_read_only_http_root_cannot_be_locked(http_root):
+    from solar.errors import CheckpointError
+
+    root, base = http_root
+    local = os.path.join(root, f"ro-{os.getpid()}")
+    with CheckpointWriter(local) as w:
+        w.save({"x": torch.ones(3)}, 1).result()
+    url = f"{base}/ro-{os.getpid()}"
+    assert verify(url).ok
+    with pytest.raises(CheckpointError, match="read-only"):
+        verify(url, repair=True)
 
 
 def test_s3_lock_is_an_exclusive_create(s3_bucket, monkeypatch):

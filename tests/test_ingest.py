@@ -272,6 +272,23 @@ def test_resume_starts_over_when_an_input_changed(tmp_path, monkeypatch, capsys)
         ingest(paths, out, batch_size=8, abs_error=0.05, resume=True, progress=False)
 
 
+def test_http_input_stamp_sees_a_regenerated_file_without_etag(tmp_path):
+    """Python's http.server sends Last-Modified but no ETag (fsspec reports it as
+    "Last-Modified"): a same-size rewrite must still change the input's stamp."""
+    from servers import python_http_server
+    from solar.ingest_sources import Source
+
+    np.save(tmp_path / "a.npy", np.zeros((4, 3), np.float32))
+    with python_http_server(str(tmp_path)) as base:
+        src = Source(f"{base}/a.npy", "npy", False, {"x": "x"})
+        before = src.stamp()
+        np.save(tmp_path / "a.npy", np.ones((4, 3), np.float32))
+        st = os.stat(tmp_path / "a.npy")
+        os.utime(tmp_path / "a.npy", ns=(st.st_atime_ns, st.st_mtime_ns + 10**10))  # HTTP dates are in seconds
+        after = src.stamp()
+    assert before[0] == after[0] and before[1] is not None and before != after
+
+
 def test_resume_never_replaces_a_finished_output(tmp_path, capsys):
     """`--resume` used to treat an existing OUT like --overwrite and silently replace a finished file
     of another job. Now: the same job's OUT is reported complete (nothing written, exit 0); any

@@ -131,16 +131,24 @@ class _Lock:
         # an exclusive create where the storage has one (S3's conditional PUT, link(2)): of two
         # writers racing here exactly one gets the lock; elsewhere the read-back below catches
         # most races (a check-then-put cannot catch all of them)
-        if not tier.put_new("LOCK", token):
+        for _attempt in range(3):
+            try:
+                created = tier.put_new("LOCK", token)
+            except NotImplementedError:  # http:// and other read-only file systems
+                raise CheckpointError(f"checkpoint root {self.store.root} is read-only here (its file system cannot "
+                                      "write); writing, gc and repair need a writable root") from None
+            if created:
+                break
             holder = tier.get("LOCK")
-            if holder is None:
-                raise CheckpointError(
-                    f"could not create the lock object {self.store.root}/LOCK: the storage refused it "
-                    f"(full?); free space there, then retry")
-            raise CheckpointLockedError(
-                f"checkpoint root {self.store.root} is locked by another writer "
-                f"({holder.decode(errors='replace')}); if that writer crashed, delete {self.store.root}/LOCK, then retry"
-            )
+            if holder is not None:
+                raise CheckpointLockedError(
+                    f"checkpoint root {self.store.root} is locked by another writer "
+                    f"({holder.decode(errors='replace')}); if that writer crashed, delete {self.store.root}/LOCK, "
+                    "then retry")
+            # the holder released it between our create and our read: try again
+        else:
+            raise CheckpointError(f"could not create the lock object {self.store.root}/LOCK: the storage refused it "
+                                  "(full?); free space there, then retry")
         if tier.get("LOCK") != token:  # lost a race with another writer (tiers without exclusive create)
             raise CheckpointLockedError(f"checkpoint root {self.store.root} was locked concurrently by another writer")
         self.token = token

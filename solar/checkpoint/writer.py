@@ -175,7 +175,8 @@ class _Sink:
 
     def gc(self, keep_last: int | None, protect: "set[int] | frozenset[int]" = frozenset()) -> None:
         if keep_last is not None:
-            self.known = collect(self.store, keep_last, full_sweep=False, protect=protect).live
+            # marked chunks stay untrusted until a save rewrites them (add_known clears them)
+            self.known = collect(self.store, keep_last, full_sweep=False, protect=protect).live - self.damaged
 
 
 class CheckpointWriter:

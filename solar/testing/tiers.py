@@ -22,11 +22,47 @@ import tempfile
 
 import numpy as np
 
-__all__ = ["TierTests"]
+__all__ = ["TierTests", "race_put_new"]
 
 
 def _fresh(tier_cls, capacity=None):
     return tier_cls.example(tempfile.mkdtemp(prefix="solar-tier-"), capacity)
+
+
+def race_put_new(tier, rounds: int = 15, threads: int = 6, switch_interval: float | None = None) -> None:
+    """``threads`` threads call ``tier.put_new`` on one fresh key at once, ``rounds`` times; exactly
+    one must win each round, with its value stored and the byte count exact.
+
+    ``switch_interval`` (seconds) makes Python switch threads that often during the race, which
+    interleaves a check-then-write inside one process; leave it ``None`` when the storage's own
+    server runs in this process (moto), whose conditional writes are not atomic under it.
+    """
+    import sys
+    import threading
+
+    old = sys.getswitchinterval()
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
+    try:
+        for r in range(rounds):
+            key, barrier, won = f"race{r}", threading.Barrier(threads), []
+
+            def race(i: int) -> None:
+                value = b"writer-%d" % i
+                assert not tier.exists(key)
+                barrier.wait()
+                if tier.put_new(key, value):
+                    won.append(value)
+
+            workers = [threading.Thread(target=race, args=(i,)) for i in range(threads)]
+            for t in workers:
+                t.start()
+            for t in workers:
+                t.join()
+            assert len(won) == 1 and tier.get(key) == won[0], f"round {r}: winners {won}"
+        assert tier.nbytes == rounds * len(b"writer-0")
+    finally:
+        sys.setswitchinterval(old)
 
 
 class TierTests:
@@ -104,28 +140,9 @@ class TierTests:
     def test_put_new_race_has_one_winner(self, tier_cls, tmp_path):
         """Tiers that claim an exclusive create: of threads racing for one key, exactly one wins
         and its value is the one stored, even when every racer has seen the key absent first."""
-        import threading
-
         tier = tier_cls.example(str(tmp_path), None)
-        if not tier.exclusive_create:
-            return
-        n = 6
-        barrier = threading.Barrier(n)
-        won: list[bytes] = []
-
-        def race(i: int) -> None:
-            value = b"writer-%d" % i
-            assert not tier.exists("lock")
-            barrier.wait()
-            if tier.put_new("lock", value):
-                won.append(value)
-
-        threads = [threading.Thread(target=race, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert len(won) == 1 and tier.get("lock") == won[0]
+        if tier.exclusive_create:
+            race_put_new(tier)
 
     def test_prefix_listing(self, tier_cls, tmp_path):
         tier = tier_cls.example(str(tmp_path), None)
