@@ -296,6 +296,13 @@ class SolarBatchSampler(BatchSampler):
         """
         plan = self.current.get("plan") if self.current.get("mode") == "schedule" else None
         P, rank, _ = self._geometry()
+        if self._open and self._stopped is None:
+            # an iterator only a reference cycle keeps alive (an error re-raised from torch's
+            # worker iterator holds it through its traceback) is garbage: collect it, which
+            # closes the iteration and reports where it stopped
+            import gc
+
+            gc.collect()
         if self._open:  # stopped early, or still open
             ok = (self._stopped is not None and plan is not None and plan.undo is not None
                   and self._planner is not None and self._key == self.plan_config())

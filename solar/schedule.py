@@ -242,9 +242,10 @@ class EpochPlan:
     evict_step: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     evict_rank: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     evict_sample: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
-    #: samples the rebalancing released when they were first read this epoch (not kept; no evict)
+    #: samples the rebalancing released when they were first read this epoch (not kept; no
+    #: evict), and the step of the adoption that takes over each one's ownership
     release_sample: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
-    release_pos: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    release_step: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     #: the planner state this plan changed, as it was before: (samples, resident, owner)
     undo: tuple | None = field(default=None, repr=False)
     _by_rank: dict = field(default_factory=dict, repr=False)
@@ -461,7 +462,7 @@ class Planner:
         pos, u = pos[ok], u[ok]
         ucell = kn[u] * P + plan.rank[pos]
         pos, u, ucell = pos[room[ucell] > 0], u[room[ucell] > 0], ucell[room[ucell] > 0]
-        ev_step, ev_rank, ev_sample, rel = [], [], [], []
+        ev_step, ev_rank, ev_sample, rel, rel_step = [], [], [], [], []
         by_rank = np.argsort(plan.rank[pos], kind="stable")  # positions stay ascending within a rank
         pos, u, ucell = pos[by_rank], u[by_rank], ucell[by_rank]
         bounds = np.searchsorted(plan.rank[pos], np.arange(P + 1))
@@ -493,12 +494,13 @@ class Planner:
             ev_rank.append(np.full(int((~loaded_now).sum()), r, dtype=np.int64))
             ev_sample.append(d[~loaded_now])
             rel.append(d[loaded_now])
+            rel_step.append(ustep[j][loaded_now])
         if ev_step:
             plan.evict_step = np.concatenate(ev_step)
             plan.evict_rank = np.concatenate(ev_rank)
             plan.evict_sample = np.concatenate(ev_sample)
             plan.release_sample = np.concatenate(rel)
-            plan.release_pos = first_pos[plan.release_sample]
+            plan.release_step = np.concatenate(rel_step)
 
     def holds(self, indices: np.ndarray, rank: int) -> np.ndarray:
         """Whether ``rank``'s buffer holds each index, as far as the plans made so far go."""
@@ -527,7 +529,9 @@ class Planner:
         self._owner[plan.samples[kept]] = plan.rank[kept]  # adoptions move ownership; pins keep it
         gone = plan.evict_sample[plan.evict_step < steps]
         self._resident[gone], self._owner[gone] = False, -1
-        self._owner[plan.release_sample[plan.release_pos < p]] = -1
+        # a release hands its ownership to an adoption: undone together (one without the other
+        # would leave a slot nobody owns, and the rebalancing only ever swaps, so it never returns)
+        self._owner[plan.release_sample[plan.release_step < steps]] = -1
         plan.undo = None  # applied: a second rewind would start from the rewound state
 
     def reset(self) -> None:

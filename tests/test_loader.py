@@ -248,6 +248,30 @@ def test_an_older_iterator_closed_late_does_not_disturb_the_newer_one(h5path):
     assert loader.dataset.stats.hits - h0 == kept > 8
 
 
+def test_an_error_from_workers_still_rewinds_the_planner(h5path):
+    """The error re-raised by torch's worker iterator keeps that iterator alive in a reference
+    cycle; the next iteration collects it instead of starting over with an empty buffer."""
+    armed = {"bad": None}
+
+    def boom(sample):
+        if armed["bad"] is not None and float(sample[0].flatten()[0]) == armed["bad"]:
+            raise RuntimeError("bad sample")
+        return sample
+
+    ds = solar.H5Dataset(h5path, transform=boom)
+    s = tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=4)
+    loader = solar.DataLoader(ds, batch_size=8, sampler=s, buffer=0.5, num_workers=2)
+    first = next(iter(tud.DataLoader(solar.H5Dataset(h5path), batch_size=8, sampler=s)))
+    armed["bad"] = float(first[0][3].flatten()[0])  # the 4th sample of epoch 0's first batch
+    with pytest.raises(RuntimeError, match="bad sample"):
+        list(loader)
+    armed["bad"] = None
+    planner = loader.solar_sampler._planner
+    s.set_epoch(1)
+    list(loader)
+    assert loader.solar_sampler._planner is planner  # rewound, not started over
+
+
 def test_a_loop_that_cuts_every_epoch_short_still_fills_the_buffer(h5path):
     loader = _rank_loaders(h5path, 1, 8, 0.5)[0]
     hits = []

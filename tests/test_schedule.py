@@ -95,9 +95,13 @@ def test_rewind_leaves_exactly_the_residency_of_the_executed_steps(cfg, stop_epo
     planner = Planner(c)
     kept = [set() for _ in range(c.world_size)]
 
+    owned0 = np.bincount(planner.owners(np.arange(c.num_samples)) + 1, minlength=c.world_size + 1)
+
     def held():
-        return [set(np.flatnonzero(planner._resident & (planner.owners(np.arange(c.num_samples)) == r)).tolist())
-                for r in range(c.world_size)]
+        owners = planner.owners(np.arange(c.num_samples))
+        # rebalancing swaps ownership one for one: each rank owns as many samples as at the start
+        assert np.array_equal(np.bincount(owners + 1, minlength=c.world_size + 1), owned0)
+        return [set(np.flatnonzero(planner._resident & (owners == r)).tolist()) for r in range(c.world_size)]
 
     for e in range(stop_epoch):
         replay_buffers(planner.plan(e), kept, c.capacity)
