@@ -38,6 +38,7 @@ import numpy as np
 
 from solar.errors import ConfigError, MPIUnavailableError
 
+from .base import disjoint_read
 from .hdf5 import HDF5Backend
 
 __all__ = ["MPIHDF5Backend", "require_parallel_hdf5"]
@@ -76,7 +77,9 @@ class MPIHDF5Backend(HDF5Backend):
             two-phase I/O) or ``"independent"`` (the same single union-selection read per rank,
             ``H5FD_MPIO_INDEPENDENT``). The environment variable ``SOLAR_MPIIO_TRANSFER`` sets
             the default. Either way every rank makes every call, so switching needs no other
-            change. See NOTE [ Collective or independent transfer ].
+            change. See NOTE [ Collective or independent transfer ]. Even with
+            ``"collective"``, only calls promised ``disjoint=True`` use the collective transfer
+            (NOTE [ Disjoint collective reads ] in io_backends/base.py).
     """
 
     name = "mpi-hdf5"
@@ -151,6 +154,12 @@ class MPIHDF5Backend(HDF5Backend):
         if self.transfer != "collective":
             return self._dxpl
         cache = self.__dict__.setdefault("_dxpls", {})
+        if not disjoint_read():  # NOTE [ Disjoint collective reads ] in io_backends/base.py
+            if "(independent)" not in cache:
+                dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
+                dxpl.set_dxpl_mpio(h5py.h5fd.MPIO_INDEPENDENT)
+                cache["(independent)"] = dxpl
+            return cache["(independent)"]
         if key not in cache:
             risky = False
             if d.chunks is not None:

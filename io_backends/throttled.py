@@ -30,7 +30,7 @@ import numpy as np
 
 from solar.errors import ConfigError
 
-from .base import ArrayInfo, Backend
+from .base import ArrayInfo, Backend, disjoint_read
 
 __all__ = ["ThrottledBackend"]
 
@@ -105,7 +105,7 @@ class ThrottledBackend(Backend):
 
     def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
         t0 = time.perf_counter()
-        self.inner.read_ranges(key, ranges, out=out)
+        self.inner.read_ranges(key, ranges, out=out, disjoint=disjoint_read())
         spent = time.perf_counter() - t0
         calls = 1 if self.collective else len(ranges)
         wait = self.delay_for(calls, out.nbytes) - spent

@@ -209,13 +209,12 @@ class H5Dataset(Dataset):
         """Row runs to request: coalesced, then merged across gaps of at most ``sieve_bytes``.
 
         NOTE [ No sieving in collective reads ]: a collective backend reads exactly the wanted
-        rows. Its ranks' requests are then disjoint (each sample of a global batch goes to one
-        rank), whereas gap reads overlap other ranks' rows, and Open MPI 4.1's default MPI-IO
-        (OMPIO, fcoll dynamic/dynamic_gen2) returns zeros for parts of overlapping collective
-        reads: 93 of 200 reads of small rows were wrong on 3 ranks (2 ranks happened to be
-        fine; ROMIO and independent reads were always right). Sieving also buys nothing there:
-        the two-phase collective read already merges the ranks' scattered rows into large
-        contiguous reads at its aggregators.
+        rows. The schedule can then promise that its ranks' requests are disjoint (each sample of
+        a global batch goes to one rank), which the collective transfer needs: gap reads would
+        overlap other ranks' rows, and Open MPI 4.1's default MPI-IO returns zeros for parts of
+        overlapping collective reads (NOTE [ Disjoint collective reads ] in io_backends/base.py).
+        Sieving also buys nothing there: the two-phase collective read already merges the ranks'
+        scattered rows into large contiguous reads at its aggregators.
         """
         runs = coalesce(rows)
         if len(runs) < 2 or not self.sieve_bytes or getattr(self.backend, "collective", False):
@@ -228,7 +227,7 @@ class H5Dataset(Dataset):
         brk = np.flatnonzero(gap > self.sieve_bytes) + 1
         return np.stack([runs[np.r_[0, brk], 0], runs[np.r_[brk - 1, len(runs) - 1], 1]], axis=1)
 
-    def _read(self, key: str, ranges: np.ndarray) -> np.ndarray:
+    def _read(self, key: str, ranges: np.ndarray, disjoint: bool = False) -> np.ndarray:
         """One logical ``read_ranges`` per field and fetch; split over ``io_threads`` concurrent
         requests when the backend is not collective (each thread reads its share of the ranges
         straight into its slice of the output).
@@ -241,7 +240,7 @@ class H5Dataset(Dataset):
         starts = np.r_[0, np.cumsum(lengths)]
         total = int(starts[-1])
         if self.io_threads <= 1 or self.backend.collective or total <= 1:
-            return self.backend.read_ranges(key, ranges)
+            return self.backend.read_ranges(key, ranges, disjoint=disjoint)
         info = self.backend.info(key)
         row_bytes = int(np.prod(info.row_shape, dtype=np.int64)) * info.dtype.itemsize
         t = min(self.io_threads, total, max(len(ranges), total * row_bytes // SPLIT_BYTES))
@@ -275,8 +274,9 @@ class H5Dataset(Dataset):
                     self.backend.stats.absorb(clone.stats)
         return out
 
-    def _read_field(self, spec: FieldSpec, rows: np.ndarray) -> list[np.ndarray] | np.ndarray:
+    def _read_field(self, spec: FieldSpec, rows: np.ndarray, disjoint: bool = False) -> list[np.ndarray] | np.ndarray:
         """Read sorted unique ``rows`` of one field with one ``read_ranges`` call (maybe empty).
+        ``disjoint``: see :meth:`fetch_stored`.
 
         Returns the rows (raw: an array in ``rows`` order; codec: a list of blobs).
         """
@@ -286,7 +286,7 @@ class H5Dataset(Dataset):
         else:
             off = self._offsets_of(spec)
             want = np.stack([off[runs[:, 0]], off[runs[:, 1]]], axis=1) if len(runs) else runs
-        buf = self._read(spec.data_key, want)
+        buf = self._read(spec.data_key, want, disjoint)
         self.stats.read_calls += len(want)
         self.stats.bytes_in += int(buf.nbytes)
         # where each wanted row starts in the concatenated buffer
@@ -326,14 +326,17 @@ class H5Dataset(Dataset):
                     "damaged: re-create it (solar ingest) or pass verify=False to read it anyway")
 
     def fetch_stored(self, indices: Sequence[int], buffer=None, keep: Callable[[np.ndarray], np.ndarray] | None = None,
-                     shared: bool = False, evict: Sequence[int] | None = None) -> StoredBatch:
+                     shared: bool = False, evict: Sequence[int] | None = None, disjoint: bool = False) -> StoredBatch:
         """Load the stored bytes of ``indices`` (batch order; repeats allowed).
 
         Hits come from ``buffer`` (a :class:`solar.cache.Tier` keyed by ``(field, index)``);
         misses are sorted, coalesced into runs and read with one ``read_ranges`` call per field
         (see NOTE [ Collective-safe reads ]). Misses for which ``keep(indices)`` is true are put
         in ``buffer``, after the samples in ``evict`` left it (hits are taken first).
-        ``shared=True`` allocates raw outputs in shared memory (for workers).
+        ``shared=True`` allocates raw outputs in shared memory (for workers). ``disjoint=True``
+        promises that no other rank reads any of these samples in this call, which lets a
+        collective backend use its collective transfer (NOTE [ Disjoint collective reads ] in
+        io_backends/base.py); only the loader's schedule can know that.
         """
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         self._check_index(idx)
@@ -363,7 +366,7 @@ class H5Dataset(Dataset):
         out = StoredBatch(len(idx), hits=int(resident[inv].sum()), indices=idx.tolist())
         mrank = np.full(len(uniq), -1, dtype=np.int64)
         mrank[~resident] = np.arange(len(miss))
-        datas = {spec.name: self._read_field(spec, miss) for spec in self.specs}
+        datas = {spec.name: self._read_field(spec, miss, disjoint) for spec in self.specs}
         if buffer is not None:
             for i in (evict if evict is not None else ()):
                 for spec in self.specs:
@@ -393,7 +396,7 @@ class H5Dataset(Dataset):
         return any(s.kind == "codec" for s in self.specs)
 
     def fetch_steps(self, steps: Sequence[Sequence[int]], buffer=None, keep=None, shared: bool = False,
-                    evict: Sequence[int] | None = None, decode: bool = False) -> list[StoredBatch]:
+                    evict: Sequence[int] | None = None, decode: bool = False, disjoint: bool = False) -> list[StoredBatch]:
         """:meth:`fetch_stored` for several steps in one pass (one ``read_ranges`` per field for all
         of them, so runs and sieving span steps), split back into one batch per step.
 
@@ -403,7 +406,7 @@ class H5Dataset(Dataset):
         """
         lengths = [len(s) for s in steps]
         flat = [int(i) for s in steps for i in s]
-        whole = self.fetch_stored(flat, buffer=buffer, keep=keep, shared=shared, evict=evict)
+        whole = self.fetch_stored(flat, buffer=buffer, keep=keep, shared=shared, evict=evict, disjoint=disjoint)
         bounds = np.r_[0, np.cumsum(lengths)].tolist()
         if decode:
             problem = None

@@ -203,8 +203,10 @@ class SolarBatchSampler(BatchSampler):
 
     # -- iteration ------------------------------------------------------------------------------
     def _steps(self, resume: dict | None, P: int, rank: int) -> Iterator[tuple[list[int], Any, Any]]:
-        """This rank's steps: ``(indices, samples to keep, samples to evict)``; the last two are
-        ``None`` in passthrough mode (keep what this process owns, never evict)."""
+        """This rank's steps: ``(indices, samples to keep, samples to evict, (step, twin))``; the
+        last three are ``None`` in passthrough mode (keep what this process owns, never evict).
+        ``twin``: the latest step up to this one that reads one of its samples again
+        (:meth:`EpochPlan.twin_steps`)."""
         if self.mode == "schedule":
             epoch = int(self.sampler.epoch)
             start = 0
@@ -213,14 +215,15 @@ class SolarBatchSampler(BatchSampler):
             plan = self._planner.plan(epoch, start)
             self.current = {"mode": "schedule", "epoch": epoch, "start": start, "global_batch": plan.global_batch,
                             "world_size": P, "plan": plan}
-            for step, (keep, evict) in zip(plan.rank_steps(rank), plan.rank_actions(rank)):
-                yield step.tolist(), keep, evict
+            twin = plan.twin_steps()
+            for k, (step, (keep, evict)) in enumerate(zip(plan.rank_steps(rank), plan.rank_actions(rank))):
+                yield step.tolist(), keep, evict, (k, int(twin[k]))
             return
         skip = int(resume["batches"]) if resume and resume.get("mode") == "passthrough" else 0
         self.current = {"mode": "passthrough", "start": skip}
         for k, batch in enumerate(self.inner):
             if k >= skip:
-                yield list(batch), None, None
+                yield list(batch), None, None, None
 
     def __iter__(self) -> Iterator[list[int]]:
         from solar.dataset import StepBatch
@@ -250,8 +253,14 @@ class SolarBatchSampler(BatchSampler):
                 def keep(miss: np.ndarray) -> np.ndarray:
                     return np.isin(miss, wanted)
             steps = [g[0] for g in group]
+            # the plan gives each sample of a step to one rank, so the ranks' reads of a pass are
+            # disjoint unless the pass holds a sample twice (DistributedSampler's padding repeats
+            # the epoch's head at its tail); only disjoint reads may be collective (NOTE
+            # [ Disjoint collective reads ] in io_backends/base.py). Every rank decides alike.
+            tag = group[0][3]
+            disjoint = tag is not None and max(g[3][1] for g in group) < tag[0]
             stored = self.dataset.fetch_steps(steps, buffer=buffer, keep=keep, shared=self.shared, evict=evict,
-                                              **({"decode": True} if self._decode_ahead else {}))
+                                              disjoint=disjoint, **({"decode": True} if self._decode_ahead else {}))
             out = [StepBatch(indices) for indices in steps]
             for batch, st in zip(out, stored):
                 batch.stored = st

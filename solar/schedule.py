@@ -291,6 +291,20 @@ class EpochPlan:
         # a hit may be the step's eviction (served first, then dropped): not held afterwards
         return [(np.setdiff1d(k, e) if len(e) else k, e) for k, e in zip(keeps, evicts)]
 
+    def twin_steps(self) -> np.ndarray:
+        """Per step, the latest step at or before it that holds one of its samples again (-1: none).
+
+        A sample appears more than once in an epoch only through DistributedSampler's padding
+        (the head of the order repeated at the tail). A pass over steps ``k0..k1`` reads some
+        sample twice, possibly on two ranks, iff ``twin_steps()[k0:k1 + 1].max() >= k0``.
+        """
+        out = np.full(self.num_steps, -1, dtype=np.int64)
+        order = np.argsort(self.samples, kind="stable")  # equal samples stay in position order
+        same = np.flatnonzero(self.samples[order][1:] == self.samples[order][:-1])
+        if len(same):
+            np.maximum.at(out, order[same + 1] // self.global_batch, order[same] // self.global_batch)
+        return out
+
     def read_calls(self) -> int:
         """Coalesced range reads this epoch needs: runs of consecutive indices per (step, rank)."""
         miss = np.flatnonzero(~self.hit)

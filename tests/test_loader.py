@@ -273,7 +273,9 @@ def test_an_error_from_workers_still_rewinds_the_planner(h5path):
 
 
 def test_a_loop_that_cuts_every_epoch_short_still_fills_the_buffer(h5path):
-    loader = _rank_loaders(h5path, 1, 8, 0.5)[0]
+    # prefetch=0: no read-ahead, so the hits counted are those of the steps consumed (with
+    # read-ahead they depend on how far the background thread got before the break)
+    loader = _rank_loaders(h5path, 1, 8, 0.5, prefetch=0)[0]
     hits = []
     for e in range(6):
         loader.sampler.set_epoch(e)
@@ -282,7 +284,8 @@ def test_a_loop_that_cuts_every_epoch_short_still_fills_the_buffer(h5path):
             if k == 5:  # a per-epoch step limit: 6 of 12 steps
                 break
         hits.append(loader.dataset.stats.hits - h0)
-    assert hits[0] == 0 and hits[-1] > 12 and hits == sorted(hits)  # climbs; before: 0 every epoch
+    # 48 samples consumed per epoch, half of them the buffer's: the bound is 24 (before: 0)
+    assert hits[0] == 0 and hits[1] > 0 and min(hits[3:]) >= 20
 
 
 def test_shuffle_without_sampler_matches_torch_and_uses_the_buffer(h5path):

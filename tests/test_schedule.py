@@ -116,6 +116,20 @@ def test_rewind_leaves_exactly_the_residency_of_the_executed_steps(cfg, stop_epo
         assert held() == kept
 
 
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configs, st.integers(0, 2))
+def test_twin_steps_find_every_pass_that_reads_a_sample_twice(cfg, epoch):
+    """A pass over steps k0..k1 may be read collectively only if no sample occurs twice in it."""
+    c = make_config(*cfg)
+    plan = Planner(c).plan(epoch)
+    twin = plan.twin_steps()
+    steps = [plan.samples[plan.step_slice(k)].tolist() for k in range(plan.num_steps)]
+    for k0 in range(plan.num_steps):
+        for k1 in range(k0, min(plan.num_steps, k0 + 4)):
+            flat = [i for k in range(k0, k1 + 1) for i in steps[k]]
+            assert (len(set(flat)) < len(flat)) == (twin[k0:k1 + 1].max() >= k0), (k0, k1)
+
+
 def test_rewind_lets_epochs_cut_short_fill_the_buffer():
     """Every epoch stopped after a quarter of its steps: each quarter adds its reads to the
     buffer, so the hit rate climbs towards the bound P*C/N (before rewinding existed, the
