@@ -319,6 +319,12 @@ class SolarBatchSampler(BatchSampler):
         else:  # ran to its end (or there was none): nothing to rewind here
             mine = plan.num_steps if plan is not None else -2
         collective = bool(getattr(getattr(self.dataset, "backend", None), "collective", False)) and P > 1
+        if collective and self._open and self._stopped is None:
+            # the old iteration's read-ahead may still be in collective calls on its thread: MPI
+            # calls of this one would pair with them in a different order on each rank (a hang)
+            raise ConfigError(
+                "on a collective backend (parallel HDF5) one iteration of a loader runs at a time, and the "
+                "previous iterator is still open; exhaust it or drop it (`del it`) first")
         if collective:
             steps, any_open = self._agree(mine, int(self._open))
         elif P == 1 or not self._open:

@@ -75,6 +75,11 @@ def test_breaking_out_of_an_epoch_early_keeps_collective_reads_in_step(comm, sha
                 time.sleep(0.01)  # rank 0 consumes slower: prefetch progress differs between ranks
             if k == 4:
                 break  # every rank stops after the same step, as a training loop would
+    old = iter(loader)
+    next(old)  # still open: a second iteration would interleave MPI calls with its read-ahead
+    with pytest.raises(solar.ConfigError, match="one iteration of a loader runs at a time"):
+        next(iter(loader))
+    del old  # closes its iteration (refcount): the next one rewinds
     planner = loader.solar_sampler._planner
     sampler.set_epoch(3)
     h0 = ds.stats.hits
