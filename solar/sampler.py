@@ -269,7 +269,7 @@ class SolarBatchSampler(BatchSampler):
         steps = self._steps(resume, P, rank)
         size = self.group_size(b)
         groups = iter(lambda: list(itertools.islice(steps, size)), [])
-        collective = bool(getattr(getattr(self.dataset, "backend", None), "collective", False))
+        collective = self._collective
         handed = 0
         passes = _prefetch(groups, fetch, 1 if self.prefetch else 0, cancel=not collective)
         try:
@@ -318,7 +318,7 @@ class SolarBatchSampler(BatchSampler):
             mine = self._stopped if ok else -1
         else:  # ran to its end (or there was none): nothing to rewind here
             mine = plan.num_steps if plan is not None else -2
-        collective = bool(getattr(getattr(self.dataset, "backend", None), "collective", False)) and P > 1
+        collective = self._collective and P > 1
         if collective and self._open and self._stopped is None:
             # the old iteration's read-ahead may still be in collective calls on its thread: MPI
             # calls of this one would pair with them in a different order on each rank (a hang)
@@ -354,6 +354,11 @@ class SolarBatchSampler(BatchSampler):
         comm = self.dataset.backend.comm
         lo, hi, any_open = (comm.allreduce(v, op=MPI.MAX) for v in (-steps, steps, is_open))
         return (hi if -lo == hi else -1), bool(any_open)
+
+    @property
+    def _collective(self) -> bool:
+        """Whether the dataset's reads are collective (every rank must make every call)."""
+        return bool(getattr(getattr(self.dataset, "backend", None), "collective", False))
 
     @property
     def _decode_ahead(self) -> bool:
