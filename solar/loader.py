@@ -18,7 +18,8 @@ NOTE [ Resume ]
     has no indices to skip: its stream is replayed and the batches already consumed are dropped.
     ``load_state_dict`` makes the next iteration continue from there. Positions are global, so a
     run resumed with another world size (or per-rank batch) continues the same global order:
-    the remaining samples are the same, cut into the new global batches. After a resume the
+    the remaining samples are the same, cut into the new global batches (the last one evened
+    out across the new ranks: NOTE [ Resumed tail ] in solar/schedule.py). After a resume the
     buffers start empty (a new process), so the rank assignment inside a global batch may differ
     from the uninterrupted run; each global batch's samples do not.
 """

@@ -211,7 +211,8 @@ class SolarBatchSampler(BatchSampler):
             epoch = int(self.sampler.epoch)
             start = 0
             if resume and resume.get("mode") == "schedule" and resume["epoch"] == epoch:
-                start = int(resume["position"])
+                # a state saved with more padding (another world size) may lie past this epoch's end
+                start = min(int(resume["position"]), self._planner.config.epoch_length)
             plan = self._planner.plan(epoch, start)
             self.current = {"mode": "schedule", "epoch": epoch, "start": start, "global_batch": plan.global_batch,
                             "world_size": P, "plan": plan}

@@ -38,6 +38,16 @@ NOTE [ Rebalancing with the next epoch's order ]
     grows, no hit of epoch ``e`` is lost, and the plan lists the evictions so each rank's buffer
     follows them exactly. If the next epoch turns out different, nothing becomes invalid.
 
+NOTE [ Resumed tail ]
+    A run resumed with another world size ``P`` (or per-rank batch) continues from a global
+    position saved under the old ``G``, so its last step may hold a count of positions that ``P``
+    does not divide, or fewer than ``P``: some rank would get an empty batch (torch's collate
+    raises, the other ranks wait forever in their next collective). DistributedSampler never
+    yields unequal per-rank counts, so neither does the plan: the last step is padded to a
+    multiple of ``P`` with the epoch's head, as DistributedSampler pads an epoch, or, with
+    DataLoader's ``drop_last=True``, dropped, as every rank's batch in it is partial. Without a
+    change of world size or batch the last step is already whole and nothing changes.
+
 Baselines for comparison (``policy="lru"`` and ``policy="fifo"``) are simulated step by step in
 Python; they exist for ``solar plan`` and ``bench/plan`` only.
 """
@@ -429,7 +439,7 @@ class Planner:
         c = self.config
         if start < 0 or start > c.epoch_length:
             raise ConfigError(f"resume position {start} is outside epoch {epoch} (0..{c.epoch_length})")
-        samples = self.order(epoch)[start:]
+        samples, self._first_dup = self._tail(epoch, start)
         self._start = start
         G, P = c.global_batch, c.world_size
         if c.policy == "solar":
@@ -445,6 +455,23 @@ class Planner:
             plan = EpochPlan(epoch, start, G, P, samples, rank, hit, keep)
         self._planned += 1
         return plan
+
+    def _tail(self, epoch: int, start: int) -> tuple[np.ndarray, int]:
+        """Positions ``start..`` of the epoch, with the last step evened out (NOTE [ Resumed tail ]);
+        and the offset of the first sample that may repeat an earlier one of the tail."""
+        c = self.config
+        order = self.order(epoch)
+        samples = order[start:]
+        first_dup = c.num_samples - start  # DistributedSampler's own padding starts there
+        last = len(samples) % c.global_batch
+        if not last or (last % c.world_size == 0 and not c.drop_last_batch):
+            return samples, first_dup
+        if c.drop_last_batch:
+            return samples[: len(samples) - last], first_dup
+        pad = np.resize(order, c.world_size - last % c.world_size)
+        if not 0 <= first_dup < len(samples):
+            first_dup = len(samples)
+        return np.concatenate([samples, pad]), first_dup
 
     def _rebalance(self, plan: EpochPlan, nxt: np.ndarray) -> None:
         """See NOTE [ Rebalancing with the next epoch's order ]; edits ``plan`` and the residency."""
@@ -559,11 +586,10 @@ class Planner:
             self._holder = {}
 
     def _plan_pinned(self, samples: np.ndarray, G: int, P: int):
-        c = self.config
         own = self.owners(samples)
         # Padding repeats the epoch's head at its tail (N % P != 0); those duplicates can be hits
         # of samples kept earlier in the same epoch, so plan the steps holding them separately.
-        first_dup = c.num_samples - self._start
+        first_dup = self._first_dup
         split = (first_dup // G) * G if 0 <= first_dup < len(samples) else len(samples)
         parts = [(0, split), (split, len(samples))]
         out = [np.empty(len(samples), dtype=np.int64), np.zeros(len(samples), bool), np.zeros(len(samples), bool)]

@@ -346,13 +346,18 @@ def test_save_load_state_on_a_plain_dataset():
     assert check_save_load_state(make, set_epoch=False) == 7
 
 
-def test_resume_with_another_world_size_continues_the_global_order(h5path):
+def _two_rank_state_after_three_steps(h5path):
+    """The state of 2 ranks of 6 per batch, stopped after 3 steps (global position 36)."""
     old = _rank_loaders(h5path, 2, 6, 0.5)
     iters = [iter(ld) for ld in old]
     for it in iters:
         for _ in range(3):
             next(it)
-    state = old[0].state_dict()
+    return old[0].state_dict()
+
+
+def test_resume_with_another_world_size_continues_the_global_order(h5path):
+    state = _two_rank_state_after_three_steps(h5path)
     assert state["position"] == 3 * 12 and state["world_size"] == 2
     new = _rank_loaders(h5path, 4, 3, 0.5)
     for ld in new:
@@ -364,6 +369,25 @@ def test_resume_with_another_world_size_continues_the_global_order(h5path):
         want = torch.stack([solar.H5Dataset(h5path)[int(i)][0] for i in order[36 + 12 * k:48 + 12 * k]]).flatten(1)
         assert torch.equal(torch.sort(xs, dim=0)[0], torch.sort(want, dim=0)[0])
     assert (len(got[0]) - 1) * 12 + 12 == 96 - 36
+
+
+def test_resume_onto_more_ranks_never_leaves_a_rank_an_empty_batch(h5path):
+    """Saved at position 36 by 2 ranks of 6: 5 ranks of 3 have 64 positions left, steps of 15 and a
+    last one of 4; padded to 5 (NOTE [ Resumed tail ]), so rank 4 gets a batch, not torch's
+    IndexError on an empty one (and a hang of the other ranks under MPI)."""
+    state = _two_rank_state_after_three_steps(h5path)
+    new = _rank_loaders(h5path, 5, 3, 0.5)
+    for ld in new:
+        ld.load_state_dict(state)
+    got = [list(ld) for ld in new]
+    assert [len(g) for g in got] == [5] * 5
+    assert [len(got[r][-1][0]) for r in range(5)] == [1] * 5
+    ds = solar.H5Dataset(h5path)
+    order = solar.schedule.global_order(96, 5, 4, 0)
+    seen = sorted(x for r in range(5) for batch in got[r] for x in batch[0].flatten(1)[:, 0].tolist())
+    want = sorted(float(ds[int(i)][0].flatten()[0]) for i in [*order[36:100], order[0]])
+    assert seen == want
+    assert new[0].state_dict()["epoch_done"]
 
 
 def test_bad_input_says_what_to_change(h5path, tmp_path):

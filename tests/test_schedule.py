@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
+from solar.errors import ConfigError
 from solar.schedule import (PlanConfig, Planner, capacity_for_bytes, global_order, owner_of,
                             sampler_num_samples)
 from solar.testing.plans import PlanViolation, check_dump
@@ -216,6 +217,34 @@ def test_resume_position_continues_the_global_order_with_another_world_size():
     assert b.samples.tolist() == a.samples[60:].tolist()
     for k in range(b.num_steps):
         assert sorted(b.samples[b.step_slice(k)]) == sorted(a.samples[a.step_slice(k + 5)])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 60), p_old=st.integers(1, 4), b_old=st.integers(1, 4), p_new=st.integers(1, 6),
+       b_new=st.integers(1, 4), done=st.integers(0, 30), drop_last_batch=st.booleans(), capacity=st.integers(0, 8))
+def test_resumed_tail_gives_every_rank_the_same_nonempty_batches(n, p_old, b_old, p_new, b_new, done,
+                                                                 drop_last_batch, capacity):
+    """NOTE [ Resumed tail ]: a position saved under another global batch never leaves a rank an
+    empty (or, with DataLoader's drop_last, a partial) batch; the remaining order is kept."""
+    try:
+        old = PlanConfig(n, p_old, b_old, 0, seed=3)
+        new = PlanConfig(n, p_new, b_new, capacity, seed=3, drop_last_batch=drop_last_batch)
+    except ConfigError:
+        return
+    start = min(done * old.global_batch, old.epoch_length, new.epoch_length)
+    plan = Planner(new).plan(2, start)
+    steps = [plan.rank_steps(r) for r in range(p_new)]
+    assert {len(s) for s in steps} == {plan.num_steps}
+    for k in range(plan.num_steps):
+        sizes = {len(steps[r][k]) for r in range(p_new)}
+        assert len(sizes) == 1 and sizes != {0}, (k, sizes)
+        if drop_last_batch:
+            assert sizes == {b_new}
+    rest = global_order(n, p_new, 3, 2)[start:new.epoch_length]
+    m = min(len(rest), len(plan.samples))
+    assert plan.samples[:m].tolist() == rest[:m].tolist()
+    if not drop_last_batch:  # nothing dropped; at most P - 1 samples of padding
+        assert len(rest) <= len(plan.samples) < len(rest) + p_new
 
 
 def test_read_calls_count_coalesced_runs():
