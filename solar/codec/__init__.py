@@ -203,7 +203,7 @@ def decode_batch(blobs: Sequence, *, device="cpu", names: Sequence[Any] | None =
     stacked = None
     if len({(k[1], k[2]) for k in groups}) == 1:  # one dtype and shape: groups fill rows of one tensor
         h = parsed[0].header
-        from .torch_ops import TORCH_DTYPES
+        from .torch_ops import TORCH_DTYPES, copy_rows_
 
         stacked = torch.empty((len(parsed),) + h.shape, dtype=TORCH_DTYPES[h.dtype.itemsize], device=device)
     with fused.use(compile):
@@ -212,7 +212,7 @@ def decode_batch(blobs: Sequence, *, device="cpu", names: Sequence[Any] | None =
             if len(groups) == 1:
                 return decoded
             if stacked is not None:
-                stacked.index_copy_(0, torch.tensor(idx, device=stacked.device), decoded)
+                copy_rows_(stacked, idx, decoded.contiguous())
                 continue
             for j, i in enumerate(idx):
                 results[i] = decoded[j]

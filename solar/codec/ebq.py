@@ -53,7 +53,8 @@ from . import predict as pr
 from .base import Codec, Parsed
 from .header import pack_header
 from .quantize import Quantized, quantize
-from .torch_ops import TORCH_DTYPES, dequantize, join_planes, patch_, scratch, unpack_nibbles, unzigzag_
+from .torch_ops import (TORCH_DTYPES, copy_rows_, dequantize, join_planes, patch_, scratch, take_rows, unpack_nibbles,
+                        unzigzag_)
 
 __all__ = ["EBQCodec"]
 
@@ -438,8 +439,7 @@ class EBQCodec(Codec):
                 q = pr.interp_decode(r, inner_shape, masks, K=K, reverse=rev)
         if order is not None:  # back to input order (int rows into scratch; the output is written once)
             inv = np.argsort(order)
-            q = torch.index_select(q.reshape(B, n), 0, torch.from_numpy(inv).to(dev),
-                                   out=scratch.get("unsorted", B * n, q.dtype, dev).view(B, n))
+            q = take_rows(q.reshape(B, n).contiguous(), inv, scratch.get("unsorted", B * n, q.dtype, dev).view(B, n))
             steps, offs = steps[inv], offs[inv]
         q = q.view((B,) + shape)  # Lorenzo's result is a padded strided view: never flattened (a copy)
         bshape = (B,) + (1,) * len(shape)
@@ -519,7 +519,7 @@ def _code_stream(planes: dict, rows: dict, kinds: list, marks, side, n: int, dev
         return parts[kinds[0]]
     t = torch.empty((len(kinds), n), dtype=torch.int8, device=dev)  # int8 and nibble blobs: one int8 stream
     for k, part in parts.items():
-        t.index_copy_(0, torch.tensor(rows[k], device=dev), part.view(torch.int8))
+        copy_rows_(t, rows[k], part.view(torch.int8).contiguous())
     return t
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
-__all__ = ["join_planes", "unpack_nibbles", "unzigzag_", "patch_", "dequantize", "scratch", "TORCH_DTYPES"]
+__all__ = ["join_planes", "unpack_nibbles", "unzigzag_", "patch_", "dequantize", "copy_rows_", "take_rows",
+           "scratch", "TORCH_DTYPES"]
 
 TORCH_DTYPES = {4: torch.float32, 8: torch.float64}
 
@@ -64,6 +66,34 @@ def patch_(flat: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor 
     if index is not None and index.numel():
         flat.index_put_((index,), values)
     return flat
+
+
+def _host_rows(*ts: torch.Tensor) -> bool:
+    """Whether row gathers/scatters of ``ts`` may go through numpy: contiguous CPU tensors."""
+    return all(t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad for t in ts)
+
+
+def copy_rows_(dst: torch.Tensor, rows, src: torch.Tensor) -> torch.Tensor:
+    """In place: ``dst[rows[i]] = src[i]`` along dim 0 (torch's ``index_copy_``).
+
+    Why not ``index_copy_`` itself: on a CPU it copies element by element; 40 rows of 16 KiB int8
+    took 1.3 ms there, against 26 us for numpy's row copies (``memcpy`` per row). On other devices
+    ``index_copy_`` is the right kernel.
+    """
+    if _host_rows(dst, src):
+        dst.numpy()[np.asarray(rows, dtype=np.int64)] = src.numpy()
+    else:
+        dst.index_copy_(0, torch.as_tensor(np.asarray(rows, dtype=np.int64), device=dst.device), src)
+    return dst
+
+
+def take_rows(src: torch.Tensor, rows, out: torch.Tensor) -> torch.Tensor:
+    """``out[i] = src[rows[i]]`` along dim 0 (``index_select``), row copies on a CPU as in
+    :func:`copy_rows_`."""
+    if _host_rows(src, out):
+        np.take(src.numpy(), np.asarray(rows, dtype=np.int64), axis=0, out=out.numpy())
+        return out
+    return torch.index_select(src, 0, torch.as_tensor(np.asarray(rows, dtype=np.int64), device=src.device), out=out)
 
 
 def dequantize(q: torch.Tensor, step: torch.Tensor, offset: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
