@@ -62,11 +62,21 @@ import numpy as np
 
 from solar.errors import ConfigError
 
-__all__ = ["PlanConfig", "EpochPlan", "Planner", "global_order", "sampler_num_samples", "owner_of",
+__all__ = ["PlanConfig", "EpochPlan", "Planner", "global_order", "index_dtype", "sampler_num_samples", "owner_of",
            "capacity_for_bytes", "POLICIES"]
 
 POLICIES = ("solar", "lru", "fifo")
 INT64_MAX = 2**63 - 1
+
+
+def index_dtype(n: int) -> type:
+    """The integer type of a plan's per-sample arrays (indices, positions, ranks) for ``n`` samples.
+
+    Why not always int64: a planner holds several such arrays of N entries on *every* rank (the
+    schedule needs the whole global order), so their width is most of its memory; int32 halves it
+    below 2**31 samples. Products of these values (step * P + rank keys) stay below N + P there.
+    """
+    return np.int32 if n < 2**31 - 2**20 else np.int64
 
 
 def sampler_num_samples(n: int, world_size: int, drop_last: bool) -> int:
@@ -86,18 +96,20 @@ def epoch_positions(per_rank: int, world_size: int, batch_size: int, drop_last_b
 
 def global_order(n: int, world_size: int, seed: int, epoch: int, shuffle: bool = True,
                  drop_last: bool = False) -> np.ndarray:
-    """The padded/truncated global order of one epoch (int64), identical to DistributedSampler's.
+    """The padded/truncated global order of one epoch (:func:`index_dtype`), identical to
+    DistributedSampler's.
 
     See NOTE [ Global order ].
     """
     import torch
 
+    dt = index_dtype(n)
     if shuffle:
         g = torch.Generator()
         g.manual_seed(int(seed) + int(epoch))
-        perm = torch.randperm(n, generator=g).numpy().astype(np.int64, copy=False)
+        perm = torch.randperm(n, generator=g).numpy().astype(dt)  # torch's int64 order, then narrowed
     else:
-        perm = np.arange(n, dtype=np.int64)
+        perm = np.arange(n, dtype=dt)
     total = sampler_num_samples(n, world_size, drop_last) * world_size
     if total <= n:
         return perm[:total]
@@ -112,10 +124,12 @@ def owner_of(indices: np.ndarray, world_size: int, batch_size: int, capacity: in
     (``(i // b) % P``); the remaining ``P * (C % b)`` indices are dealt out one by one
     (``i % P``). Every rank owns exactly ``C`` samples. See NOTE [ Pinned residency ... ].
     """
-    i = np.asarray(indices, dtype=np.int64)
+    i = np.asarray(indices)
+    if i.dtype.kind not in "iu":
+        i = i.astype(np.int64)
     P, b, C = world_size, batch_size, capacity
     full = P * b * (C // b)
-    own = np.full(i.shape, -1, dtype=np.int64)
+    own = np.full(i.shape, -1, dtype=np.int32 if P < 2**31 else np.int64)
     m1 = i < full
     own[m1] = (i[m1] // b) % P
     m2 = (i >= full) & (i < P * C)
@@ -366,22 +380,27 @@ def _grouped_accept(items: np.ndarray, key: np.ndarray, free: np.ndarray) -> np.
 def _assign_pinned(samples: np.ndarray, G: int, P: int, owner: np.ndarray, resident: np.ndarray):
     """Vectorized assignment of one run of steps. See NOTE [ Pinned residency ... ]."""
     n = len(samples)
-    step = np.arange(n, dtype=np.int64) // G
+    step = np.arange(n, dtype=samples.dtype) // G
     quota = _step_quota(n, G, P)
     own = owner
-    rank = np.full(n, -1, dtype=np.int64)
+    rank = np.full(n, -1, dtype=owner.dtype)
     hit = np.zeros(n, dtype=bool)
     keep = np.zeros(n, dtype=bool)
-    cand = np.flatnonzero(own >= 0)
+    dt = samples.dtype
+    cand = np.flatnonzero(own >= 0).astype(dt)  # narrowed at once: arrays of up to n entries
     if len(cand):
         res = resident[samples[cand]]
         key = step[cand] * P + own[cand]
         o = np.lexsort((~res, key))  # per (step, owner): resident first, then by position
         cand, key, res = cand[o], key[o], res[o]
+        del o
         first = np.ones(len(key), dtype=bool)
         first[1:] = key[1:] != key[:-1]
-        start = np.maximum.accumulate(np.where(first, np.arange(len(key)), 0))
-        ok = (np.arange(len(key)) - start) < quota.reshape(-1)[key]
+        at = np.arange(len(key), dtype=dt)
+        start = np.maximum.accumulate(np.where(first, at, 0))
+        del first
+        ok = (at - start) < quota.reshape(-1)[key]
+        del at, start
         acc = cand[ok]
         rank[acc] = own[acc]
         hit[acc] = res[ok]
@@ -390,9 +409,11 @@ def _assign_pinned(samples: np.ndarray, G: int, P: int, owner: np.ndarray, resid
     else:
         taken = np.zeros(quota.size, dtype=np.int64)
     free = quota.reshape(-1) - taken
-    left = np.flatnonzero(rank < 0)
-    left = left[np.argsort(step[left] * (int(samples.max(initial=0)) + 1) + samples[left], kind="stable")]  # index order per step
-    rank[left] = np.repeat(np.tile(np.arange(P, dtype=np.int64), len(quota)), free)
+    left = np.flatnonzero(rank < 0).astype(dt)
+    key = step[left].astype(np.int64) * (int(samples.max(initial=0)) + 1) + samples[left]  # int64: no overflow
+    left = left[np.argsort(key, kind="stable")]  # index order per step
+    del key
+    rank[left] = np.repeat(np.tile(np.arange(P, dtype=rank.dtype), len(quota)), free)
     return rank, hit, keep
 
 
@@ -414,7 +435,8 @@ class Planner:
         self.config = config
         c = config
         self._resident = np.zeros(c.num_samples, dtype=bool)  # solar policy: resident on owner
-        self._owner = owner_of(np.arange(c.num_samples), c.world_size, c.batch_size, c.capacity)
+        self._owner = owner_of(np.arange(c.num_samples, dtype=index_dtype(c.num_samples)), c.world_size,
+                               c.batch_size, c.capacity)
         self._planned = 0  # plans made so far (the first is the fill epoch of the baselines)
         if c.policy != "solar":
             self._caches = [collections.OrderedDict() for _ in range(c.world_size)]
@@ -478,17 +500,18 @@ class Planner:
         c = self.config
         N, P, G = c.num_samples, c.world_size, c.global_batch
         samples = plan.samples
-        kn = np.full(N, -1, dtype=np.int64)  # step of each sample's first occurrence in the next epoch
-        kn[nxt[::-1]] = np.arange(len(nxt) - 1, -1, -1) // G
+        dt = index_dtype(N)
+        kn = np.full(N, -1, dtype=dt)  # step of each sample's first occurrence in the next epoch
+        kn[nxt[::-1]] = np.arange(len(nxt) - 1, -1, -1, dtype=dt) // G
         room = _step_quota(len(nxt), G, P).reshape(-1).copy()
-        res = np.flatnonzero(self._resident & (kn >= 0))
+        res = np.flatnonzero(self._resident & (kn >= 0)).astype(dt)
         cell = kn[res] * P + self._owner[res]
         room -= np.bincount(cell, minlength=room.size)
         if room.min(initial=0) >= 0:
             return  # nothing would overflow next epoch
         once = np.bincount(samples, minlength=N) == 1  # appears once this epoch (no padding repeat)
-        first_pos = np.full(N, -1, dtype=np.int64)
-        first_pos[samples] = np.arange(len(samples))  # position of each (once-appearing) sample
+        first_pos = np.full(N, -1, dtype=dt)
+        first_pos[samples] = np.arange(len(samples), dtype=dt)  # position of each (once-appearing) sample
         ke = np.where(first_pos >= 0, first_pos // G, -1)  # and its step, this epoch
         # drop candidates: residents of overflowing next-epoch cells, earliest used this epoch first
         cand = res[(room[cell] < 0) & once[res] & (ke[res] >= 0)]
@@ -497,7 +520,7 @@ class Planner:
         drops = cand[_grouped_accept(np.arange(len(cand)), ccell, -np.minimum(room, 0))]
         # adoption candidates: plain reads this epoch of unowned samples, landing next epoch in a
         # (step, rank) cell with room
-        pos = np.flatnonzero(~plan.hit & ~plan.keep)
+        pos = np.flatnonzero(~plan.hit & ~plan.keep).astype(dt)
         u = samples[pos]
         ok = (self._owner[u] < 0) & once[u] & (kn[u] >= 0)
         pos, u = pos[ok], u[ok]
@@ -579,7 +602,8 @@ class Planner:
         """Forget residency (buffers emptied, e.g. a new process)."""
         self._resident[:] = False
         c = self.config
-        self._owner = owner_of(np.arange(c.num_samples), c.world_size, c.batch_size, c.capacity)
+        self._owner = owner_of(np.arange(c.num_samples, dtype=index_dtype(c.num_samples)), c.world_size,
+                               c.batch_size, c.capacity)
         self._planned = 0
         if self.config.policy != "solar":
             self._caches = [collections.OrderedDict() for _ in range(self.config.world_size)]
@@ -592,7 +616,8 @@ class Planner:
         first_dup = self._first_dup
         split = (first_dup // G) * G if 0 <= first_dup < len(samples) else len(samples)
         parts = [(0, split), (split, len(samples))]
-        out = [np.empty(len(samples), dtype=np.int64), np.zeros(len(samples), bool), np.zeros(len(samples), bool)]
+        out = [np.empty(len(samples), dtype=self._owner.dtype), np.zeros(len(samples), bool),
+               np.zeros(len(samples), bool)]
         for lo, hi in parts:
             if hi <= lo:
                 continue

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
 from solar.errors import ConfigError
-from solar.schedule import (PlanConfig, Planner, capacity_for_bytes, global_order, owner_of,
+from solar.schedule import (PlanConfig, Planner, capacity_for_bytes, global_order, index_dtype, owner_of,
                             sampler_num_samples)
 from solar.testing.plans import PlanViolation, check_dump
 
@@ -245,6 +245,20 @@ def test_resumed_tail_gives_every_rank_the_same_nonempty_batches(n, p_old, b_old
     assert plan.samples[:m].tolist() == rest[:m].tolist()
     if not drop_last_batch:  # nothing dropped; at most P - 1 samples of padding
         assert len(rest) <= len(plan.samples) < len(rest) + p_new
+
+
+def test_plans_hold_int32_arrays_without_overflowing_their_sort_keys():
+    """index_dtype: a planner's per-sample arrays are int32 below 2**31 samples (half the memory
+    on every rank), and the unowned samples' per-step index-order key (step * N + index, 5e9 here)
+    is formed in int64: wrapped in int32 it would hand the larger index of a step to rank 0."""
+    n = 70_000
+    plan = Planner(PlanConfig(n, 2, 1, 0, seed=5)).plan(0)
+    assert plan.samples.dtype == np.int32 and plan.rank.dtype == np.int32
+    assert Planner(PlanConfig(n, 2, 1, 10, seed=5)).owners(np.arange(n)).dtype == np.int32
+    pairs = plan.samples.reshape(-1, 2)
+    ranks = plan.rank.reshape(-1, 2)
+    assert np.array_equal(ranks[np.arange(len(pairs)), pairs.argmin(axis=1)], np.zeros(len(pairs)))
+    assert index_dtype(2**31) is np.int64
 
 
 def test_read_calls_count_coalesced_runs():
