@@ -128,11 +128,12 @@ def owner_of(indices: np.ndarray, world_size: int, batch_size: int, capacity: in
     if i.dtype.kind not in "iu":
         i = i.astype(np.int64)
     P, b, C = world_size, batch_size, capacity
-    full = P * b * (C // b)
+    top = int(np.iinfo(i.dtype).max)  # bounds past every index, clipped so that int32 math holds
+    full, owned = min(P * b * (C // b), top), min(P * C, top)
     own = np.full(i.shape, -1, dtype=np.int32 if P < 2**31 else np.int64)
     m1 = i < full
     own[m1] = (i[m1] // b) % P
-    m2 = (i >= full) & (i < P * C)
+    m2 = (i >= full) & (i < owned)
     own[m2] = (i[m2] - full) % P
     return own
 

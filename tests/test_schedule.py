@@ -259,6 +259,9 @@ def test_plans_hold_int32_arrays_without_overflowing_their_sort_keys():
     ranks = plan.rank.reshape(-1, 2)
     assert np.array_equal(ranks[np.arange(len(pairs)), pairs.argmin(axis=1)], np.zeros(len(pairs)))
     assert index_dtype(2**31) is np.int64
+    # a capacity far past N (P*C > 2**31) with int32 indices: everything owned, no OverflowError
+    huge = owner_of(np.arange(10, dtype=np.int32), 4, 2, 2**30)
+    assert np.array_equal(huge, owner_of(np.arange(10), 4, 2, 2**30)) and (huge >= 0).all()
 
 
 def test_read_calls_count_coalesced_runs():
