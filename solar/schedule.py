@@ -125,7 +125,7 @@ def owner_of(indices: np.ndarray, world_size: int, batch_size: int, capacity: in
     (``i % P``). Every rank owns exactly ``C`` samples. See NOTE [ Pinned residency ... ].
     """
     i = np.asarray(indices)
-    if i.dtype.kind not in "iu":
+    if i.dtype.kind not in "iu" or i.dtype.itemsize < 4:  # too narrow for b, P and C: widened
         i = i.astype(np.int64)
     P, b, C = world_size, batch_size, capacity
     top = int(np.iinfo(i.dtype).max)  # bounds past every index, clipped so that int32 math holds
@@ -462,7 +462,7 @@ class Planner:
         c = self.config
         if start < 0 or start > c.epoch_length:
             raise ConfigError(f"resume position {start} is outside epoch {epoch} (0..{c.epoch_length})")
-        samples, self._first_dup = self._tail(epoch, start)
+        samples, self._first_dup, self._pad_at = self._tail(epoch, start)
         self._start = start
         G, P = c.global_batch, c.world_size
         if c.policy == "solar":
@@ -479,22 +479,21 @@ class Planner:
         self._planned += 1
         return plan
 
-    def _tail(self, epoch: int, start: int) -> tuple[np.ndarray, int]:
+    def _tail(self, epoch: int, start: int) -> tuple[np.ndarray, int, int]:
         """Positions ``start..`` of the epoch, with the last step evened out (NOTE [ Resumed tail ]);
-        and the offset of the first sample that may repeat an earlier one of the tail."""
+        the offset of DistributedSampler's own padding in it, and of the padding added here.
+        Either may repeat a sample of an earlier step (see :meth:`_plan_pinned`)."""
         c = self.config
         order = self.order(epoch)
         samples = order[start:]
         first_dup = c.num_samples - start  # DistributedSampler's own padding starts there
         last = len(samples) % c.global_batch
         if not last or (last % c.world_size == 0 and not c.drop_last_batch):
-            return samples, first_dup
+            return samples, first_dup, len(samples)
         if c.drop_last_batch:
-            return samples[: len(samples) - last], first_dup
+            return samples[: len(samples) - last], first_dup, len(samples) - last
         pad = np.resize(order, c.world_size - last % c.world_size)
-        if not 0 <= first_dup < len(samples):
-            first_dup = len(samples)
-        return np.concatenate([samples, pad]), first_dup
+        return np.concatenate([samples, pad]), first_dup, len(samples)
 
     def _rebalance(self, plan: EpochPlan, nxt: np.ndarray) -> None:
         """See NOTE [ Rebalancing with the next epoch's order ]; edits ``plan`` and the residency."""
@@ -612,11 +611,12 @@ class Planner:
 
     def _plan_pinned(self, samples: np.ndarray, G: int, P: int):
         own = self.owners(samples)
-        # Padding repeats the epoch's head at its tail (N % P != 0); those duplicates can be hits
-        # of samples kept earlier in the same epoch, so plan the steps holding them separately.
-        first_dup = self._first_dup
-        split = (first_dup // G) * G if 0 <= first_dup < len(samples) else len(samples)
-        parts = [(0, split), (split, len(samples))]
+        # Padding repeats the epoch's head at its tail (N % P != 0; and a resumed tail's own
+        # padding, which can repeat that one); those duplicates can be hits of samples kept
+        # earlier in the same epoch, so the steps holding them are planned after those keeps.
+        n = len(samples)
+        cuts = sorted({0, n} | {(d // G) * G for d in (self._first_dup, self._pad_at) if 0 <= d < n})
+        parts = list(zip(cuts[:-1], cuts[1:]))
         out = [np.empty(len(samples), dtype=self._owner.dtype), np.zeros(len(samples), bool),
                np.zeros(len(samples), bool)]
         for lo, hi in parts:
