@@ -33,6 +33,7 @@ Without a GPU the pipeline is CPU-only (``device_id=None``; DALI 2.4 rejects
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -55,7 +56,11 @@ def _dali():
     return dali, fn, DALIGenericIterator, LastBatchPolicy
 
 
-def _as_numpy(t) -> np.ndarray:
+def _as_numpy(t) -> np.ndarray | list[np.ndarray]:
+    """One field of a batch as DALI takes it: one dense array, or (a list or tuple of per-sample
+    arrays, as a list ``collate_fn`` gives) a ragged batch, one array per sample."""
+    if isinstance(t, (list, tuple)):
+        return [_as_numpy(a) for a in t]
     if hasattr(t, "detach"):
         t = t.detach()
         if t.device.type != "cpu":
@@ -76,27 +81,31 @@ def _rank(value) -> int:
     return len(shape) if shape is not None else np.ndim(value)
 
 
-def _sample_ranks(dataset) -> list[int] | None:
-    """Rank of each field of one sample, or None when the dataset gives no sample to look at.
+def _sample_ranks(dataset) -> tuple[list[int] | None, tuple[str, ...] | None, bool]:
+    """``(rank of each field of one sample, its dict keys, whether a sample was looked at)``;
+    ranks are None when the dataset gives no sample to look at, keys None unless samples are dicts.
 
     A storage-backed dataset without a transform describes its fields (no read); any other
     dataset is asked for its first sample, which is also how the number of fields of a plain
-    dataset (``TensorDataset(x, y)``, no ``fields``) is known before the pipeline is built."""
+    dataset (``TensorDataset(x, y)``, no ``fields``) or of a transform's output is known before
+    the pipeline is built."""
     specs = getattr(dataset, "specs", None)
     if specs and getattr(dataset, "transform", None) is None and all(hasattr(s, "sample_shape") for s in specs):
         ranks = [len(s.sample_shape) for s in specs]
-        return ranks[:1] if getattr(dataset, "_single", False) else ranks
+        return (ranks[:1] if getattr(dataset, "_single", False) else ranks), None, False
     try:
         if isinstance(dataset, IterableDataset):
             sample = next(iter(dataset), _END)  # a separate pass over the stream, not the loader's
         else:
             sample = dataset[0] if len(dataset) else _END
     except (TypeError, NotImplementedError):  # no len() or no item access: nothing to look at
-        return None
+        return None, None, False
     if sample is _END:
-        return None
+        return None, None, False
+    if isinstance(sample, Mapping):
+        return [_rank(v) for v in sample.values()], tuple(str(k) for k in sample), True
     fields = sample if isinstance(sample, (tuple, list)) else (sample,)
-    return [_rank(f) for f in fields]
+    return [_rank(f) for f in fields], None, True
 
 
 class _EpochSource:
@@ -113,9 +122,10 @@ class _EpochSource:
     loop is over. Setting ``stop`` ends the running epoch at the next pull (an abandoned epoch:
     only the batches already prefetched are left to drain)."""
 
-    def __init__(self, loader, n_outputs: int) -> None:
+    def __init__(self, loader, n_outputs: int, keys: tuple[str, ...] | None = None) -> None:
         self.loader = loader
         self.n = n_outputs
+        self.keys = keys  # dict samples: the fields in this key order
         self.states: deque[dict[str, Any]] = deque()
         self.end: dict[str, Any] | None = None
         self.stop = False
@@ -130,13 +140,32 @@ class _EpochSource:
             if batch is _END:
                 self.end = self.loader.state_dict()
                 return
-            fields = batch if isinstance(batch, (tuple, list)) else (batch,)
+            if isinstance(batch, Mapping):
+                if self.keys is None or set(batch) != set(self.keys):
+                    raise ConfigError(f"a batch has the keys {sorted(map(str, batch))} but the pipeline was built for "
+                                      f"{list(self.keys) if self.keys else f'{self.n} unnamed field(s)'}; every sample "
+                                      "must have the same fields")
+                fields = tuple(batch[k] for k in self.keys)
+            else:
+                fields = batch if isinstance(batch, (tuple, list)) else (batch,)
             if len(fields) != self.n:
-                raise ConfigError(f"the dataset gives {len(fields)} fields per sample, the pipeline expects {self.n}; "
-                                  "pass a dataset whose samples all have the same fields")
-            arrays = tuple(_as_numpy(f) for f in fields)
+                raise ConfigError(f"a batch has {len(fields)} fields but the pipeline was built for {self.n} (from the "
+                                  "dataset's fields or its first sample); every sample must have the same fields")
+            arrays = []
+            for i, f in enumerate(fields):
+                try:
+                    arrays.append(_as_numpy(f))
+                except (TypeError, ValueError) as exc:
+                    name = self.keys[i] if self.keys else f"field {i}"
+                    raise ConfigError(f"{name} of a batch is not an array DALI can take ({type(exc).__name__}: {exc}); "
+                                      "give it as a tensor or array per batch, or as a list of per-sample arrays "
+                                      "(ragged) from a collate_fn") from exc
+                if isinstance(arrays[-1], np.ndarray) and arrays[-1].dtype == object:
+                    name = self.keys[i] if self.keys else f"field {i}"
+                    raise ConfigError(f"{name} of a batch holds Python objects ({type(f).__name__}); DALI takes "
+                                      "numeric arrays: return tensors or numbers from the dataset")
             self.states.append(self.loader.state_dict())
-            yield arrays
+            yield tuple(arrays)
 
 
 class DALILoader:
@@ -144,7 +173,9 @@ class DALILoader:
 
     Each ``iter(loader)`` starts a new epoch, as ``solar.DataLoader`` does (the one
     :meth:`set_epoch` chose, else the next), even after a ``break``: what DALI had prefetched of
-    the abandoned epoch is dropped. One iterator runs at a time (DALI has one pipeline): a new
+    the abandoned epoch is dropped (its samples stay in the buffers, so after a ``break`` the
+    rank assignment inside a global batch may differ from ``solar.DataLoader``'s; the global
+    batches do not). One iterator runs at a time (DALI has one pipeline): a new
     ``iter(loader)`` ends the previous one.
 
     Args:
@@ -154,8 +185,8 @@ class DALILoader:
         batch_size: per-rank batch size.
         define: ``define(*fields) -> outputs``: DALI operators on the fields' DataNodes
             (default: the fields unchanged). Return one node or a tuple.
-        output_map: names of the pipeline's outputs (default: the dataset's ``fields`` if it has
-            them and ``define`` keeps their number, else ``out0, out1 ...``).
+        output_map: names of the pipeline's outputs (default: the dataset's ``fields``, or the keys
+            of dict samples, if ``define`` keeps their number, else ``out0, out1 ...``).
         layout: DALI layout of each field's samples (one string, or one per field; ``None``
             entries are inferred). Default from the sample's rank in torch's channels-first
             order: ``"HW"`` (2-D), ``"CHW"`` (3-D), ``"CDHW"`` (4-D), none otherwise, so that
@@ -163,39 +194,62 @@ class DALILoader:
         device_id: ``None`` for a CPU-only pipeline (default), or a CUDA device index.
         num_threads: DALI CPU threads.
         prefetch_queue_depth: batches DALI prepares ahead.
+        pipeline_options: more ``nvidia.dali.Pipeline`` arguments (``seed``, ``exec_dynamic`` ...).
+            Without a ``seed`` there, DALI's random operators are seeded from ``seed`` (below) and
+            the rank when ``seed`` is given, so augmentations repeat run to run; else DALI picks.
         **loader_options: everything else goes to :class:`solar.DataLoader` (``shuffle``,
-            ``seed``, ``buffer``, ``prefetch``, ``drop_last``, ``distributed`` ...). By default
-            ``distributed=True`` under a launcher (this rank's share), as ``solar.DataLoader``.
+            ``seed``, ``buffer``, ``prefetch``, ``drop_last``, ``distributed`` ...). Unlike
+            ``solar.DataLoader`` (whose default is False), ``distributed`` defaults to True for a
+            map-style dataset without a ``sampler``/``batch_sampler``: a DALI pipeline runs per
+            rank, so each takes its share (the whole dataset in one process). An
+            ``IterableDataset`` is not sharded (it splits itself, if at all). With
+            ``batch_sampler=``, ``batch_size`` is DALI's maximum batch size and must bound its batches.
     """
 
     def __init__(self, dataset, batch_size: int, *, define: Callable | None = None,
                  output_map: Sequence[str] | None = None, layout: str | Sequence[str | None] | None = None,
                  device_id: int | None = None, num_threads: int = 2, prefetch_queue_depth: int = 2,
-                 **loader_options: Any) -> None:
+                 pipeline_options: dict[str, Any] | None = None, **loader_options: Any) -> None:
         dali, fn, DALIGenericIterator, LastBatchPolicy = _dali()
         from solar.loader import DataLoader
 
-        loader_options.setdefault("distributed", "sampler" not in loader_options
-                                  and "batch_sampler" not in loader_options)
-        self.loader = DataLoader(dataset, batch_size=batch_size, **loader_options)
+        loader_options.setdefault("distributed", loader_options.get("sampler") is None
+                                  and loader_options.get("batch_sampler") is None
+                                  and not isinstance(dataset, IterableDataset))
+        # torch wants batch_size=1 beside a batch_sampler; DALI still needs its maximum batch size
+        by_sampler = loader_options.get("batch_sampler") is not None
+        self.loader = DataLoader(dataset, batch_size=1 if by_sampler else batch_size, **loader_options)
         fields = tuple(getattr(dataset, "fields", ()) or ())
-        ranks = _sample_ranks(dataset)
-        if fields:
+        ranks, keys, looked = _sample_ranks(dataset)
+        if looked:  # a sample (a transform's output, a dict) says how many fields there are
+            n_in = len(ranks)
+            fields = keys or (fields if len(fields) == n_in else ())
+        elif fields:
             n_in = len(fields) if not getattr(dataset, "_single", False) else 1
         else:
             n_in = len(ranks) if ranks else 1
         if ranks is not None and len(ranks) != n_in:
             ranks = None
         self.layout = self._layouts(layout, n_in, ranks)
-        self._source = _EpochSource(self.loader, n_in)
+        self._source = _EpochSource(self.loader, n_in, keys)
+        opts = dict(pipeline_options or {})
+        clash = sorted(set(opts) & {"batch_size", "num_threads", "device_id", "prefetch_queue_depth"})
+        if clash:
+            raise ConfigError(f"pipeline_options sets {', '.join(clash)}; pass them as DALILoader arguments instead")
+        if "seed" not in opts and loader_options.get("seed") is not None:
+            from solar.dist import get_dist_info
+
+            opts["seed"] = (int(loader_options["seed"]) * 1_000_003 + get_dist_info().rank) % (2**31 - 1)
         self.pipe = dali.Pipeline(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
-                                  prefetch_queue_depth=prefetch_queue_depth)
+                                  prefetch_queue_depth=prefetch_queue_depth, **opts)
         with self.pipe:
             nodes = fn.external_source(source=self._source.epoch, num_outputs=n_in, batch=True,
                                        cycle="raise", no_copy=False, layout=list(self.layout))
             nodes = list(nodes) if isinstance(nodes, (list, tuple)) else [nodes]
             outs = define(*nodes) if define is not None else nodes
             outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+            if not outs:
+                raise ConfigError("define returned no outputs; return at least one DataNode (or a tuple of them)")
             self.pipe.set_outputs(*outs)
         if output_map is None:
             output_map = list(fields) if fields and len(fields) == len(outs) else [f"out{i}" for i in range(len(outs))]

@@ -182,3 +182,68 @@ def test_plain_tuple_dataset_gives_one_output_per_field():
     for g, (wx, wy) in zip(got, want, strict=True):
         torch.testing.assert_close(g["out0"], wx, rtol=0, atol=0)
         torch.testing.assert_close(g["out1"], wy, rtol=0, atol=0)
+
+
+def test_a_transform_or_dict_samples_set_the_pipeline_inputs(h5):
+    """A transform that adds a field, and torch-style dict samples: the pipeline gets one input per
+    field of the sample (before: built for the file's 2 fields, then failed at the first batch)."""
+    import solar
+    from solar.dali import DALILoader
+
+    ds = solar.H5Dataset(h5, ("x", "y"), transform=lambda s: (s[0], s[1], s[0].mean()))
+    dl = DALILoader(ds, batch_size=8, shuffle=True, seed=1)
+    got = next(iter(dl))
+    assert dl.output_map == ["out0", "out1", "out2"] and dl.layout[0] == "CHW"
+    ref = next(iter(solar.DataLoader(ds, batch_size=8, shuffle=True, seed=1, distributed=True)))
+    for name, t in zip(dl.output_map, ref):
+        torch.testing.assert_close(got[name], t, rtol=0, atol=0)
+
+    class Dicts(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return {"img": torch.full((3, 4, 4), float(i)), "label": i}
+
+    dl = DALILoader(Dicts(), batch_size=4)
+    assert dl.output_map == ["img", "label"] and dl.layout == ["CHW", ""]
+    got = list(dl)
+    assert torch.equal(torch.cat([b["label"] for b in got]), torch.arange(10))
+    assert torch.equal(got[0]["img"][:, 0, 0, 0], torch.arange(4, dtype=torch.float32))
+
+
+def test_iterable_datasets_batch_samplers_and_bad_defines(h5):
+    import solar
+    from solar.dali import DALILoader
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(torch.arange(10, dtype=torch.float32).view(10, 1))
+
+    got = torch.cat([b["out0"] for b in DALILoader(Stream(), batch_size=4)])  # not sharded, not a TypeError
+    assert torch.equal(got.flatten(), torch.arange(10, dtype=torch.float32))
+    ds = solar.H5Dataset(h5)
+    bs = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(len(ds))), 8, drop_last=False)
+    sizes = [len(b["y"]) for b in DALILoader(ds, batch_size=8, batch_sampler=bs)]
+    assert sizes == [8, 8, 8, 8, 8, 5]
+    with pytest.raises(solar.ConfigError, match="define returned no outputs"):
+        DALILoader(ds, batch_size=4, define=lambda *nodes: ())
+    with pytest.raises(solar.ConfigError, match="pipeline_options sets batch_size"):
+        DALILoader(ds, batch_size=4, pipeline_options={"batch_size": 2})
+
+
+def test_dali_random_operators_repeat_for_the_same_seed(h5):
+    import nvidia.dali.fn as fn
+
+    import solar
+    from solar.dali import DALILoader
+
+    def noisy(x, y):
+        return x + fn.random.uniform(range=(0.0, 1.0), shape=()), y
+
+    runs = [torch.cat([b["x"] for b in DALILoader(solar.H5Dataset(h5), batch_size=8, seed=7, define=noisy)])
+            for _ in range(2)]
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+    other = torch.cat([b["x"] for b in DALILoader(solar.H5Dataset(h5), batch_size=8, seed=7, define=noisy,
+                                                    pipeline_options={"seed": 12345})])
+    assert not torch.equal(other, runs[0])
