@@ -146,6 +146,7 @@ class H5Dataset(Dataset):
         self.io_threads = int(io_threads)
         self._pool = None
         self._pool_lock = threading.Lock()
+        self._pool_pid = os.getpid()
         self._offsets: dict[str, np.ndarray] = {}
         self._checksums: dict[str, np.ndarray | None] = {}
         keys = set(self.backend.keys())
@@ -170,10 +171,30 @@ class H5Dataset(Dataset):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._pool_lock = threading.Lock()
+        self._pool_pid = os.getpid()
 
     def close(self) -> None:
-        """Close this process's storage handles (collective on parallel HDF5: call it on every rank)."""
+        """Close this process's storage handles (collective on parallel HDF5: call it on every rank):
+        the backend's, and those of the request threads' clones, whose threads end too."""
+        self._forget_forked_pool()
+        with self._pool_lock:
+            pool, clones = self._pool, self.__dict__.get("_clones") or []
+            self._pool, self._clones = None, []
+            for clone in clones:
+                clone.close()
+            if pool is not None:
+                pool.shutdown(wait=True)
         self.backend.close()
+
+    def _forget_forked_pool(self) -> None:
+        """In a forked child (a torch worker of a plain DataLoader), the parent's request threads
+        do not exist and its lock may have been held at the fork: start over with none. Without
+        this, the first split read waited forever on futures no thread would run."""
+        if self.__dict__.get("_pool_pid") != os.getpid():
+            self._pool_lock = threading.Lock()
+            self._pool = None
+            self.__dict__.pop("_clones", None)
+            self._pool_pid = os.getpid()
 
     # -- sizes --------------------------------------------------------------------------------
     def _offsets_of(self, spec: FieldSpec) -> np.ndarray:
@@ -255,6 +276,7 @@ class H5Dataset(Dataset):
         first = np.searchsorted(lo, cut)  # each thread's first piece
         # One split read at a time per dataset: the clones' handles (an fsspec file's position)
         # must not be shared by two readers, e.g. two loaders or iterators over one dataset.
+        self._forget_forked_pool()
         with self._pool_lock:
             if self._pool is None:
                 import pickle

@@ -135,6 +135,27 @@ def test_pickles_without_handles(raw_path):
     assert torch.equal(clone[4][0], ds[4][0])
 
 
+def test_forked_workers_read_and_close_ends_the_request_threads(raw_path):
+    """The parent's split reads start io_threads request threads; a plain torch DataLoader's
+    forked worker inherits the pool but none of its threads (before: it waited forever on its
+    first split read). close() closes the threads' backend clones and ends the threads."""
+    ds = solar.H5Dataset(raw_path, sieve_bytes=0, io_threads=4)
+    even = list(range(0, 50, 2))  # 25 separate ranges: split over the 4 request threads
+    want = ds.__getitems__(even)
+    assert ds._pool is not None
+    dl = tud.DataLoader(ds, batch_size=25, sampler=even, num_workers=1, multiprocessing_context="fork", timeout=30)
+    (got,) = list(dl)
+    assert torch.equal(got[0], torch.stack([s[0] for s in want]))
+    threads, clones = list(ds._pool._threads), list(ds._clones)
+    ds.close()
+    assert not any(t.is_alive() for t in threads) and ds._pool is None
+    with h5py.File(raw_path, "a"):  # no clone holds the file open any more
+        pass
+    assert torch.equal(ds.__getitems__(even)[0][0], want[0][0])  # reopens on demand
+    assert all(c is not d for c in clones for d in ds._clones)
+    ds.close()
+
+
 def test_compressed_field_decodes_within_bound_and_buffer_holds_blobs(tmp_path):
     rng = np.random.default_rng(1)
     x = np.cumsum(rng.standard_normal((40, 16, 16)), axis=2).astype("f4")
