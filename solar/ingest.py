@@ -345,6 +345,47 @@ class _Progress:
 
 
 # -- the job ---------------------------------------------------------------------------------------
+def redact_url(url: str) -> str:
+    """``url`` without credentials: user info and the query string (presigned URLs carry their
+    signature there) are replaced by ``<redacted>``. Provenance goes into files meant to be shared."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        u = urlsplit(url)
+    except ValueError:
+        return url
+    if not u.scheme or u.scheme == "file":
+        return url
+    netloc = u.netloc if "@" not in u.netloc else "<redacted>@" + u.netloc.rpartition("@")[2]
+    return urlunsplit((u.scheme, netloc, u.path, "<redacted>" if u.query else "", u.fragment))
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """The command line as provenance may record it: ``--storage-options`` keeps its keys only
+    (their values are credentials: S3 key and secret, tokens), URLs lose user info and queries."""
+    out, hide = [], False
+    for a in argv:
+        if hide:
+            out.append(_redact_options(a))
+            hide = False
+        elif a == "--storage-options":
+            out.append(a)
+            hide = True
+        elif a.startswith("--storage-options="):
+            out.append("--storage-options=" + _redact_options(a.partition("=")[2]))
+        else:
+            out.append(redact_url(a) if "://" in a else a)
+    return out
+
+
+def _redact_options(text: str) -> str:
+    try:
+        keys = list(json.loads(text))
+    except (ValueError, TypeError):
+        return "<redacted>"
+    return json.dumps({str(k): "<redacted>" for k in keys})
+
+
 def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, abs_error: float | None = None,
            rel_error: float | None = None, resume: bool = False, overwrite: bool = False, verify: bool = False,
            batch_size: int = 256, samples: str = "auto", comm: Any = "auto", progress: bool = True,
@@ -587,10 +628,10 @@ def _finish(f, plan: Plan, sizes: dict[str, int], inputs, comm, dxpl, fp: str) -
     provenance = {
         "tool": f"solar {__version__} ingest",
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "argv": sys.argv,
+        "argv": redact_argv(sys.argv),
         "world_size": comm.size,
         "fingerprint": fp,
-        "inputs": [{"url": s.url, "samples": s.n, "first_sample": st, "fields": s.keys, "one_sample_per_file": s.per_file}
+        "inputs": [{"url": redact_url(s.url), "samples": s.n, "first_sample": st, "fields": s.keys, "one_sample_per_file": s.per_file}
                    for s, st in zip(plan.sources, plan.starts)],
         "bounds": {fpl.name: fpl.abs_error for fpl in plan.fields if fpl.compress},
     }

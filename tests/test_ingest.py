@@ -131,6 +131,31 @@ def test_fsspec_inputs(tmp_path):
     np.testing.assert_array_equal(_read_field(out, "x"), np.concatenate([a, a]))
 
 
+def test_provenance_keeps_no_credentials(tmp_path, monkeypatch):
+    """The output's provenance records the command line: --storage-options keeps its keys only
+    and URLs lose user info and query strings (a presigned signature), since outputs get shared."""
+    import fsspec
+
+    from solar.cli import main
+
+    buf = __import__("io").BytesIO()
+    np.save(buf, np.ones((4, 3), np.float32))
+    fsspec.filesystem("memory").pipe("/prov-in/a.npy", buf.getvalue())
+    out = str(tmp_path / "o.h5")
+    argv = ["solar", "ingest", "memory://prov-in/a.npy", "-o", out, "--no-progress",
+            "--storage-options", json.dumps({"key": "AKIA-ID", "secret": "MY-SECRET"})]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert main(argv[1:]) == 0
+    with h5py.File(out, "r") as f:
+        prov = f.attrs["provenance"]
+    assert "MY-SECRET" not in prov and "AKIA-ID" not in prov
+    assert json.loads(json.loads(prov)["argv"][-1]) == {"key": "<redacted>", "secret": "<redacted>"}
+    from solar.ingest import redact_argv
+
+    assert redact_argv(["x", "https://u:p@h.example/a.npy?X-Amz-Signature=abc", "--storage-options={bad"]) == [
+        "x", "https://<redacted>@h.example/a.npy?<redacted>", "--storage-options=<redacted>"]
+
+
 @pytest.mark.parametrize("case", ["missing", "shape", "dtype", "exists", "both-bounds", "npy-fields", "url-out",
                                   "5d-second-field"])
 def test_bad_input_stops_before_writing(tmp_path, case):
