@@ -30,6 +30,7 @@ import os
 import re
 from dataclasses import dataclass
 from typing import Any, Iterator
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -69,6 +70,10 @@ if hasattr(os, "register_at_fork"):
 _NO_RANGES = "support range requests"  # fsspec's HTTPFile message for a 200 to a Range request
 
 
+_CHANGED = ("the file changed since it was opened (its ETag or modification time no longer matches); "
+            "reopen the dataset to read the new version")
+
+
 def _range_hint(url: str) -> str:
     return (f"{url}: the server ignores HTTP Range requests (it sends the whole file instead of the bytes "
             "asked for), so rows cannot be read by byte ranges; serve the file from a server that supports "
@@ -87,7 +92,9 @@ def _storage_error(url: str, exc: BaseException, doing: str, hdf5: bool = False)
     name, mod = type(exc).__name__, type(exc).__module__ or ""
     status = getattr(exc, "status", None)
     if mod.startswith("aiohttp") and isinstance(status, int):  # ClientResponseError: an HTTP status
-        if status in (401, 403):
+        if status == 412:
+            todo = _CHANGED
+        elif status in (401, 403):
             todo = "check that you may read it (file permissions; credentials or tokens in storage_options)"
         elif status >= 500:
             todo = "the server failed; retry later or check the server's logs"
@@ -95,6 +102,8 @@ def _storage_error(url: str, exc: BaseException, doing: str, hdf5: bool = False)
             todo = "check the URL"
         return StorageError(f"{url}: the server answered HTTP {status} {getattr(exc, 'message', '')} while {doing}; "
                             f"{todo}")
+    if name == "FileExpired":  # s3fs: the object's ETag changed since the open
+        return StorageError(f"{url}: {doing} failed: {_CHANGED}")
     if mod.startswith(("botocore", "aiobotocore")) and ("Endpoint" in name or "Connect" in name):
         return StorageError(f"{url}: cannot connect to the S3 endpoint while {doing} ({exc}); check "
                             "storage_options['client_kwargs']['endpoint_url'] and that the service is up")
@@ -121,6 +130,67 @@ def _storage_errors(url: str, doing: str, hdf5: bool = False) -> Iterator[None]:
         if err is None:
             raise
         raise err from exc
+
+
+def _is_http(fs) -> bool:
+    return "http" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+class _WholeReads:
+    """An fsspec file for h5py that raises on a short read inside the size seen at open.
+
+    Why: a file replaced by a shorter one, or truncated, after the open answers fsspec's range
+    requests with fewer bytes (or a 416 that fsspec turns into none); h5py's file-object driver
+    then leaves the rest of its buffer as it was, and rows came back as garbage or as other
+    rows' bytes, silently. (A file replaced by one of the same size is refused by the server:
+    ``If-Match`` with the ETag seen at open, for HTTP; s3fs checks the ETag itself.)"""
+
+    def __init__(self, fobj, url: str, size: int | None) -> None:
+        self._f, self._url = fobj, url
+        self.raw = fobj  # the fsspec file (its block cache's counters)
+        self._size = size if size is not None else getattr(fobj, "size", None)
+
+    def _short(self, at: int, want: int, got: int) -> None:
+        end = min(at + want, self._size) if self._size is not None else at + want
+        if at + got < end:
+            raise StorageError(f"{self._url}: got {got} of {end - at} bytes at offset {at} of a {self._size}-byte "
+                               "file; it changed (shrank or was replaced) since it was opened. Reopen the "
+                               "dataset to read the new version")
+
+    def read(self, n: int = -1) -> bytes:
+        at = self._f.tell()
+        data = self._f.read(n)
+        if n is not None and n >= 0:
+            self._short(at, n, len(data))
+        return data
+
+    def readinto(self, buf) -> int:
+        at = self._f.tell()
+        got = self._f.readinto(buf)
+        self._short(at, memoryview(buf).nbytes, got or 0)
+        return got
+
+    def seek(self, *args):
+        return self._f.seek(*args)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._f.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._f.closed
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
 
 
 _SHARD = re.compile(r"^(?P<key>.+)\.(?P<idx>\d+)$")
@@ -167,22 +237,24 @@ class _NpyArray:
 class NpyStore:
     """The ``.npy`` shard index of one directory (or one file) on an fsspec filesystem."""
 
-    def __init__(self, fs, root: str, url: str) -> None:
+    def __init__(self, fs, root: str, url: str, is_dir: bool | None = None) -> None:
         self.fs, self.root, self.url = fs, root.rstrip("/"), url
         self.arrays: dict[str, _NpyArray] = {}
         self.attrs: dict[str, dict[str, Any]] = {}
-        if fs.isdir(self.root):
+        if fs.isdir(self.root) if is_dir is None else is_dir:
             files = sorted(p for p in fs.find(self.root) if p.endswith(".npy"))
+            names = {p: p[len(self.root) + 1:-len(".npy")] for p in files}
             if fs.exists(f"{self.root}/attrs.json"):
                 self.attrs = json.loads(fs.cat_file(f"{self.root}/attrs.json"))
-        else:
+        else:  # one file; its URL may carry a query (a presigned URL's signature)
             files = [self.root]
+            names = {self.root: urlsplit(self.root).path.rsplit("/", 1)[-1][:-len(".npy")]}
             self.root = self.root.rsplit("/", 1)[0]
         if not files:
             raise DatasetFormatError(f"{url}: no .npy files found; expected NAME.npy or NAME.00000.npy shards")
         groups: dict[str, list[tuple[int, str]]] = {}
         for path in files:
-            rel = path[len(self.root) + 1:-len(".npy")]
+            rel = names[path]
             m = _SHARD.match(rel)
             key, idx = (m["key"], int(m["idx"])) if m else (rel, -1)
             groups.setdefault(key, []).append((idx, path))
@@ -269,15 +341,18 @@ class FsspecBackend(HDF5Backend):
         self._file = None
         self._dsets, self._keys = {}, None
         with _storage_errors(self.url, "opening it"):
-            is_dir = self._fs.isdir(path)
-            if not is_dir and not self._fs.exists(path):
-                raise FileNotFoundError(f"{self.url}: no such file or directory; check the URL")
-            if is_dir or path.endswith(".npy"):
-                self._npy = NpyStore(self._fs, path, self.url)
+            is_dir, info = self._probe(path)
+            if is_dir or urlsplit(path).path.endswith(".npy"):
+                self._npy = NpyStore(self._fs, path, self.url, is_dir)
                 return
-            self._fobj = self._fs.open(path, "rb", block_size=self.options.get("block_size", 1 << 20),
-                                       cache_type=self.options.get("cache_type", "blockcache"),
-                                       cache_options=self.options.get("cache_options"))
+            kw = {} if "::" in self.url else {"cache_type": self.options.get("cache_type", "blockcache")}
+            if _is_http(self._fs):  # the server refuses (412) a file that changed since this open
+                pin = {"If-Match": info["ETag"]} if info.get("ETag") else (
+                    {"If-Unmodified-Since": info["Last-Modified"]} if info.get("Last-Modified") else {})
+                kw["headers"] = {**self.options["storage_options"].get("headers", {}), **pin}
+            fobj = self._fs.open(path, "rb", block_size=self.options.get("block_size", 1 << 20),
+                                 cache_options=self.options.get("cache_options"), **kw)
+            self._fobj = _WholeReads(fobj, self.url, info.get("size"))
         import h5py
 
         try:
@@ -290,6 +365,22 @@ class FsspecBackend(HDF5Backend):
             self._fobj.close()
             raise DatasetFormatError(f"{self.url}: cannot open as HDF5 ({exc}); is it an HDF5 file "
                                      "or a directory of .npy files?") from exc
+
+    def _probe(self, path: str) -> tuple[bool, dict]:
+        """``(is it a directory, its info)`` in one metadata request.
+
+        Why not ``isdir`` and ``exists``: over HTTP each of them GETs the whole body (to look for
+        links in it), two whole-file downloads per open of an HDF5 file. ``info`` is one HEAD
+        there; an HTTP "directory" is an index page: a URL ending in ``/`` or served as HTML."""
+        try:
+            info = self._fs.info(path)
+        except FileNotFoundError:
+            if _is_http(self._fs):  # fsspec reports any failed HEAD so; one byte's GET says why (403 ...)
+                self._fs.cat_file(path, start=0, end=1)
+            raise FileNotFoundError(f"{self.url}: no such file or directory; check the URL") from None
+        if _is_http(self._fs):
+            return path.endswith("/") or info.get("mimetype") == "text/html", info
+        return info.get("type") == "directory", info
 
     def _keep_parent_handles(self) -> None:
         """In a forked child, keep the parent's filesystem objects alive and never close them.
@@ -356,7 +447,7 @@ class FsspecBackend(HDF5Backend):
     def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
         if self._npy is None:
             # Local files are plain OS files (no fsspec cache): nothing to count but the reads.
-            cache = getattr(self._fobj, "__dict__", {}).get("cache")
+            cache = getattr(getattr(self._fobj, "raw", None), "__dict__", {}).get("cache")
             before = getattr(cache, "miss_count", 0)
             with _storage_errors(self.url, f"reading rows of {key!r}", hdf5=True):
                 super()._read_ranges(key, ranges, out)

@@ -73,9 +73,12 @@ class HDF5Backend(Backend):
         d = self._dsets.get(key)
         if d is None:
             try:
-                d = self._dsets[key] = self._file[key]
+                d = self._file[key]
             except KeyError:
                 raise KeyError(f"{self.url}: no dataset {key!r}") from None
+            if not hasattr(d, "shape"):  # a group: rows are read from datasets only
+                raise KeyError(f"{self.url}: {key!r} is a group, not a dataset; keys: {', '.join(self.keys())}")
+            self._dsets[key] = d
         return d
 
     def keys(self) -> list[str]:

@@ -170,6 +170,53 @@ def test_http_hdf5_uses_the_block_cache(http_root):
     b.close()
 
 
+@pytest.mark.parametrize("how", ["http-replaced", "file-truncated"])
+def test_a_file_changed_after_open_raises_instead_of_reading_wrong_rows(http_root, tmp_path, how):
+    """Over HTTP the open pins the ETag seen then (If-Match: the server answers 412 for another
+    version); a short read inside the size seen at open raises too. Before, replaced files gave
+    the new rows and truncated ones garbage or other rows' bytes, silently."""
+    a = np.arange(200_000, dtype=np.float32).reshape(2000, 100)
+    if how == "http-replaced":
+        path, url = os.path.join(http_root[0], "changing.h5"), f"{http_root[1]}/changing.h5"
+    else:
+        path = str(tmp_path / "changing.h5")
+        url = f"file://{path}"
+    write_h5(path, {"x": a})
+    os.chmod(path, 0o644)
+    b = FsspecBackend(url, block_size=1 << 16)
+    np.testing.assert_array_equal(b.read_ranges("x", [(0, 10)]), a[:10])
+    if how == "http-replaced":
+        write_h5(path + ".new", {"x": a + 1})
+        os.chmod(path + ".new", 0o644)
+        os.replace(path + ".new", path)
+        os.utime(path, (os.stat(path).st_mtime + 5,) * 2)  # HTTP validators resolve to a second
+    else:
+        with open(path, "r+b") as fh:
+            fh.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(StorageError, match="changed .*since it was opened"):
+        b.read_ranges("x", [(1500, 1510)])
+    b.close()
+
+
+def test_group_keys_and_presigned_npy_urls(http_root, tmp_path):
+    """A group's key is a KeyError naming the keys (was AttributeError from h5py's Group); a .npy
+    URL with a query string (presigned) is one array named after the file (was opened as HDF5)."""
+    path = str(tmp_path / "g.h5")
+    with h5py.File(path, "w") as f:
+        f["g/d"] = np.arange(6.0).reshape(3, 2)
+    for b in (HDF5Backend(path), FsspecBackend(f"file://{path}")):
+        with pytest.raises(KeyError, match="'g' is a group, not a dataset; keys: g/d"):
+            b.read_ranges("g", [(0, 1)])
+        np.testing.assert_array_equal(b.read_ranges("g/d", [(1, 3)]), np.arange(2.0, 6.0).reshape(2, 2))
+        b.close()
+    root, base = http_root
+    np.save(os.path.join(root, "signed.npy"), np.arange(8, dtype=np.int32).reshape(4, 2))
+    b = FsspecBackend(f"{base}/signed.npy?X-Amz-Signature=abc&X-Amz-Expires=60")
+    assert b.keys() == ["signed"]
+    np.testing.assert_array_equal(b.read_ranges("signed", [(2, 4)]), [[4, 5], [6, 7]])
+    b.close()
+
+
 def test_storage_options_pass_through(s3_root):
     bucket, opts = s3_root
     arrays = sample_arrays()
