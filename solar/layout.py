@@ -93,7 +93,9 @@ def describe_fields(backend, fields=None) -> tuple[int, list[FieldSpec]]:
         order = list(json.loads(root["fields"]))
     else:
         order = [k for k in keys if "/" not in k and not k.startswith("_solar")]
-        order += sorted({k.split("/")[0] for k in keys if k.endswith("/data") and k.split("/")[0] not in order
+        # a compressed field is a group with data and offsets; other groups (NeXus /entry/data) are not fields
+        order += sorted({k.split("/")[0] for k in keys if k.endswith("/data") and k.count("/") == 1
+                         and f"{k.split('/')[0]}/offsets" in keys and k.split("/")[0] not in order
                          and not k.startswith("_solar")})
     every = fields is None
     if every:

@@ -224,6 +224,7 @@ def test_default_fields_are_every_field_in_file_order(tmp_path):
         f["b"] = np.zeros((3, 2), "f4")
         f["a"] = np.ones((3,), "i4")
         order = tuple(f)
+        f.create_group("entry")["data"] = np.zeros((3, 2))  # NeXus-style group: no offsets, no field
     assert solar.H5Dataset(plain).fields == order
 
 
