@@ -25,9 +25,11 @@ NOTE [ npy store layout ]
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 from urllib.parse import urlsplit
@@ -55,9 +57,35 @@ __all__ = ["FsspecBackend", "NpyStore", "write_npy_store", "npy_header"]
 #     ``os._exit``, which runs no finalizers.
 _INHERITED: list[Any] = []
 if hasattr(os, "register_at_fork"):
-    import gc
-
     os.register_at_fork(after_in_child=gc.freeze)
+
+# NOTE [ No garbage collection while h5py reads through fsspec ]
+#     h5py holds its global lock ("phil") for the whole of a call, and an HDF5 file on an fsspec
+#     file object calls back into Python for every read, which waits on fsspec's event-loop thread.
+#     If a garbage collection runs in that thread meanwhile and finalizes an h5py object left in a
+#     reference cycle (any earlier unclosed h5py handle), the finalizer waits for phil: the loop
+#     waits for the reader, the reader for the loop, forever (seen in CI: an ingest of an HTTP
+#     input hung, its loop thread in gc_collect_main -> h5py ObjectID.__dealloc__ -> phil). So
+#     automatic collection is paused while any h5py call over fsspec runs (process-wide, counted
+#     across threads) and resumed after the last one; garbage is collected then, outside phil.
+_GC_LOCK = threading.Lock()
+_GC_PAUSED = [0, False]  # active h5py-over-fsspec calls; whether collection was enabled before
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    with _GC_LOCK:
+        if _GC_PAUSED[0] == 0:
+            _GC_PAUSED[1] = gc.isenabled()
+            gc.disable()
+        _GC_PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        with _GC_LOCK:
+            _GC_PAUSED[0] -= 1
+            if _GC_PAUSED[0] == 0 and _GC_PAUSED[1]:
+                gc.enable()
 
 # NOTE [ Storage errors name the URL ]
 #     fsspec passes its transports' exceptions through: aiohttp's ClientResponseError (an HTTP
@@ -124,7 +152,11 @@ def _storage_error(url: str, exc: BaseException, doing: str, hdf5: bool = False)
 def _storage_errors(url: str, doing: str, hdf5: bool = False) -> Iterator[None]:
     """Re-raise transport exceptions as :class:`StorageError` (NOTE [ Storage errors name the URL ])."""
     try:
-        yield
+        if hdf5:  # an h5py call over an fsspec file: NOTE [ No garbage collection while h5py ... ]
+            with _gc_paused():
+                yield
+        else:
+            yield
     except Exception as exc:  # noqa: BLE001 - classified by _storage_error, else re-raised as is
         err = _storage_error(url, exc, doing, hdf5)
         if err is None:
