@@ -41,6 +41,10 @@ class FieldInfo:
 def input_kind(url: str) -> str:
     base = url.split("::")[0].rstrip("/")
     path = base.rsplit(":", 1)[0] if _h5_dataset_suffix(base) else base
+    if "://" in path:  # by the URL's path: a presigned URL carries a query after it
+        from urllib.parse import urlsplit
+
+        path = urlsplit(path).path
     if path.endswith(".npy"):
         return "npy"
     if path.endswith(".npz"):
