@@ -25,6 +25,7 @@ NOTE [ npy store layout ]
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import json
 import os
@@ -497,6 +498,11 @@ class FsspecBackend(HDF5Backend):
         dst = flat if flat is not None else np.empty(out.nbytes, np.uint8)
         pos = 0
         for path, blob, s, e in zip(paths, blobs, starts, ends):
+            if isinstance(blob, FileNotFoundError):  # listed at open, gone now
+                raise FileNotFoundError(
+                    errno.ENOENT, f"{path}: this shard of {key!r} was in the store when {self.url} was opened "
+                    "and is gone now (deleted or renamed while in use); restore it, or reopen the dataset "
+                    "if the store was rewritten") from blob
             if isinstance(blob, Exception):
                 err = _storage_error(path, blob, f"reading bytes {s}-{e} of {key!r}")
                 raise (err or OSError(f"{self.url}: reading bytes {s}-{e} of {key!r} failed: {blob}")) from blob

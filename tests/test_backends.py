@@ -198,6 +198,21 @@ def test_a_file_changed_after_open_raises_instead_of_reading_wrong_rows(http_roo
     b.close()
 
 
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_a_shard_deleted_after_open_is_named(http_root, tmp_path, where):
+    """A shard listed at open and gone at read time raises FileNotFoundError naming the shard and
+    saying the store changed (was a bare OSError with fsspec's message)."""
+    root, url = (str(tmp_path), str(tmp_path)) if where == "local" else http_root
+    a = np.arange(200.0).reshape(50, 4)
+    write_npy_store(os.path.join(root, "sharded"), {"a": a}, shard_rows=10)
+    b = FsspecBackend(f"{url}/sharded")
+    np.testing.assert_array_equal(b.read_ranges("a", [(0, 5)]), a[:5])
+    os.remove(os.path.join(root, "sharded", "a.00002.npy"))
+    with pytest.raises(FileNotFoundError, match=r"a\.00002\.npy: this shard of 'a' .* is gone now"):
+        b.read_ranges("a", [(0, 50)])
+    b.close()
+
+
 def test_group_keys_and_presigned_npy_urls(http_root, tmp_path):
     """A group's key is a KeyError naming the keys (was AttributeError from h5py's Group); a .npy
     URL with a query string (presigned) is one array named after the file (was opened as HDF5)."""
