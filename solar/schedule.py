@@ -69,14 +69,17 @@ POLICIES = ("solar", "lru", "fifo")
 INT64_MAX = 2**63 - 1
 
 
-def index_dtype(n: int) -> type:
-    """The integer type of a plan's per-sample arrays (indices, positions, ranks) for ``n`` samples.
+def index_dtype(n: int, world_size: int = 1) -> type:
+    """The integer type of a plan's per-sample arrays (indices, positions, ranks) for ``n`` samples
+    on ``world_size`` ranks.
 
     Why not always int64: a planner holds several such arrays of N entries on *every* rank (the
     schedule needs the whole global order), so their width is most of its memory; int32 halves it
-    below 2**31 samples. Products of these values (step * P + rank keys) stay below N + P there.
+    below about 2**31 samples. Positions of an epoch padded to whole steps, a resumed tail
+    included, and the step * P + rank keys built from them stay below N + 2P; the 2**20 margin
+    is kept below that.
     """
-    return np.int32 if n < 2**31 - 2**20 else np.int64
+    return np.int32 if n + 2 * world_size < 2**31 - 2**20 else np.int64
 
 
 def sampler_num_samples(n: int, world_size: int, drop_last: bool) -> int:
@@ -103,7 +106,7 @@ def global_order(n: int, world_size: int, seed: int, epoch: int, shuffle: bool =
     """
     import torch
 
-    dt = index_dtype(n)
+    dt = index_dtype(n, world_size)
     if shuffle:
         g = torch.Generator()
         g.manual_seed(int(seed) + int(epoch))
@@ -124,17 +127,20 @@ def owner_of(indices: np.ndarray, world_size: int, batch_size: int, capacity: in
     (``(i // b) % P``); the remaining ``P * (C % b)`` indices are dealt out one by one
     (``i % P``). Every rank owns exactly ``C`` samples. See NOTE [ Pinned residency ... ].
     """
-    i = np.asarray(indices)
-    if i.dtype.kind not in "iu" or i.dtype.itemsize < 4:  # too narrow for b, P and C: widened
-        i = i.astype(np.int64)
     P, b, C = world_size, batch_size, capacity
-    top = int(np.iinfo(i.dtype).max)  # bounds past every index, clipped so that int32 math holds
-    full, owned = min(P * b * (C // b), top), min(P * C, top)
+    i = np.asarray(indices)
+    if i.dtype.kind not in "iu" or i.dtype.itemsize < 4 or max(P, b) > np.iinfo(i.dtype).max:
+        i = i.astype(np.int64)  # too narrow to divide by b and P: widened (the planner's int32 is not)
+    # The bounds stay Python ints: compared with any index array they are exact (no clipping, so
+    # an index at the dtype's maximum is owned when it should be), and one is subtracted only
+    # from indices at or past it, which it therefore fits.
+    full, owned = P * b * (C // b), P * C
     own = np.full(i.shape, -1, dtype=np.int32 if P < 2**31 else np.int64)
     m1 = i < full
     own[m1] = (i[m1] // b) % P
     m2 = (i >= full) & (i < owned)
-    own[m2] = (i[m2] - full) % P
+    if m2.any():
+        own[m2] = (i[m2] - full) % P
     return own
 
 
@@ -436,7 +442,7 @@ class Planner:
         self.config = config
         c = config
         self._resident = np.zeros(c.num_samples, dtype=bool)  # solar policy: resident on owner
-        self._owner = owner_of(np.arange(c.num_samples, dtype=index_dtype(c.num_samples)), c.world_size,
+        self._owner = owner_of(np.arange(c.num_samples, dtype=index_dtype(c.num_samples, c.world_size)), c.world_size,
                                c.batch_size, c.capacity)
         self._planned = 0  # plans made so far (the first is the fill epoch of the baselines)
         if c.policy != "solar":
@@ -500,7 +506,7 @@ class Planner:
         c = self.config
         N, P, G = c.num_samples, c.world_size, c.global_batch
         samples = plan.samples
-        dt = index_dtype(N)
+        dt = index_dtype(N, P)
         kn = np.full(N, -1, dtype=dt)  # step of each sample's first occurrence in the next epoch
         kn[nxt[::-1]] = np.arange(len(nxt) - 1, -1, -1, dtype=dt) // G
         room = _step_quota(len(nxt), G, P).reshape(-1).copy()
@@ -602,7 +608,7 @@ class Planner:
         """Forget residency (buffers emptied, e.g. a new process)."""
         self._resident[:] = False
         c = self.config
-        self._owner = owner_of(np.arange(c.num_samples, dtype=index_dtype(c.num_samples)), c.world_size,
+        self._owner = owner_of(np.arange(c.num_samples, dtype=index_dtype(c.num_samples, c.world_size)), c.world_size,
                                c.batch_size, c.capacity)
         self._planned = 0
         if self.config.policy != "solar":

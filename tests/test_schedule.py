@@ -262,7 +262,7 @@ def test_resumed_tail_gives_every_rank_the_same_nonempty_batches(n, p_old, b_old
 
 
 def test_plans_hold_int32_arrays_without_overflowing_their_sort_keys():
-    """index_dtype: a planner's per-sample arrays are int32 below 2**31 samples (half the memory
+    """index_dtype: a planner's per-sample arrays are int32 below about 2**31 samples (half the memory
     on every rank), and the unowned samples' per-step index-order key (step * N + index, 5e9 here)
     is formed in int64: wrapped in int32 it would hand the larger index of a step to rank 0."""
     n = 70_000
@@ -277,6 +277,20 @@ def test_plans_hold_int32_arrays_without_overflowing_their_sort_keys():
     huge = owner_of(np.arange(10, dtype=np.int32), 4, 2, 2**30)
     assert np.array_equal(huge, owner_of(np.arange(10), 4, 2, 2**30)) and (huge >= 0).all()
     assert np.array_equal(owner_of(np.arange(10, dtype=np.int16), 2, 40000, 80000), np.zeros(10))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint32])
+def test_owner_of_narrow_indices_match_int64(dtype):
+    """owner_of on int32/uint32 indices gives what int64 ones give: at the dtype's maximum (was -1,
+    from bounds clipped to the maximum) and with b or P past it (was an OverflowError)."""
+    top = int(np.iinfo(dtype).max)
+    for idx, P, b, C in [([top - 1, top], 2, 1, 2**40), ([top], 1, 1, top + 1), ([0, 1, 2, 3], 1, top + 1, top + 1),
+                         ([0, 1, 2, 3], top + 1, 1, 1), ([5, top], 3, 4, 7)]:
+        want = owner_of(np.array(idx, np.int64), P, b, C)
+        assert np.array_equal(owner_of(np.array(idx, dtype), P, b, C), want), (idx, P, b, C)
+    assert list(owner_of(np.array([top - 1, top], dtype), 2, 1, 2**40)) == [0, 1]
+    assert index_dtype(2**31 - 2**20 - 10, world_size=1) is np.int32
+    assert index_dtype(2**31 - 2**20 - 10, world_size=2**20) is np.int64  # padded positions reach N + 2P
 
 
 def test_read_calls_count_coalesced_runs():
