@@ -21,6 +21,13 @@ NOTE [ Collective request checks ]
     own error, the others one of the same built-in type (``IndexError``/``ValueError``) naming
     the rank that failed and why. Serial backends raise at once and make no MPI call.
 
+    Only calls the ranks make in *lockstep* agree: the loader's passes (``H5Dataset.fetch_steps``
+    runs inside :func:`lockstep`) and any ``disjoint=True`` read (the collective transfer). Every
+    other read (``ds[i]``, ``__getitems__`` from a user's loop or torch's ``DataLoader``, a direct
+    ``read_ranges``) uses the independent transfer, which makes no MPI call, so a rank may read
+    alone (rank 0 plotting a sample, each rank its own subset) and a bad request raises on the rank
+    that made it. Before, every read agreed, and such ordinary code hung in the allreduce.
+
 NOTE [ Disjoint collective reads ]
     Open MPI 4.1's default MPI-IO (OMPIO, fcoll ``dynamic``/``dynamic_gen2``) returns zeros for
     parts of a collective read whose ranks' selections overlap (93 of 200 such reads of small
@@ -28,18 +35,19 @@ NOTE [ Disjoint collective reads ]
     right). A backend cannot see other ranks' selections without gathering them, so the caller
     says: ``read_ranges(..., disjoint=True)`` promises that no row is read by two ranks in this
     call, and only such a call may use the collective transfer. Every other call (the default)
-    is read with the independent transfer: still one call on every rank, never wrong. The
+    is read with the independent transfer, never wrong. The
     loader's schedule knows when it may promise it (each sample of a global batch goes to one
     rank; a pass holding one sample twice, from DistributedSampler's padding, may not).
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterator, Sequence
 
 import numpy as np
 
@@ -52,7 +60,22 @@ def disjoint_read() -> bool:
     that forward to an inner backend pass it on."""
     return _DISJOINT.get()
 
-__all__ = ["Backend", "ArrayInfo", "IOStats", "normalize_ranges"]
+
+#: whether the running reads are made by every rank in step (NOTE [ Collective request checks ])
+_LOCKSTEP: contextvars.ContextVar[bool] = contextvars.ContextVar("solar_lockstep", default=False)
+
+
+@contextlib.contextmanager
+def lockstep() -> Iterator[None]:
+    """Within the block every rank makes the same read calls in the same order (the loader's
+    passes), so :meth:`Backend.agree` may synchronize them; outside it, checks raise locally."""
+    token = _LOCKSTEP.set(True)
+    try:
+        yield
+    finally:
+        _LOCKSTEP.reset(token)
+
+__all__ = ["Backend", "ArrayInfo", "IOStats", "normalize_ranges", "lockstep"]
 
 
 @dataclass(frozen=True)
@@ -223,7 +246,11 @@ class Backend(ABC):
                                  f"need a C-contiguous {want} {info.dtype} array")
         except (IndexError, ValueError) as exc:
             problem = exc
-        self.agree(problem)
+        if disjoint:
+            with lockstep():  # a collective transfer follows: every rank is in this call
+                self.agree(problem)
+        else:
+            self.agree(problem)
         if out is None:
             out = np.empty(want, dtype=info.dtype)
         token = _DISJOINT.set(bool(disjoint))
@@ -241,14 +268,15 @@ class Backend(ABC):
         A check guarding a collective call must not fail on one rank alone: the others would
         wait in the collective read for it (see NOTE [ Collective request checks ]). Serial
         backends raise ``problem`` (if any) at once and make no MPI call; collective ones make
-        one small ``allreduce`` over :attr:`comm`, so every rank must call this at the same point.
+        one small ``allreduce`` over :attr:`comm`, so every rank must call this at the same point;
+        that is, only inside :func:`lockstep` (elsewhere ``problem`` is raised on this rank alone).
 
         Raises:
             IndexError / CorruptDataError / ValueError: ``problem`` on the rank that has it; on
                 the other ranks an error of the same kind naming the lowest failing rank and its
                 message (any other exception type is reported to them as a ValueError).
         """
-        if not self.collective:
+        if not (self.collective and _LOCKSTEP.get()):
             if problem is not None:
                 raise problem
             return

@@ -483,6 +483,11 @@ class FsspecBackend(HDF5Backend):
             cache = getattr(getattr(self._fobj, "raw", None), "__dict__", {}).get("cache")
             before = getattr(cache, "miss_count", 0)
             with _storage_errors(self.url, f"reading rows of {key!r}", hdf5=True):
+                if self._dset(key).is_virtual:  # h5py crashes (SIGSEGV) reading one from a file object
+                    raise DatasetFormatError(
+                        f"{self.url}: {key!r} is a virtual dataset (h5py.VirtualLayout), which HDF5 cannot "
+                        "read through an fsspec file; open its local path instead (backend='hdf5'), or "
+                        "`solar ingest` it into a regular file from a local path")
                 super()._read_ranges(key, ranges, out)
             if cache is not None:
                 self.stats.extra["block_misses"] = (self.stats.extra.get("block_misses", 0)

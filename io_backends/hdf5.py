@@ -8,7 +8,7 @@ import numpy as np
 
 from .base import ArrayInfo, Backend
 
-__all__ = ["HDF5Backend", "h5_keys", "h5_attrs"]
+__all__ = ["HDF5Backend", "h5_keys", "h5_attrs", "h5_read_error", "read_rows"]
 
 
 def h5_keys(f) -> list[str]:
@@ -27,6 +27,42 @@ def h5_keys(f) -> list[str]:
 
     walk(f, "")
     return out
+
+
+def h5_read_error(url: str, key: str, ranges: np.ndarray, exc: BaseException) -> Exception | None:
+    """h5py's own read failure (a plain ``OSError`` such as "data error detected by Fletcher32
+    checksum") as a :class:`~solar.StorageError` naming the file, dataset and rows; None for
+    anything else (transport errors keep their types for the caller to classify)."""
+    if type(exc) is not OSError:
+        return None
+    from solar.errors import StorageError
+
+    msg = str(exc)
+    rows = f"rows {int(ranges[0][0])}-{int(ranges[-1][1]) - 1}" if len(ranges) else "no rows"
+    damaged = any(w in msg.lower() for w in ("checksum", "data error", "filter", "inflate", "decompress"))
+    todo = ("its stored chunks are damaged (an HDF5 filter or checksum failed): copy the file again or "
+            "regenerate it" if damaged else "check that the file is intact and readable with h5py")
+    return StorageError(f"{url}: reading {rows} of {key!r} failed ({msg}); {todo}")
+
+
+def read_rows(d, url: str, key: str, ranges: np.ndarray, out: np.ndarray) -> int:
+    """One ``read_direct`` of h5py dataset ``d`` per non-empty range into consecutive rows of
+    ``out``; returns the number of reads. h5py's own failures name the file, dataset and rows."""
+    pos = calls = 0
+    for start, stop in ranges.tolist():
+        n = stop - start
+        if n == 0:
+            continue
+        try:
+            d.read_direct(out, np.s_[start:stop], np.s_[pos:pos + n])
+        except OSError as exc:
+            err = h5_read_error(url, key, np.array([[start, stop]]), exc)
+            if err is None:
+                raise
+            raise err from exc
+        pos += n
+        calls += 1
+    return calls
 
 
 def h5_attrs(f, key: str) -> dict[str, Any]:
@@ -96,12 +132,4 @@ class HDF5Backend(Backend):
         return h5_attrs(self._file, key)
 
     def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
-        d = self._dset(key)
-        pos = 0
-        for start, stop in ranges.tolist():
-            n = stop - start
-            if n == 0:
-                continue
-            d.read_direct(out, np.s_[start:stop], np.s_[pos:pos + n])
-            pos += n
-            self.stats.read_calls += 1
+        self.stats.read_calls += read_rows(self._dset(key), self.url, key, ranges, out)

@@ -39,7 +39,7 @@ import numpy as np
 from solar.errors import ConfigError, MPIUnavailableError
 
 from .base import disjoint_read
-from .hdf5 import HDF5Backend
+from .hdf5 import HDF5Backend, h5_read_error, read_rows
 
 __all__ = ["MPIHDF5Backend", "require_parallel_hdf5"]
 
@@ -96,7 +96,7 @@ class MPIHDF5Backend(HDF5Backend):
         self._comm = comm
 
     def _handle_attrs(self):
-        return (*super()._handle_attrs(), "_comm", "_dxpl", "_dxpls")
+        return (*super()._handle_attrs(), "_comm", "_dxpl", "_dxpls", "_vfile")
 
     @property
     def comm(self):
@@ -136,7 +136,19 @@ class MPIHDF5Backend(HDF5Backend):
     def _close(self) -> None:
         self.__dict__.pop("_dxpl", None)
         self.__dict__.pop("_dxpls", None)
+        v = self.__dict__.pop("_vfile", None)
+        if v is not None:
+            v.close()
         super()._close()
+
+    def _virtual(self, key: str):
+        """Dataset ``key`` through a serial (default-driver) handle of the same file."""
+        f = self.__dict__.get("_vfile")
+        if f is None:
+            import h5py
+
+            f = self._vfile = h5py.File(self.url, "r")
+        return f[key]
 
     def _dataset_dxpl(self, key: str, d):
         """The transfer list for ``d``: collective where HDF5 reads it correctly, else independent.
@@ -180,6 +192,13 @@ class MPIHDF5Backend(HDF5Backend):
         import h5py
 
         d = self._dset(key)
+        if d.is_virtual:
+            # Parallel HDF5 cannot read virtual datasets (HDF5 1.10: "parallel reads not supported
+            # on virtual datasets"), and their storage size is 0, so the branch below returned the
+            # fill value for every row, silently. They are read through a serial handle of the
+            # same file instead: independent reads, no MPI call, so any rank may make them alone.
+            self.stats.read_calls += read_rows(self._virtual(key), self.url, key, ranges, out)
+            return
         if d.shape[0] == 0 or d.id.get_storage_size() == 0:
             # nothing stored (no rows, or never written): HDF5 fails even a select-none read
             # ("addr overflow"); every rank sees the same metadata and skips alike
@@ -204,8 +223,15 @@ class MPIHDF5Backend(HDF5Backend):
             buf = out
             if not (out.flags.c_contiguous and out.flags.writeable):
                 buf = np.empty_like(out)
-        d.id.read(mspace, fspace, buf, dxpl=self._dataset_dxpl(key, d))
+        try:
+            d.id.read(mspace, fspace, buf, dxpl=self._dataset_dxpl(key, d))
+        except OSError as exc:
+            err = h5_read_error(self.url, key, ranges, exc)
+            if err is None:
+                raise
+            raise err from exc
         if total and buf is not out:
             out[...] = buf
         self.stats.read_calls += 1
         self.stats.extra["collective_calls"] = self.stats.extra.get("collective_calls", 0) + 1
+

@@ -37,6 +37,7 @@ from torch.utils.data import Dataset
 
 from solar.cache import TierStats
 from solar.errors import CorruptDataError, InputError
+from solar.io_backends.base import lockstep
 from solar.layout import FieldSpec, checksum_key, describe_fields, sample_checksum
 
 __all__ = ["H5Dataset", "StoredBatch", "StepBatch", "coalesce"]
@@ -221,9 +222,10 @@ class H5Dataset(Dataset):
         problem = None
         if len(idx) and (idx.min() < -self.num_samples or idx.max() >= self.num_samples):
             bad = idx[(idx < -self.num_samples) | (idx >= self.num_samples)][0]
+            valid = (f"valid: -{self.num_samples}..{self.num_samples - 1}" if self.num_samples else
+                     "the dataset is empty")
             problem = IndexError(f"{self.path}: sample index {int(bad)} out of range for {self.num_samples} "
-                                 f"samples (valid: -{self.num_samples}..{self.num_samples - 1}); check the "
-                                 "sampler or the indices passed")
+                                 f"samples ({valid}); check the sampler or the indices passed")
         self.backend.agree(problem)
 
     def _runs(self, spec: FieldSpec, rows: np.ndarray) -> np.ndarray:
@@ -425,7 +427,14 @@ class H5Dataset(Dataset):
         ``decode=True`` also decodes the whole pass with one :meth:`decode` (one ``decode_batch``
         per field) and gives each step its share as ``decoded`` (views; see NOTE [ Stored vs
         decoded ]); the steps then carry no stored bytes.
+
+        On a collective backend every rank must call this alike (the loader does): its checks
+        agree across ranks. Direct reads (:meth:`fetch_stored`, ``ds[i]``) need not.
         """
+        with lockstep():  # the loader's passes: every rank makes them (NOTE [ Collective request checks ])
+            return self._fetch_steps(steps, buffer, keep, shared, evict, decode, disjoint)
+
+    def _fetch_steps(self, steps, buffer, keep, shared, evict, decode, disjoint) -> list[StoredBatch]:
         lengths = [len(s) for s in steps]
         flat = [int(i) for s in steps for i in s]
         whole = self.fetch_stored(flat, buffer=buffer, keep=keep, shared=shared, evict=evict, disjoint=disjoint)

@@ -376,6 +376,7 @@ class SolarBatchSampler(BatchSampler):
         if self._decode_ahead:
             nbytes = sum(int(np.prod(s.sample_shape, dtype=np.int64)) * s.dtype.itemsize for s in self.dataset.specs)
         else:
-            nbytes = self.dataset.sample_nbytes().mean()
+            sizes = self.dataset.sample_nbytes()
+            nbytes = sizes.mean() if len(sizes) else 0  # an empty dataset: no pass to size
         per_step = max(1, int(batch_size * nbytes))
         return max(1, min(self.prefetch, GROUP_BYTES // per_step))

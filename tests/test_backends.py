@@ -213,6 +213,52 @@ def test_a_shard_deleted_after_open_is_named(http_root, tmp_path, where):
     b.close()
 
 
+@pytest.mark.parametrize("how", ["hdf5", "fsspec"])
+def test_a_damaged_filtered_chunk_names_the_file_dataset_and_rows(tmp_path, how):
+    """h5py's bare "Can't read data (data error detected by Fletcher32 checksum)" now names the
+    file, the dataset and the rows, and says the file is damaged."""
+    path = str(tmp_path / "filtered.h5")
+    with h5py.File(path, "w") as f:
+        f.create_dataset("img", data=np.arange(40 * 16, dtype=np.uint8).reshape(40, 16), chunks=(7, 16),
+                         compression="gzip", fletcher32=True)
+        info = f["img"].id.get_chunk_info(2)  # rows 14..20
+    with open(path, "r+b") as fh:
+        fh.seek(info.byte_offset + info.size // 2)
+        byte = fh.read(1)
+        fh.seek(info.byte_offset + info.size // 2)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    b = HDF5Backend(path) if how == "hdf5" else FsspecBackend(f"file://{path}")
+    np.testing.assert_array_equal(b.read_ranges("img", [(0, 7)])[3], np.arange(48, 64, dtype=np.uint8))
+    with pytest.raises(StorageError, match=r"filtered\.h5: reading rows 14-20 of 'img' failed \(.*Fletcher32.*\); "
+                                           r"its stored chunks are damaged"):
+        b.read_ranges("img", [(14, 21)])
+    b.close()
+
+
+def test_a_virtual_dataset_through_fsspec_is_an_error_not_a_crash(tmp_path):
+    """h5py crashes (SIGSEGV) reading a virtual dataset from a Python file object, which is how the
+    fsspec backend opens HDF5; the read is refused with a message naming the dataset instead.
+    Run in a child process: without the check the crash would take pytest down with it."""
+    import subprocess
+    import sys
+
+    x = np.arange(20 * 3, dtype=np.float32).reshape(20, 3)
+    with h5py.File(tmp_path / "src.h5", "w") as f:
+        f["x"] = x
+    layout = h5py.VirtualLayout(shape=x.shape, dtype=x.dtype)
+    layout[:] = h5py.VirtualSource(str(tmp_path / "src.h5"), "x", x.shape)
+    with h5py.File(tmp_path / "vds.h5", "w") as f:
+        f.create_virtual_dataset("x", layout)
+    code = ("from solar.io_backends.fsspec import FsspecBackend\n"
+            f"b = FsspecBackend('file://{tmp_path / 'vds.h5'}')\n"
+            "try:\n    b.read_ranges('x', [(0, 2)])\nexcept Exception as e:\n"
+            "    print(type(e).__name__, e)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "DatasetFormatError" in run.stdout and "'x' is a virtual dataset" in run.stdout, run.stdout
+    np.testing.assert_array_equal(HDF5Backend(str(tmp_path / "vds.h5")).read_ranges("x", [(2, 4)]), x[2:4])
+
+
 def test_group_keys_and_presigned_npy_urls(http_root, tmp_path):
     """A group's key is a KeyError naming the keys (was AttributeError from h5py's Group); a .npy
     URL with a query string (presigned) is one array named after the file (was opened as HDF5)."""

@@ -97,11 +97,13 @@ def test_filtered_sparse_and_empty_datasets_read_right_under_the_default_transfe
 def test_a_bad_request_on_one_rank_fails_every_rank_instead_of_hanging(comm, shared_tmp):
     """NOTE [ Collective request checks ] in io_backends/base.py: a sample index or row range out of
     range (or a wrong out=) on one rank used to raise there alone while the other ranks entered the
-    collective read and hung; now every rank raises, and the ranks stay in step afterwards."""
+    collective read and hung; now, in lockstep (the loader's passes), every rank raises, and the
+    ranks stay in step afterwards."""
     import re
 
     import solar
     from solar.ingest import ingest
+    from solar.io_backends.base import lockstep
 
     path = os.path.join(shared_tmp, "checked.h5")
     x = np.arange(40 * 3, dtype=np.float32).reshape(40, 3)
@@ -115,20 +117,80 @@ def test_a_bad_request_on_one_rank_fails_every_rank_instead_of_hanging(comm, sha
     # the first fetch, with nothing to read on the other ranks: every rank loads the checksums alike
     assert ds.fetch_stored([3] if comm.rank == 0 else []).n == (1 if comm.rank == 0 else 0)
     size, last = comm.size, comm.rank == comm.size - 1
-    if comm.rank == 0:
-        with pytest.raises(IndexError, match=rf"^{re.escape(path)}: sample index 45 out of range for 40 samples"):
-            ds.fetch_stored([1, 45])
-    else:
-        with pytest.raises(IndexError, match=rf"rank 0 of {size} rejected .*sample index 45 out of range.*rank 0"):
-            ds.fetch_stored([2, 3])
-    with pytest.raises(IndexError, match=r"^\S+:x: row 40 out of range" if last else
-                       rf"rank {size - 1} of {size} rejected .*row 40 out of range for 40 rows"):
-        b.read_ranges("x", [(39, 41)] if last else [(0, 2)])
+    with lockstep():
+        if comm.rank == 0:
+            with pytest.raises(IndexError, match=rf"^{re.escape(path)}: sample index 45 out of range for 40 samples"):
+                ds.fetch_stored([1, 45])
+        else:
+            with pytest.raises(IndexError, match=rf"rank 0 of {size} rejected .*sample index 45 out of range.*rank 0"):
+                ds.fetch_stored([2, 3])
+        with pytest.raises(IndexError, match=r"^\S+:x: row 40 out of range" if last else
+                           rf"rank {size - 1} of {size} rejected .*row 40 out of range for 40 rows"):
+            b.read_ranges("x", [(39, 41)] if last else [(0, 2)])
+    # a disjoint read is collective, so it agrees in or out of lockstep
     with pytest.raises(ValueError, match=r"^\S+:x: out has shape" if last else rf"rank {size - 1} .*out has shape"):
-        b.read_ranges("x", [(0, 2)], out=np.empty((3 if last else 2, 3), np.float32))
+        b.read_ranges("x", [(0, 2)], out=np.empty((3 if last else 2, 3), np.float32), disjoint=True)
     # every rank is still in step: the next collective reads pair up and return the right rows
     got = ds.__getitems__([7, 3 + comm.rank])
     np.testing.assert_array_equal(np.stack([t.numpy() for t in got]), x[[7, 3 + comm.rank]])
     np.testing.assert_array_equal(b.read_ranges("x", [(comm.rank, comm.rank + 2)]), x[comm.rank:comm.rank + 2])
+    ds.close()
+    comm.Barrier()
+
+
+@pytest.mark.timeout(90, method="thread")  # a hang (the bug) ends the MPI job instead of stalling it
+def test_ranks_read_alone_outside_the_loader(comm, shared_tmp):
+    """Outside the loader's passes reads are independent (NOTE [ Collective request checks ]):
+    rank 0 alone looks at a sample, each rank loads its own subset (a torch DataLoader over a
+    Subset of its own length), and a bad index raises on its rank only. Every one of these hung
+    before: each read agreed with an allreduce the other ranks never made."""
+    import torch.utils.data as tud
+
+    import solar
+
+    path = os.path.join(shared_tmp, "alone.h5")
+    x = np.arange(103 * 4, dtype=np.float32).reshape(103, 4)
+    if comm.rank == 0:
+        write_h5(path, {"x": x})
+    comm.Barrier()
+    ds = solar.H5Dataset(path, "x")
+    assert type(ds.backend).__name__ == "MPIHDF5Backend"
+    if comm.rank == 0:
+        np.testing.assert_array_equal(ds[5].numpy(), x[5])
+        with pytest.raises(IndexError, match="sample index 103 out of range"):
+            ds[103]
+    mine = list(range(0, 50)) if comm.rank == 0 else list(range(50, 103))
+    got = [b.numpy() for b in solar.DataLoader(tud.Subset(ds, mine), batch_size=10)]
+    np.testing.assert_array_equal(np.concatenate(got), x[mine])
+    comm.Barrier()
+    ds.close()
+    comm.Barrier()
+
+
+def test_virtual_datasets_are_read_not_filled(comm, shared_tmp):
+    """Parallel HDF5 cannot read a virtual dataset (h5py.VirtualLayout) and its storage size is 0,
+    so every row came back as the fill value, silently; it is read through a serial handle now."""
+    import h5py
+
+    import solar
+
+    x = np.arange(80 * 6, dtype=np.float32).reshape(80, 6)
+    if comm.rank == 0:
+        for i in range(2):
+            with h5py.File(os.path.join(shared_tmp, f"part{i}.h5"), "w") as f:
+                f["x"] = x[40 * i:40 * (i + 1)]
+        layout = h5py.VirtualLayout(shape=x.shape, dtype=x.dtype)
+        for i in range(2):
+            layout[40 * i:40 * (i + 1)] = h5py.VirtualSource(os.path.join(shared_tmp, f"part{i}.h5"), "x", (40, 6))
+        with h5py.File(os.path.join(shared_tmp, "vds.h5"), "w") as f:
+            f.create_virtual_dataset("x", layout, fillvalue=-1)
+    comm.Barrier()
+    ds = solar.H5Dataset(os.path.join(shared_tmp, "vds.h5"), "x")
+    assert type(ds.backend).__name__ == "MPIHDF5Backend"
+    np.testing.assert_array_equal(ds[3 + comm.rank].numpy(), x[3 + comm.rank])
+    rows = [(2 * comm.rank, 2 * comm.rank + 2), (60 + 5 * comm.rank, 65 + 5 * comm.rank)]  # disjoint
+    np.testing.assert_array_equal(ds.backend.read_ranges("x", rows, disjoint=True),
+                                  np.concatenate([x[a:b] for a, b in rows]))
+    comm.Barrier()
     ds.close()
     comm.Barrier()

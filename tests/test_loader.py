@@ -525,3 +525,19 @@ def test_resume_after_the_last_short_batch(h5path, storage):
         return solar.DataLoader(ds, batch_size=10 if storage else 4, sampler=s, buffer=0.25)
 
     assert check_save_load_state(make) >= 3
+
+
+def test_an_empty_dataset_yields_no_batches(tmp_path):
+    """A file whose dataset has 0 rows (extendible, nothing appended yet): torch's DataLoader yields
+    nothing, and so does SOLAR's (it raised "cannot convert float NaN to integer" sizing its passes)."""
+    import h5py
+
+    path = str(tmp_path / "empty.h5")
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", shape=(0, 4), dtype=np.float32, maxshape=(None, 4), chunks=(8, 4))
+    ds = solar.H5Dataset(path)
+    assert list(tud.DataLoader(ds, batch_size=4)) == []
+    assert list(solar.DataLoader(ds, batch_size=4)) == []
+    with pytest.raises(IndexError, match="out of range for 0 samples \\(the dataset is empty\\)"):
+        ds[0]
+    ds.close()
