@@ -7,7 +7,9 @@ serially and writes a byte-identical data layout. See ``docs/storage.md`` for th
 NOTE [ Ingest phases ]
     1. validate (rank 0): every input is opened and described; a missing file, a field whose
        sample shape/dtype differs between inputs, an output that already exists, ... stop the job
-       *before anything is written*, on every rank (the verdict is broadcast).
+       *before anything is written*, on every rank (the verdict is broadcast). Rank 0 also decides
+       which float fields a bound compresses: one whose samples are no larger than the codec's
+       smallest blob stays raw (:func:`_keep_tiny_fields_raw`; by shape and dtype only).
     2. bound pass (only for ``--rel-error`` or a codec that cannot keep NaN): every rank scans its
        share; min/max are all-reduced so the relative bound means the same for every sample of a
        field (it is relative to the **field's** value range, max - min over all its samples).
@@ -120,6 +122,7 @@ class Plan:
     rel_error: float | None
     abs_error: float | None
     starts: list[int] = field(default_factory=list)  # first global sample of each source
+    notes: list[str] = field(default_factory=list)  # decisions rank 0 prints (fields kept raw)
     _released: int = 0  # sources below this index are closed (reads move forward)
 
     @property
@@ -173,7 +176,12 @@ class IngestReport:
 
     @property
     def ratio(self) -> float:
-        return self.input_bytes / self.stored_bytes if self.stored_bytes else float("inf")
+        """Input bytes per stored byte; 1.0 ("as is") when nothing was read or stored (0 samples,
+        the report of an already complete OUT): ``inf`` printed as ``(xinf)``, and ``--json``
+        wrote it as ``Infinity``, which JSON parsers reject."""
+        if not self.stored_bytes:
+            return float("inf") if self.input_bytes else 1.0
+        return self.input_bytes / self.stored_bytes
 
 
 def _codec_keeps_nan() -> bool:
@@ -181,6 +189,43 @@ def _codec_keeps_nan() -> bool:
 
     x = np.array([np.nan, 1.0, 2.0, 3.0], np.float32)
     return bool(np.isnan(codec.decode(codec.encode(x, abs_error=0.1)).numpy()[0]))
+
+
+#: Raw samples above this size are compressed without asking the codec: its fixed overhead per blob
+#: (header, codec metadata: ~150 B, at most a few KiB) is far smaller.
+_PROBE_BYTES = 1 << 16
+
+
+def _smallest_blob(shape: tuple[int, ...], dtype: str) -> int:
+    """Bytes of the smallest blob the codec writes for one sample of ``shape`` and ``dtype``.
+
+    Why: every blob carries a fixed header (magic, descriptor, shape, bound, checksums) and codec
+    metadata, ~150 B; a float per sample (4 B) would be stored as a 140 B blob. An all-zero
+    sample compresses to that overhead alone, so a raw sample no larger than its blob can only
+    grow when compressed. Depends on shape, dtype and the codec only (not on values, timing or
+    rank): the decision is the same for every world size and on ``--resume``."""
+    from solar import codec
+
+    return len(codec.encode(np.zeros(shape, np.dtype(dtype)), abs_error=1.0))
+
+
+def _keep_tiny_fields_raw(plans: list[FieldPlan]) -> list[str]:
+    """Store raw the float fields whose samples are too small to gain from compression (see
+    :func:`_smallest_blob`); returns one note per such field, for rank 0 to print."""
+    notes = []
+    for p in plans:
+        if not p.compress:
+            continue
+        raw = int(np.prod(p.shape, dtype=np.int64)) * np.dtype(p.dtype).itemsize
+        if raw > _PROBE_BYTES:
+            continue
+        blob = _smallest_blob(p.shape, p.dtype)
+        if raw <= blob:
+            p.compress, p.abs_error = False, None
+            notes.append(f"field {p.name!r} is stored raw, not compressed: one sample (shape {p.shape}, "
+                         f"{np.dtype(p.dtype).name}) is {raw} B, and the codec's smallest blob for it is {blob} B "
+                         "(its fixed header), so compressing would only make it larger")
+    return notes
 
 
 def _validate(inputs, output, fields, abs_error, rel_error, resume, overwrite, batch_size, samples,
@@ -215,8 +260,9 @@ def _validate(inputs, output, fields, abs_error, rel_error, resume, overwrite, b
         raise ConfigError(f"field {deep[0].name!r} has {len(deep[0].shape)}-D samples {deep[0].shape}; the codec "
                           "handles samples of up to 4 dimensions: reshape them, or ingest this field without "
                           "--abs-error/--rel-error")
+    notes = _keep_tiny_fields_raw(plans)
     starts = np.concatenate([[0], np.cumsum([s.n for s in sources])]).astype(int).tolist()
-    return Plan(output, sources, plans, starts[-1], batch_size, rel_error, abs_error, starts[:-1])
+    return Plan(output, sources, plans, starts[-1], batch_size, rel_error, abs_error, starts[:-1], notes)
 
 
 def _share(lo: int, hi: int, rank: int, size: int) -> tuple[int, int]:
@@ -398,6 +444,8 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
         fields: keep/rename fields (``["x"]``, ``["img=data/images"]``); for ``.npy`` the field name.
         abs_error: compress float fields with this absolute error bound.
         rel_error: compress float fields with ``rel_error * (max - min)`` of each field's values.
+            With either, a float field whose raw sample is no larger than the codec's smallest
+            blob for it (e.g. one float per sample) is stored raw instead, with a note on stderr.
         resume: continue an interrupted run (see NOTE [ Ingest crash safety ]).
         overwrite: replace an existing ``output`` (atomically, at the end).
         verify: read everything back before the rename: checksums, and decoded values against
@@ -428,6 +476,9 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
     plan, err = comm.bcast((plan, err), root=0)
     if err is not None:
         raise err
+    if comm.rank == 0:
+        for note in plan.notes:
+            print(f"solar ingest: {note}", file=sys.stderr)
     _bound_pass(plan, comm)
     out, tmp, journal = plan.output, plan.output + TMP_SUFFIX, plan.output + JOURNAL_SUFFIX
     fp = comm.bcast(plan.fingerprint() if comm.rank == 0 else None, root=0)  # one rank stats the inputs

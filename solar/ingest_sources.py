@@ -10,7 +10,9 @@ How inputs map to fields
     * ``X.h5`` (any other name): every dataset with a leading sample axis, as in
       :func:`solar.layout.describe_fields`; ``X.h5:/path/to/dset`` picks one dataset, named by
       its last path component.
-    * ``--fields a b`` keeps only those fields, in that order; ``--fields new=old`` renames.
+    * ``--fields a b`` keeps only those fields, in that order; ``--fields new=old`` renames. For
+      HDF5 a key is a dataset's path or, if unambiguous, its last component, and only the named
+      datasets are described: the file's others may have another length (or be scalars).
 
 One sample per file or many
     ``samples="axis0"``: each array's leading axis indexes samples. ``samples="file"``: each file
@@ -141,8 +143,13 @@ class Source:
             self._handle.close()
         self._handle = None
 
-    def available_keys(self) -> dict[str, FieldInfo]:
-        """Every key this input offers, with its *stored array* shape and dtype."""
+    def available_keys(self, wanted: list[str] | None = None) -> dict[str, FieldInfo]:
+        """Every key this input offers, with its *stored array* shape and dtype.
+
+        ``wanted``: the input keys ``--fields`` asks for. An HDF5 input then describes only the
+        datasets they name (see :meth:`_h5_resolve`): the file may hold other datasets of another
+        length (or scalars, string tables) that the user did not ask for, and those must not stop
+        the job. The lengths of the chosen fields are compared by :func:`open_sources`."""
         h = self._open()
         if self.kind == "npz":
             return {k: FieldInfo(tuple(a.shape), a.dtype) for k, a in h.items()}
@@ -153,13 +160,37 @@ class Source:
         from solar.layout import describe_fields
 
         sel = _h5_dataset_suffix(self.url)
-        _, specs = describe_fields(h, [sel.strip("/")] if sel else None)
+        if sel or not wanted:
+            _, specs = describe_fields(h, [sel.strip("/")] if sel else None)
+        else:  # one at a time: describe_fields would compare their lengths with a message meant for the API
+            specs = [describe_fields(h, [path])[1][0] for path in self._h5_resolve(h, wanted)]
         out = {}
         for s in specs:
             if s.kind != "raw":
                 raise InputError(f"{self.url}: field {s.name!r} is already compressed ({s.codec}); "
                                  "ingest reads raw arrays only; decode it first")
             out[s.name] = FieldInfo((h.info(s.data_key).shape[0], *s.sample_shape), s.dtype)
+        return out
+
+    def _h5_resolve(self, h, wanted: list[str]) -> list[str]:
+        """The dataset paths ``wanted`` names in this HDF5 file: each key is a full path
+        (``group/dset``, a leading ``/`` optional) or, if unambiguous, a dataset's last component.
+        A compressed field's group counts as one entry (its ``data``/``offsets`` do not)."""
+        keys = h.keys()
+        groups = {k[:-len("/data")] for k in keys if k.endswith("/data") and k[:-len("data")] + "offsets" in keys}
+        parts = {f"{g}/data" for g in groups} | {f"{g}/offsets" for g in groups}
+        entries = [k for k in keys if k not in parts and not k.startswith("_solar")] + sorted(groups)
+        out: list[str] = []
+        for key in wanted:
+            k = key.strip("/")
+            hits = [k] if k in entries else [e for e in entries if e.rsplit("/", 1)[-1] == k]
+            if not hits:
+                raise InputError(f"{self.url}: no array {key!r}; it has: {', '.join(entries) or 'none'}")
+            if len(hits) > 1:
+                raise InputError(f"{self.url}: {key!r} names several datasets ({', '.join(hits)}); pick one "
+                                 f"by its full path, e.g. --fields {k}={hits[0]}")
+            if hits[0] not in out:
+                out.append(hits[0])
         return out
 
     def read(self, name: str, lo: int, hi: int) -> np.ndarray:
@@ -180,7 +211,7 @@ def _describe(url: str, wanted, storage_options) -> Source:
     kind = input_kind(url)
     src = Source(url, kind, False, {}, storage_options=dict(storage_options))
     try:
-        avail = src.available_keys()
+        avail = src.available_keys([k for _, k in wanted] if wanted and kind == "hdf5" else None)
     except FileNotFoundError as exc:
         raise InputError(f"{url}: input not found ({exc}); check the path") from None
     except InputError:
@@ -196,6 +227,7 @@ def _describe(url: str, wanted, storage_options) -> Source:
         names = {}
         for name, k in wanted:
             # an HDF5 dataset may be named by its full path or, if unambiguous, its last component
+            k = k.strip("/") if kind == "hdf5" else k
             hits = [k] if k in avail else [a for a in avail if a.rsplit("/", 1)[-1] == k]
             if len(hits) != 1:
                 raise InputError(f"{url}: no array {k!r}; it has: {', '.join(avail) or 'none'}")

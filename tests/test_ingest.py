@@ -83,7 +83,7 @@ def test_one_sample_per_file_and_field_name(tmp_path):
 
 def test_npz_and_hdf5_inputs_with_fields_and_compression(tmp_path):
     rng = np.random.default_rng(2)
-    img1, img2 = rng.standard_normal((10, 6, 6)).astype(np.float32), rng.standard_normal((15, 6, 6)).astype(np.float32)
+    img1, img2 = rng.standard_normal((10, 8, 8)).astype(np.float32), rng.standard_normal((15, 8, 8)).astype(np.float32)
     np.savez(tmp_path / "a.npz", image=img1, label=np.arange(10))
     with h5py.File(tmp_path / "b.h5", "w") as f:
         f["grp/image"] = img2
@@ -101,7 +101,7 @@ def test_npz_and_hdf5_inputs_with_fields_and_compression(tmp_path):
         g = f["image"]
         assert g.attrs["codec"].startswith("ebq/") and g.attrs["abs_error"] == pytest.approx(1e-2)
         assert g["offsets"].shape == (11,) and g["offsets"][-1] == g["data"].shape[0]
-        assert tuple(g.attrs["sample_shape"]) == (6, 6) and g.attrs["dtype"] == "float32"
+        assert tuple(g.attrs["sample_shape"]) == (8, 8) and g.attrs["dtype"] == "float32"
     out2 = str(tmp_path / "o2.h5")
     ingest([h5in], out2, fields=["img=image"], rel_error=1e-3, verify=True, progress=False)
     with h5py.File(out2, "r") as f:
@@ -110,12 +110,75 @@ def test_npz_and_hdf5_inputs_with_fields_and_compression(tmp_path):
     assert np.abs(_read_field(out2, "img") - img2).max() <= bound
 
 
+def test_fields_pick_hdf5_datasets_before_comparing_lengths(tmp_path, capsys):
+    """`--fields a` of a file whose other datasets have another length failed with "fields have
+    different numbers of samples: {'a': 50, 'b': 70}" (every dataset was described, and their
+    lengths compared, before --fields chose): only the chosen datasets count now."""
+    from solar.cli import main
+
+    src = str(tmp_path / "mixed.h5")
+    a, c = np.arange(50, dtype=np.float32).reshape(50, 1), np.arange(100, dtype=np.int64).reshape(50, 2)
+    with h5py.File(src, "w") as f:
+        f["a"] = a
+        f["b"] = np.arange(70, dtype=np.float32)
+        f["grp/c"] = c
+        f["other/c"] = c
+        f["version"] = 3  # a scalar: not a field, and not asked for
+    out = str(tmp_path / "o.h5")
+    assert main(["ingest", src, "--fields", "a", "-o", out, "--no-progress"]) == 0
+    np.testing.assert_array_equal(_read_field(out, "a"), a)
+    # a nested dataset by its full path, renamed
+    ingest([src], out, fields=["a", "cc=grp/c"], overwrite=True, verify=True, progress=False)
+    with h5py.File(out, "r") as f:
+        assert json.loads(f.attrs["fields"]) == ["a", "cc"]
+    np.testing.assert_array_equal(_read_field(out, "cc"), c)
+    # the chosen fields still must agree; unknown and ambiguous names are refused, naming the file
+    with pytest.raises(InputError, match=r"mixed.h5: its fields have different numbers of samples.*'b': 70.*--fields"):
+        ingest([src], out, fields=["a", "b"], overwrite=True, progress=False)
+    with pytest.raises(InputError, match=r"mixed.h5: no array 'zz'; it has: a, b, grp/c, other/c, version"):
+        ingest([src], out, fields=["zz"], overwrite=True, progress=False)
+    with pytest.raises(InputError, match=r"mixed.h5: 'c' names several datasets \(grp/c, other/c\).*--fields c=grp/c"):
+        ingest([src], out, fields=["c"], overwrite=True, progress=False)
+    capsys.readouterr()
+    assert main(["ingest", src, "-o", str(tmp_path / "all.h5"), "--no-progress"]) == 2  # every field: a and b differ
+    assert "different numbers of samples" in capsys.readouterr().err
+
+
 def test_integer_fields_stay_raw_when_compressing(tmp_path):
-    np.savez(tmp_path / "a.npz", x=np.ones((5, 3), np.float32), y=np.arange(5))
+    np.savez(tmp_path / "a.npz", x=np.ones((5, 64), np.float32), y=np.arange(5))
     out = str(tmp_path / "o.h5")
     ingest([str(tmp_path / "a.npz")], out, abs_error=0.1, progress=False)
     with h5py.File(out, "r") as f:
         assert isinstance(f["x"], h5py.Group) and isinstance(f["y"], h5py.Dataset)
+
+
+def test_tiny_float_fields_stay_raw(tmp_path, capsys):
+    """With a bound, a float32 field of one value per sample went from 4 kB to 144 kB (a 136 B blob
+    per 4 B value: the codec's fixed header) and an (N, 3) float64 field grew 6.5x. A field whose
+    raw sample is no larger than the codec's smallest blob for it is stored raw (exactly, in the
+    raw layout), and the decision is printed; larger float fields are still compressed."""
+    from solar.cli import main
+    from solar.io_backends import open_backend
+
+    rng = np.random.default_rng(0)
+    img = rng.standard_normal((300, 16, 16)).cumsum(-1).astype(np.float32)
+    energy, pos = rng.random(300).astype(np.float32), rng.random((300, 3))
+    src = str(tmp_path / "labels.h5")
+    with h5py.File(src, "w") as f:
+        f["img"], f["energy"], f["pos"] = img, energy, pos
+    out = str(tmp_path / "o.h5")
+    assert main(["ingest", src, "-o", out, "--rel-error", "1e-3", "--verify", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "field 'energy' is stored raw" in err and "field 'pos' is stored raw" in err and "'img'" not in err
+    n, specs = describe_fields(open_backend(out))
+    assert n == 300 and {s.name: s.kind for s in specs} == {"energy": "raw", "img": "codec", "pos": "raw"}
+    with h5py.File(out, "r") as f:
+        np.testing.assert_array_equal(f["energy"][:], energy)
+        np.testing.assert_array_equal(f["pos"][:], pos)
+        assert f["energy"].nbytes == energy.nbytes and f["pos"].nbytes == pos.nbytes
+        assert set(json.loads(f.attrs["provenance"])["bounds"]) == {"img"}
+        assert [int(v) for v in f[checksum_key("energy")][:5]] == [sample_checksum(r) for r in energy[:5]]
+    assert verify_file(out) == 300
 
 
 def test_fsspec_inputs(tmp_path):
@@ -200,7 +263,7 @@ def test_bad_input_stops_before_writing(tmp_path, case):
 def test_nan_where_the_codec_cannot_keep_it(tmp_path, monkeypatch):
     import solar.ingest as ing
 
-    a = np.ones((6, 4), np.float32)
+    a = np.ones((6, 64), np.float32)  # samples bigger than a blob's header: compressed
     a[4, 2] = np.nan
     np.save(tmp_path / "n.npy", a)
     out = str(tmp_path / "o.h5")
@@ -222,6 +285,30 @@ def test_verify_catches_damage(tmp_path):
         verify_file(out)
 
 
+def test_verify_of_infinities_is_quiet_and_exact(tmp_path, recwarn):
+    """--verify of a compressed field holding +-Inf printed numpy's "RuntimeWarning: invalid value
+    encountered in subtract" (inf - inf); the verdict must stay: Inf and NaN come back exactly."""
+    from solar.ingest import _validate
+
+    x = np.random.default_rng(0).random((16, 64)).astype(np.float32)
+    x[3, 2], x[4, 0], x[5, 1] = np.inf, -np.inf, np.nan
+    src, out = str(tmp_path / "inf.npy"), str(tmp_path / "o.h5")
+    np.save(src, x)
+    ingest([src], out, abs_error=1e-3, verify=True, progress=False)
+    with h5py.File(out, "r") as f:
+        assert isinstance(f["x"], h5py.Group)  # compressed
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in recwarn]
+    for where, value in (((3, 2), -np.inf), ((3, 2), np.float32(3e38)), ((3, 2), np.nan), ((5, 1), np.inf),
+                         ((6, 0), np.inf)):
+        y = x.copy()
+        y[where] = value
+        np.save(src, y)
+        plan = _validate([src], out, None, 1e-3, None, False, True, 256, "auto", None)
+        with pytest.raises(CorruptDataError, match=f"field 'x' sample {where[0]} is off by more than the bound"):
+            verify_file(out, plan=plan)
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in recwarn]
+
+
 def test_overwrite_replaces_atomically(tmp_path):
     paths, want = _npy_inputs(tmp_path, sizes=(5,))
     out = str(tmp_path / "o.h5")
@@ -235,7 +322,7 @@ def test_resume_continues_from_the_journal(tmp_path, monkeypatch):
     """A run that died after some batches (simulated in-process) resumes and matches a clean run."""
     import solar.ingest as ing
 
-    paths, want = _npy_inputs(tmp_path, sizes=(30, 17))
+    paths, want = _npy_inputs(tmp_path, sizes=(30, 17), shape=(8, 8))  # compressed: see test_tiny_float_fields_stay_raw
     out = str(tmp_path / "o.h5")
     real = ing.sample_checksum
     calls = {"n": 0}
@@ -273,7 +360,7 @@ def test_resume_starts_over_when_an_input_changed(tmp_path, monkeypatch, capsys)
     interrupted file's batches (made from the old values) are not kept."""
     import solar.ingest as ing
 
-    paths, _ = _npy_inputs(tmp_path, sizes=(30, 17))
+    paths, _ = _npy_inputs(tmp_path, sizes=(30, 17), shape=(8, 8))
     out = str(tmp_path / "o.h5")
     real, calls = ing.sample_checksum, {"n": 0}
 
@@ -442,6 +529,22 @@ def test_cli_serial_and_exit_codes(tmp_path):
 
         n, specs = describe_fields(open_backend(out))
         assert n == 6 and specs[0].name == "x"
+
+
+def test_empty_input_reports_no_infinite_ratio(tmp_path, capsys):
+    """A 0-sample ingest printed "(xinf)" and --json wrote "ratio": Infinity, which is not JSON."""
+    from solar.cli import main
+
+    src, out = str(tmp_path / "e.npy"), str(tmp_path / "o.h5")
+    np.save(src, np.zeros((0, 4), np.float32))
+    assert main(["ingest", src, "-o", out, "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "0 samples" in text and "xinf" not in text
+    for extra in ([], ["--resume"]):  # a fresh run, and the report of an already complete one
+        assert main(["ingest", src, "-o", out, "--no-progress", "--json", "--overwrite", *extra]) == 0
+        rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1],
+                         parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+        assert rep["num_samples"] == 0 and rep["ratio"] == 1.0
 
 
 def test_inputs_over_every_fsspec_protocol(tmp_path, place):

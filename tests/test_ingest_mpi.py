@@ -19,7 +19,7 @@ def _inputs(comm, d):
     if comm.rank == 0:
         rng = np.random.default_rng(7)
         for i, p in enumerate(paths):
-            np.save(p, rng.standard_normal((11 + 6 * i, 4, 4)).astype(np.float32))
+            np.save(p, rng.standard_normal((11 + 6 * i, 8, 8)).astype(np.float32))  # compressed: > a blob header
     comm.Barrier()
     return paths
 

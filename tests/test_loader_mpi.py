@@ -129,7 +129,7 @@ def test_a_damaged_sample_on_one_rank_fails_every_rank_instead_of_hanging(comm, 
 
     src, path = os.path.join(shared_tmp, "dmg.npy"), os.path.join(shared_tmp, f"dmg-{verify}.h5")
     if comm.rank == 0:
-        np.save(src, np.random.default_rng(3).standard_normal((40, 6, 6)).astype(np.float32))
+        np.save(src, np.random.default_rng(3).standard_normal((40, 12, 12)).astype(np.float32))
     comm.Barrier()
     ingest([src], path, rel_error=1e-3, progress=False)
     if comm.rank == 0:

@@ -24,9 +24,13 @@ def configure(p) -> None:
     p.add_argument("--fields", nargs="+", metavar="NAME[=KEY]",
                    help="fields to keep, in order; NAME=KEY renames; for .npy inputs the field name (default x)")
     bound = p.add_mutually_exclusive_group()
-    bound.add_argument("--abs-error", type=float, help="compress float fields within this absolute error")
+    bound.add_argument("--abs-error", type=float,
+                       help="compress float fields within this absolute error (a field whose sample is no "
+                            "larger than the codec's blob header, e.g. one float per sample, is stored raw; "
+                            "stderr says which)")
     bound.add_argument("--rel-error", type=float,
-                       help="compress float fields within REL x (max - min) of each field's values")
+                       help="compress float fields within REL x (max - min) of each field's values (tiny "
+                            "samples stored raw, as for --abs-error)")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run from its last committed batch (an OUT this same job "
                         "finished is reported complete; any other existing OUT still needs --overwrite)")
@@ -82,9 +86,10 @@ def run(args) -> int:
                   f"nothing to do{', verified' if rep.verified else ''}")
         else:
             resumed = f", resumed at batch {rep.resumed_from_batch}" if rep.resumed_from_batch else ""
+            ratio = f" (x{rep.ratio:.2f})" if rep.input_bytes else ""  # no ratio of nothing (0 samples)
             print(f"wrote {rep.output}: {rep.num_samples} samples, fields {', '.join(rep.fields)}, "
-                  f"{rep.input_bytes / 1e6:.1f} MB in -> {rep.stored_bytes / 1e6:.1f} MB stored "
-                  f"(x{rep.ratio:.2f}), {rep.seconds:.1f} s on {rep.world_size} rank(s)"
+                  f"{rep.input_bytes / 1e6:.1f} MB in -> {rep.stored_bytes / 1e6:.1f} MB stored"
+                  f"{ratio}, {rep.seconds:.1f} s on {rep.world_size} rank(s)"
                   f"{resumed}{', verified' if rep.verified else ''}")
     return 0
 
