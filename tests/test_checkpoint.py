@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -357,6 +358,41 @@ def test_repair_markers_survive_a_writer_gc_until_rewritten(tmp_path):
         assert w.save(state, 9).result().chunks_written == 1
     assert verify(tmp_path).ok and not store.damaged_digests()
     assert_same(load(tmp_path, 9), state)
+
+
+def test_save_counters_after_repair_do_not_overlap(tmp_path, capsys):
+    """The healing save after ``verify --repair`` reported chunks_unchanged from the Merkle diff (the
+    repaired chunks too) and chunks_written from what it wrote (the same chunks again), so written +
+    unchanged exceeded chunks_total. A rewritten chunk now counts as written and rewritten, not as
+    unchanged; what is written is the same."""
+    state, store = _one_version(tmp_path)  # 16 chunks of weight + 1 of bias
+    damaged = store.read_manifest(7).blob_digests(0)[2].tobytes()
+    path = store.tier.path(chunk_key(damaged))
+    data = bytearray(open(path, "rb").read())
+    data[5] ^= 0x10
+    open(path, "wb").write(bytes(data))
+    store.delete_chunk(store.read_manifest(7).blob_digests(1)[0].tobytes())  # bias's only chunk
+    from solar.checkpoint.cli import main
+
+    assert main(["verify", str(tmp_path), "--repair"]) == 1  # as a user would: found, deleted, marked
+    state["weight"][10 * KB] += 1.0  # and one chunk really changes
+    with CheckpointWriter(tmp_path, chunk_size=4 * KB) as w:
+        res = w.save(state, 8).result()
+        same = w.save(state, 9).result()
+    assert res.chunks_written + res.chunks_unchanged <= res.chunks_total
+    assert (res.chunks_total, res.chunks_written, res.chunks_rewritten, res.chunks_unchanged) == (17, 3, 2, 14)
+    assert res.bytes_written == 2 * 4 * KB + 100 * 4  # the same chunks are written as before the fix
+    st8 = store.read_manifest(8).stats
+    assert (st8["chunks_written"], st8["chunks_rewritten"], st8["chunks_unchanged"]) == (3, 2, 14)
+    # an ordinary save rewrites nothing, and its manifest keeps the exact old set of stats
+    assert (same.chunks_written, same.chunks_rewritten, same.chunks_unchanged) == (0, 0, 17)
+    assert "chunks_rewritten" not in store.read_manifest(9).stats
+    capsys.readouterr()
+    assert main(["log", str(tmp_path), "--json"]) == 0
+    log = {v["step"]: v for v in json.loads(capsys.readouterr().out)["versions"]}
+    assert (log[8]["chunks_written"], log[8]["chunks_rewritten"], log[9]["chunks_rewritten"]) == (3, 2, 0)
+    assert verify(tmp_path).ok
+    assert_same(load(tmp_path, 7)["bias"], state["bias"])
 
 
 def test_missing_chunk_is_an_error(tmp_path):

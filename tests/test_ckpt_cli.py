@@ -99,6 +99,71 @@ def test_diff_plain_pt_and_safetensors_files(root, tmp_path, capsys):
     assert code == 2 and "missing.pt" in err
 
 
+def test_diff_compares_plain_values(tmp_path, capsys):
+    """Tensors alone made two versions whose lr, epoch and note differ "identical" (exit 0 with
+    --exit-code): plain values are part of a checkpoint and are compared too."""
+    from safetensors.torch import save_file
+
+    t = torch.arange(10.0)
+    with CheckpointWriter(tmp_path / "ck", chunk_size=4 * KB) as wr:
+        wr.save({"w": t, "lr": 0.1, "epoch": 1, "note": "a", "gone": [1]}, 1)
+        wr.save({"w": t, "lr": 0.01, "epoch": 2, "note": "b", "new": None}, 2)
+        wr.save({"w": t, "lr": 0.1 + 1e-9, "epoch": 1, "note": "a", "gone": [1]}, 3)
+    a, b, c = (f"{tmp_path / 'ck'}@{s}" for s in (1, 2, 3))
+    code, out, _ = run_cli(capsys, "diff", a, b, "--exit-code")
+    assert code == 1 and out.splitlines()[2] == "tensors identical (1 tensors)"
+    assert "lr" in out and "0.01" in out and "epoch" in out and '"b"' in out and "1 added, 1 removed, 3 changed" in out
+    code, out, _ = run_cli(capsys, "diff", a, b, "--json")
+    rep = json.loads(out)
+    assert code == 0 and not rep["identical"] and rep["changed"] == [] and rep["plain"]["compared"]
+    assert rep["plain"]["changed"] == [{"name": "lr", "a": 0.1, "b": 0.01}, {"name": "epoch", "a": 1, "b": 2},
+                                       {"name": "note", "a": "a", "b": "b"}]
+    assert rep["plain"]["added"] == [{"name": "new", "value": None}]
+    assert rep["plain"]["removed"] == [{"name": "gone.0", "value": 1}]
+    code, out, _ = run_cli(capsys, "diff", a, a, "--exit-code")
+    assert code == 0 and "identical (1 tensors, 4 plain values)" in out
+    # --values tolerances apply to numbers as to tensor elements
+    assert run_cli(capsys, "diff", a, c, "--exit-code")[0] == 1
+    code, out, _ = run_cli(capsys, "diff", a, c, "--values", "--atol", "1e-6", "--exit-code")
+    assert code == 0 and "identical" in out
+    # a plain safetensors file holds tensors only: said so, not every value reported as removed
+    save_file({"w": t.clone()}, tmp_path / "w.safetensors")
+    code, out, _ = run_cli(capsys, "diff", a, tmp_path / "w.safetensors", "--exit-code")
+    assert code == 0 and "plain values not compared" in out and "w.safetensors" in out
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "w.safetensors", b, "--json")
+    rep = json.loads(out)
+    assert rep["identical"] and not rep["plain"]["compared"] and "w.safetensors" in rep["plain"]["note"]
+    # one `solar-ckpt export` wrote keeps the skeleton, so its plain values are compared
+    assert run_cli(capsys, "export", b, "-o", tmp_path / "e2.safetensors")[0] == 0
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "e2.safetensors", b, "--exit-code")
+    assert code == 0 and "4 plain values" in out
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "e2.safetensors", a, "--exit-code", "--json")
+    assert code == 1 and {e["name"] for e in json.loads(out)["plain"]["changed"]} == {"lr", "epoch", "note"}
+
+
+def test_diff_of_a_restored_pt_holding_numpy_state(tmp_path, capsys):
+    """`restore -o F.pt` writes a numpy RNG state back as a pickle, which torch's safe loader refuses:
+    diff said so with torch's long multi-line error; now one line naming the file and the way out,
+    and --trust-pickle (an explicit opt-in) compares it."""
+    import numpy as np
+
+    with CheckpointWriter(tmp_path / "ck", chunk_size=4 * KB) as wr:
+        wr.save({"model": {"w": torch.ones(4)}, "np_rng": np.random.get_state(), "step": 1}, 1)
+    ref, pt = f"{tmp_path / 'ck'}@1", tmp_path / "rd.pt"
+    assert run_cli(capsys, "restore", ref, "-o", pt)[0] == 0
+    for argv in ((pt, ref), (ref, pt)):
+        code, _out, err = run_cli(capsys, "diff", *argv)
+        _one_line_error(code, err, pt, "non-tensor objects", "numpy", "ROOT@STEP", "--trust-pickle")
+        assert "Weights only load failed" not in err
+    code, out, _ = run_cli(capsys, "diff", pt, ref, "--trust-pickle", "--exit-code")
+    assert code == 0 and "identical (1 tensors, 6 plain values)" in out
+    np.random.seed(1)
+    with CheckpointWriter(tmp_path / "ck", chunk_size=4 * KB) as wr:
+        wr.save({"model": {"w": torch.ones(4)}, "np_rng": np.random.get_state(), "step": 2}, 2)
+    code, out, _ = run_cli(capsys, "diff", pt, f"{tmp_path / 'ck'}@2", "--trust-pickle", "--json")
+    assert {"np_rng.1", "step"} <= {e["name"] for e in json.loads(out)["plain"]["changed"]}
+
+
 def test_diff_against_a_dcp_checkpoint(root, tmp_path, capsys):
     import warnings
 
@@ -107,12 +172,16 @@ def test_diff_against_a_dcp_checkpoint(root, tmp_path, capsys):
     path, state = root
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"model": {k: v.clone() for k, v in state["model"].items()}}, checkpoint_id=str(tmp_path / "dcp"))
+        # the whole state: its plain values (optim.step, optim.lr) are compared too
+        dcp.save({"model": {k: v.clone() for k, v in state["model"].items()}, "optim": dict(state["optim"])},
+                 checkpoint_id=str(tmp_path / "dcp"))
     code, out, _ = run_cli(capsys, "diff", tmp_path / "dcp", f"{path}@30", "--json")
     rep = json.loads(out)
-    assert code == 0 and rep["identical"] and rep["unchanged"] == 3
+    assert code == 0 and rep["identical"] and rep["unchanged"] == 3 and rep["plain"]["unchanged"] == 2
     code, out, _ = run_cli(capsys, "diff", tmp_path / "dcp", f"{path}@10", "--values", "--json")
-    assert {c["name"] for c in json.loads(out)["changed"]} == {"model.w", "model.b"}
+    rep = json.loads(out)
+    assert {c["name"] for c in rep["changed"]} == {"model.w", "model.b"}
+    assert rep["plain"]["changed"] == [{"name": "optim.step", "a": 2, "b": 1}]
 
 
 def test_diff_across_chunk_sizes_rehashes(root, tmp_path, capsys):
@@ -174,6 +243,29 @@ def test_restore_and_export(root, tmp_path, capsys):
     code, out, _ = run_cli(capsys, "restore", f"{path}@10", "-o", tmp_path / "r10.safetensors")
     assert code == 0 and (tmp_path / "r10.safetensors").exists()
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_export_refuses_an_output_named_for_the_other_format(root, tmp_path, capsys):
+    """`export -o model.pt` wrote safetensors bytes into a .pt that torch.load then rejected;
+    a name contradicting the format is now refused before anything is written."""
+    path, state = root
+    ref = f"{path}@30"
+    for argv in (("export", ref, "-o", tmp_path / "model.pt"),
+                 ("export", ref, "-o", tmp_path / "model.pth", "--format", "safetensors"),
+                 ("restore", ref, "-o", tmp_path / "model.pt", "--format", "safetensors")):
+        code, _out, err = run_cli(capsys, *argv)
+        _one_line_error(code, err, argv[3], "restore")
+        assert not argv[3].exists()
+    code, _out, err = run_cli(capsys, "restore", ref, "-o", tmp_path / "m.safetensors", "--format", "pt")
+    _one_line_error(code, err, tmp_path / "m.safetensors", "--format pt")
+    # the advice works: restore picks torch.save from the extension; export --format pt is explicit
+    assert run_cli(capsys, "restore", ref, "-o", tmp_path / "model.pt")[0] == 0
+    assert torch.equal(torch.load(tmp_path / "model.pt", weights_only=True)["model"]["w"], state["model"]["w"])
+    assert run_cli(capsys, "export", ref, "-o", tmp_path / "e.pt", "--format", "pt")[0] == 0
+    assert torch.load(tmp_path / "e.pt", weights_only=True)["optim"] == state["optim"]
+    code, out, _ = run_cli(capsys, "export", ref, "-o", tmp_path / "model.data", "--format", "safetensors")
+    assert code == 0 and "safetensors" in out
+    assert run_cli(capsys, "diff", tmp_path / "model.pt", ref, "--exit-code")[0] == 0
 
 
 def test_gc(root, capsys):

@@ -84,7 +84,8 @@ def cmd_log(args) -> int:
         ratio = m.logical_bytes / written if written else None
         out.append({"step": m.step, "complete": True, "created": m.created, "tensors": len(m.tensors),
                     "logical_bytes": m.logical_bytes, "bytes_written": written, "chunks": m.nchunks,
-                    "chunks_written": m.stats.get("chunks_written"), "dedup_ratio": ratio, "root": m.root})
+                    "chunks_written": m.stats.get("chunks_written"),
+                    "chunks_rewritten": m.stats.get("chunks_rewritten", 0), "dedup_ratio": ratio, "root": m.root})
         rows.append([m.step, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created)), len(m.tensors),
                      _bytes(m.logical_bytes), _bytes(written), f"{m.stats.get('chunks_written', '?')}/{m.nchunks}",
                      "inf" if ratio is None else f"{ratio:.1f}x"])
@@ -122,7 +123,7 @@ def cmd_diff(args) -> int:
 
     for ref in (args.a, args.b):
         _check_safetensors_input(ref)
-    rep = diff(args.a, args.b, values=args.values, atol=args.atol, rtol=args.rtol)
+    rep = diff(args.a, args.b, values=args.values, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle)
     _emit(args, rep.to_json(), format_report(rep))
     return 1 if args.exit_code and not rep.identical else 0
 
@@ -262,15 +263,45 @@ def _export_safetensors(reader, path: str) -> int:
     return len(tensors)
 
 
+_PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")  # what torch.save files are usually called
+
+
+def _output_format(args) -> str:
+    """The format to write ``args.output`` in, refusing a name that says the other format.
+
+    ``restore`` picks it from the extension; ``export`` writes safetensors. Writing safetensors
+    bytes under a ``.pt`` name (or a torch.save pickle under ``.safetensors``) produced a file that
+    ``torch.load`` and ``diff`` then reject with confusing errors, so a contradiction between the
+    name and the format is an error before anything is read. ``--format`` with an unusual name
+    (``model.bin --format safetensors``) is allowed: that choice is explicit.
+    """
+    path = str(args.output)
+    lower = path.lower()
+    if args.format is None:
+        if args.ckpt_command == "export" and not lower.endswith(".safetensors"):
+            raise InputError(f"export writes safetensors, but output {path} does not end in .safetensors; name it "
+                             f"FILE.safetensors (or pass --format safetensors to keep this name), or write a "
+                             f"torch.save file with `solar-ckpt restore {args.ref} -o {path}`")
+        return "safetensors" if lower.endswith(".safetensors") else "pt"
+    if args.format == "safetensors" and lower.endswith(_PT_SUFFIXES):
+        raise InputError(f"output {path} is named like a torch.save file but --format safetensors was given "
+                         f"(torch.load could not read it); name it FILE.safetensors, or drop --format to "
+                         f"write a torch.save file (`solar-ckpt restore {args.ref} -o {path}`)")
+    if args.format == "pt" and lower.endswith(".safetensors"):
+        raise InputError(f"output {path} is named like a safetensors file but --format pt was given "
+                         f"(safetensors readers could not read it); name it FILE.pt, or drop --format")
+    return args.format
+
+
 def cmd_restore(args) -> int:
     import torch
 
     from .loader import Reader
 
     _check_output(args.output)
+    fmt = _output_format(args)
     root, step = _ref(args.ref)
     reader = Reader(root, step)
-    fmt = args.format or ("safetensors" if args.output.endswith(".safetensors") else "pt")
     if fmt == "safetensors":
         n = _export_safetensors(reader, args.output)
         print(f"wrote {n} tensors of step {reader.manifest.step} to {args.output} (safetensors)")
@@ -305,7 +336,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--values", action="store_true", help="load changed tensors and compare values")
     p.add_argument("--atol", type=float, default=0.0)
     p.add_argument("--rtol", type=float, default=0.0)
-    p.add_argument("--exit-code", action="store_true", help="exit 1 if the checkpoints differ")
+    p.add_argument("--exit-code", action="store_true",
+                   help="exit 1 if the checkpoints differ (tensors or plain values)")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="load .pt/DCP inputs with weights_only=False, for files whose state holds other objects "
+                        "(numpy arrays ...); only for files you trust: unpickling can run arbitrary code")
     p.set_defaults(func=cmd_diff)
     p = sub.add_parser("show", help="tensors and values of one version")
     p.add_argument("ref", metavar="ROOT@STEP")
@@ -318,12 +353,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="delete damaged chunks and mark them and missing ones, so the next writer's saves "
                         "rewrite them (takes the writer lock)")
     p.set_defaults(func=cmd_verify)
-    for name, help_ in (("restore", "write one version as a torch.save (.pt) or .safetensors file"),
-                        ("export", "export one version (default format: safetensors)")):
+    for name, help_, fmt_help in (
+            ("restore", "write one version as a torch.save (.pt) or .safetensors file",
+             "default: from the extension of -o (.safetensors: safetensors, anything else: torch.save)"),
+            ("export", "export one version as a .safetensors file",
+             "default: safetensors, and -o must end in .safetensors (use `restore -o FILE.pt` for torch.save)")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("ref", metavar="ROOT@STEP")
         p.add_argument("-o", "--output", required=True)
-        p.add_argument("--format", choices=["pt", "safetensors"], default="safetensors" if name == "export" else None)
+        # no argparse default: an explicit --format is told apart from the default (see _output_format)
+        p.add_argument("--format", choices=["pt", "safetensors"], default=None, help=fmt_help)
         p.set_defaults(func=cmd_restore)
     p = sub.add_parser("gc", help="remove old versions and unreferenced chunks")
     p.add_argument("root")

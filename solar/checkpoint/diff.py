@@ -6,12 +6,21 @@ tensor data: tensors with equal roots are skipped after one comparison, changed 
 digest-array against digest-array (vectorised). Plain files are hashed on the fly with the other
 side's chunk size. ``values=True`` then loads only the changed tensors and adds max absolute and
 relative difference and the number of elements outside ``atol + rtol * |b|``.
+
+Plain (non-tensor) values are part of a checkpoint too (an optimizer's ``lr``, an epoch counter),
+so they are compared as well, by their JSON form in the skeleton: a SOLAR version's manifest, a
+``.pt`` or DCP checkpoint flattened the way a save would, or the skeleton ``solar-ckpt export``
+keeps in a ``.safetensors`` file's metadata. Nothing is unpickled for that. A safetensors file
+without that metadata holds tensors only: its plain values are then "not compared" (said in the
+report) rather than all reported as removed.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -22,10 +31,11 @@ from solar.errors import CheckpointError, InputError
 
 from . import merkle
 from .chunking import DEFAULT_CHUNK_SIZE, hash_chunks, hasher
-from .flatten import DTYPES, dtype_name, flatten
+from .flatten import DTYPES, dtype_name, flatten, unflatten
 from .store import CheckpointStore, parse_ref
 
-__all__ = ["TensorInfo", "TensorTable", "open_table", "diff", "DiffReport", "format_report", "table", "fmt_bytes"]
+__all__ = ["TensorInfo", "TensorTable", "open_table", "diff", "DiffReport", "format_report", "table", "fmt_bytes",
+           "plain_values"]
 
 
 @dataclass
@@ -49,6 +59,80 @@ class TensorTable:
     loader: Callable[[str], torch.Tensor]
     step: int | None = None
     logical_bytes: int = 0
+    # plain values by name, as in the JSON skeleton; None: this source holds none to compare
+    # (a safetensors file without a SOLAR skeleton), and ``plain_note`` says why
+    plain: dict[str, Any] | None = None
+    plain_note: str = ""
+
+
+def _key_name(k: Any) -> str:
+    """A dict key of the skeleton as flatten spelled it in names (``f"{path}.{key}"`` of the raw key).
+
+    Encoded keys (tuples, non-finite floats) are decoded; a pickled key is not (diff unpickles
+    nothing) and is shown by its JSON form.
+    """
+    if not isinstance(k, dict):
+        return str(k)
+    text = json.dumps(k)
+    return text if "__pickle__" in text else str(unflatten(k, []))
+
+
+def plain_values(skeleton: Any) -> dict[str, Any]:
+    """The non-tensor leaves of a skeleton by flattened name (``optim.param_groups.0.lr``), each in
+    its JSON skeleton form (tagged objects such as ``{"__float__": "nan"}`` or ``{"__pickle__": ...}``
+    stay as they are: nothing is unpickled).
+
+    Empty containers count as leaves, so ``[]`` -> ``[1]`` or ``{}`` vanishing is seen too. Names
+    follow :func:`~solar.checkpoint.flatten.flatten`'s tensor names, with ``#2`` ... for repeats.
+    """
+    out: dict[str, Any] = {}
+
+    def add(path: str, value: Any) -> None:
+        base, name, n = path or "<root>", path or "<root>", 1
+        while name in out:
+            n += 1
+            name = f"{base}#{n}"
+        out[name] = value
+
+    def walk(obj: Any, path: str) -> None:
+        def sub(k: Any) -> str:
+            return f"{path}.{k}" if path else str(k)
+
+        if isinstance(obj, list):
+            if not obj:
+                add(path, obj)
+            for i, v in enumerate(obj):
+                walk(v, sub(i))
+            return
+        if not isinstance(obj, dict):
+            add(path, obj)
+            return
+        if len(obj) == 1:
+            (tag, val), = obj.items()
+            if tag == "__tensor__":
+                return
+            if tag == "__tuple__":
+                if not val:
+                    add(path, obj)
+                for i, v in enumerate(val):
+                    walk(v, sub(i))
+                return
+            if tag in ("__dict__", "__odict__"):
+                if not val:
+                    add(path, obj)
+                for k, v in val:
+                    walk(v, sub(_key_name(k)))
+                return
+            if tag.startswith("__"):  # a tagged scalar: __float__, __dtype__, __bytes__, __pickle__ ...
+                add(path, obj)
+                return
+        if not obj:
+            add(path, obj)
+        for k, v in obj.items():
+            walk(v, sub(k))
+
+    walk(skeleton, "")
+    return out
 
 
 def _from_version(root: str, step: int | None) -> TensorTable:
@@ -70,10 +154,35 @@ def _from_version(root: str, step: int | None) -> TensorTable:
         b = m.blobs[t.blob]
         exact = t.offset == 0 and t.nbytes == b.nbytes and t.contiguous_extent() is not None
         tensors[t.name] = TensorInfo(t.dtype, list(t.shape), t.nbytes, m.blob_digests(t.blob), bytes.fromhex(b.root), exact)
-    return TensorTable(f"{store.root}@{m.step}", m.chunk_size, m.hash, tensors, load_tensor, m.step, m.logical_bytes)
+    return TensorTable(f"{store.root}@{m.step}", m.chunk_size, m.hash, tensors, load_tensor, m.step, m.logical_bytes,
+                       plain_values(m.skeleton))
 
 
-def _load_dcp(path: str) -> Any:
+def _torch_load(file: str, shown: str, trust_pickle: bool, **kw: Any) -> Any:
+    """``torch.load`` of ``file`` (named ``shown`` in errors), with ``weights_only=True`` unless trusted.
+
+    A ``.pt`` whose state holds arbitrary objects (``np.random.get_state()`` in a training
+    checkpoint, which ``solar-ckpt restore`` writes back as saved) fails torch's safe loader with a
+    long multi-line error that names neither this tool's way out nor, in one line, the file.
+    Unpickling it for real can run code, so that only happens on request (``trust_pickle``).
+    """
+    if trust_pickle:
+        return torch.load(file, map_location="cpu", weights_only=False, **kw)
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, **kw)
+    except pickle.UnpicklingError as exc:
+        try:
+            unsafe = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(file))
+        except Exception:  # noqa: BLE001 - only for the message
+            unsafe = ""
+        raise InputError(
+            f"{shown}: holds non-tensor objects{f' ({unsafe})' if unsafe else ''} that torch will not load "
+            f"safely (weights_only=True refuses them: unpickling can run arbitrary code); diff the SOLAR "
+            f"version it came from directly (ROOT@STEP), or, if you trust this file, pass --trust-pickle "
+            f"(diff(..., trust_pickle=True))") from exc
+
+
+def _load_dcp(path: str, trust_pickle: bool = False) -> Any:
     """A ``torch.distributed.checkpoint`` directory as one state dict (single process, CPU)."""
     import tempfile
     import warnings
@@ -83,21 +192,42 @@ def _load_dcp(path: str) -> Any:
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp_to_torch_save(path, os.path.join(tmp, "sd.pt"))
-        return torch.load(os.path.join(tmp, "sd.pt"), map_location="cpu", weights_only=True)
+        return _torch_load(os.path.join(tmp, "sd.pt"), path, trust_pickle)
 
 
-def _load_file(path: str) -> dict[str, torch.Tensor]:
+def _load_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None, str]:
+    """Tensors and plain values of a ``.safetensors`` file.
+
+    The format holds tensors only. A file ``solar-ckpt export`` wrote keeps the version's JSON
+    skeleton in its metadata (``solar_skeleton``), so its plain values are compared; for any other
+    file they are not compared (``None``) instead of all reported as removed.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+    tensors = dict(load_file(path))
+    try:
+        return tensors, plain_values(json.loads(meta["solar_skeleton"])), ""
+    except (KeyError, ValueError, TypeError):
+        return tensors, None, (f"{path} is a .safetensors file without a SOLAR skeleton (it holds tensors only; "
+                               f"`solar-ckpt export` keeps one)")
+
+
+def _load_file(path: str, trust_pickle: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None, str]:
+    """Tensors, plain values (``None``: none to compare) and why not, of a ``.pt``, ``.safetensors`` or DCP input."""
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata")):
-        obj = _load_dcp(path)
+        obj = _load_dcp(path, trust_pickle)
     elif not os.path.isfile(path):
         raise InputError(f"{path}: no such file, and not a ROOT@STEP checkpoint reference")
     elif path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        return dict(load_file(path))
+        return _load_safetensors(path)
     else:
         try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            obj = _torch_load(path, path, trust_pickle, mmap=True)
+        except InputError:
+            raise
         except Exception as exc:  # noqa: BLE001 - torch raises many kinds
             raise InputError(f"{path}: cannot read as a torch.save file ({exc}); diff takes ROOT@STEP, .pt, "
                              f".safetensors or a torch.distributed.checkpoint directory") from exc
@@ -107,7 +237,7 @@ def _load_file(path: str) -> dict[str, torch.Tensor]:
         blob = flat.blobs[ref.blob]
         t = torch.empty(0, dtype=DTYPES[ref.dtype])
         out[ref.name] = t.set_(blob.storage, (blob.start + ref.offset) // t.element_size(), ref.shape, ref.stride)
-    return out
+    return out, plain_values(flat.skeleton), ""
 
 
 def c_order_bytes(t: torch.Tensor) -> np.ndarray:
@@ -131,12 +261,12 @@ def _tensor_info(t: torch.Tensor, chunk_size: int, digest: Callable) -> TensorIn
     return TensorInfo(dtype_name(t.dtype), list(t.shape), raw.nbytes, leaves, merkle.root(merkle.build(leaves, digest)))
 
 
-def _from_file(path: str, chunk_size: int, hash_name: str) -> TensorTable:
-    tensors = _load_file(path)
+def _from_file(path: str, chunk_size: int, hash_name: str, trust_pickle: bool = False) -> TensorTable:
+    tensors, plain, note = _load_file(path, trust_pickle)
     digest = hasher(hash_name)
     infos = {name: _tensor_info(t, chunk_size, digest) for name, t in tensors.items()}
     return TensorTable(path, chunk_size, hash_name, infos, lambda n: tensors[n], None,
-                       sum(i.nbytes for i in infos.values()))
+                       sum(i.nbytes for i in infos.values()), plain, note)
 
 
 def _is_version_ref(ref: str) -> tuple[str, int | None] | None:
@@ -148,12 +278,17 @@ def _is_version_ref(ref: str) -> tuple[str, int | None] | None:
     return None
 
 
-def open_table(ref: str, *, chunk_size: int | None = None, hash_name: str | None = None) -> TensorTable:
-    """The tensor table of ``ref``: ``ROOT@STEP``, ``ROOT`` (newest), ``.pt`` or ``.safetensors``."""
+def open_table(ref: str, *, chunk_size: int | None = None, hash_name: str | None = None,
+               trust_pickle: bool = False) -> TensorTable:
+    """The tensor table of ``ref``: ``ROOT@STEP``, ``ROOT`` (newest), ``.pt`` or ``.safetensors``.
+
+    ``trust_pickle`` loads a ``.pt`` (or DCP) input with ``weights_only=False``: only for files
+    you trust, since unpickling can run arbitrary code.
+    """
     version = _is_version_ref(ref)
     if version is not None:
         return _from_version(*version)
-    return _from_file(ref, chunk_size or DEFAULT_CHUNK_SIZE, hash_name or "xxh3_128")
+    return _from_file(ref, chunk_size or DEFAULT_CHUNK_SIZE, hash_name or "xxh3_128", trust_pickle)
 
 
 @dataclass
@@ -168,16 +303,27 @@ class DiffReport:
     changed_bytes: int = 0
     values: bool = False
     prefix: tuple[str, str] = ("", "")  # name prefixes stripped to match the sides (see _align)
+    # plain (non-tensor) values: added/removed {"name", "value"}, changed {"name", "a", "b"}
+    plain_added: list[dict] = field(default_factory=list)
+    plain_removed: list[dict] = field(default_factory=list)
+    plain_changed: list[dict] = field(default_factory=list)
+    plain_unchanged: int = 0
+    plain_compared: bool = True
+    plain_note: str = ""  # why plain values were not compared
 
     @property
     def identical(self) -> bool:
-        return not (self.added or self.removed or self.changed)
+        return not (self.added or self.removed or self.changed or self.plain_added or self.plain_removed
+                    or self.plain_changed)
 
     def to_json(self) -> dict:
         return {
             "a": self.a, "b": self.b, "identical": self.identical, "added": self.added, "removed": self.removed,
             "changed": self.changed, "unchanged": self.unchanged, "changed_chunks": self.changed_chunks,
             "changed_bytes": self.changed_bytes, "prefix": list(self.prefix),
+            "plain": {"compared": self.plain_compared, "note": self.plain_note, "added": self.plain_added,
+                      "removed": self.plain_removed, "changed": self.plain_changed,
+                      "unchanged": self.plain_unchanged},
         }
 
 
@@ -186,8 +332,9 @@ def _strip(table: TensorTable, prefix: str) -> TensorTable:
         return table
     names = {n[len(prefix):]: n for n in table.tensors if n.startswith(prefix)}
     loader = table.loader
+    plain = None if table.plain is None else {k[len(prefix):]: v for k, v in table.plain.items() if k.startswith(prefix)}
     return TensorTable(table.source, table.chunk_size, table.hash, {k: table.tensors[v] for k, v in names.items()},
-                       lambda k: loader(names[k]), table.step, table.logical_bytes)
+                       lambda k: loader(names[k]), table.step, table.logical_bytes, plain, table.plain_note)
 
 
 def _align(ta: TensorTable, tb: TensorTable) -> tuple[TensorTable, TensorTable, tuple[str, str]]:
@@ -245,8 +392,55 @@ def _value_stats(ta: torch.Tensor, tb: torch.Tensor, atol: float, rtol: float) -
     }
 
 
-def diff(a: "str | TensorTable", b: "str | TensorTable", *, values: bool = False, atol: float = 0.0, rtol: float = 0.0) -> DiffReport:
-    """Compare ``a`` and ``b`` (refs or tables); manifest-only unless ``values``.
+def _number(v: Any) -> "int | float | None":
+    """A plain value as a number for ``--values`` tolerances (bools and strings are not numbers)."""
+    if type(v) in (int, float):
+        return v
+    if isinstance(v, dict) and len(v) == 1 and "__float__" in v:
+        return float(v["__float__"])
+    return None
+
+
+def _plain_equal(va: Any, vb: Any, values: bool, atol: float, rtol: float) -> bool:
+    """Equal JSON forms; with ``values``, numbers also within ``atol + rtol * |b|`` (as tensors are)."""
+    if json.dumps(va) == json.dumps(vb):
+        return True
+    if not values:
+        return False
+    na, nb = _number(va), _number(vb)
+    if na is None or nb is None:
+        return False
+    if isinstance(na, float) and isinstance(nb, float) and math.isnan(na) and math.isnan(nb):
+        return True
+    if na == nb:  # also equal infinities, and 1 == 1.0
+        return True
+    delta = abs(na - nb)  # exact for two ints
+    return not math.isnan(delta) and not math.isinf(delta) and delta <= atol + rtol * abs(nb)
+
+
+def _diff_plain(rep: DiffReport, ta: TensorTable, tb: TensorTable, atol: float, rtol: float) -> None:
+    if ta.plain is None or tb.plain is None:
+        rep.plain_compared = False
+        rep.plain_note = "; ".join(n for n in (ta.plain_note, tb.plain_note) if n) or "a side holds no plain values"
+        return
+    rep.plain_added = [{"name": n, "value": v} for n, v in tb.plain.items() if n not in ta.plain]
+    rep.plain_removed = [{"name": n, "value": v} for n, v in ta.plain.items() if n not in tb.plain]
+    for name, va in ta.plain.items():
+        if name not in tb.plain:
+            continue
+        vb = tb.plain[name]
+        if _plain_equal(va, vb, rep.values, atol, rtol):
+            rep.plain_unchanged += 1
+        else:
+            rep.plain_changed.append({"name": name, "a": va, "b": vb})
+
+
+def diff(a: "str | TensorTable", b: "str | TensorTable", *, values: bool = False, atol: float = 0.0, rtol: float = 0.0,
+         trust_pickle: bool = False) -> DiffReport:
+    """Compare ``a`` and ``b`` (refs or tables), tensors and plain values; manifest-only unless ``values``.
+
+    With ``values``, numeric plain values (ints and floats, not bools) within ``atol + rtol * |b|``
+    count as unchanged, as tensor elements do. ``trust_pickle``: see :func:`open_table`.
 
     Raises:
         InputError / CheckpointError: a side cannot be opened.
@@ -256,16 +450,17 @@ def diff(a: "str | TensorTable", b: "str | TensorTable", *, values: bool = False
     if ta is None and tb is None:
         va, vb = _is_version_ref(a), _is_version_ref(b)
         if va is None and vb is not None:
-            tb = open_table(b)
+            tb = open_table(b, trust_pickle=trust_pickle)
         else:
-            ta = open_table(a)
+            ta = open_table(a, trust_pickle=trust_pickle)
     if ta is None:
-        ta = open_table(a, chunk_size=tb.chunk_size, hash_name=tb.hash)
+        ta = open_table(a, chunk_size=tb.chunk_size, hash_name=tb.hash, trust_pickle=trust_pickle)
     if tb is None:
-        tb = open_table(b, chunk_size=ta.chunk_size, hash_name=ta.hash)
+        tb = open_table(b, chunk_size=ta.chunk_size, hash_name=ta.hash, trust_pickle=trust_pickle)
     comparable = ta.chunk_size == tb.chunk_size and ta.hash == tb.hash
     rep = DiffReport(ta.source, tb.source, values=values)
     ta, tb, rep.prefix = _align(ta, tb)
+    _diff_plain(rep, ta, tb, atol, rtol)
     rep.added = [n for n in tb.tensors if n not in ta.tensors]
     rep.removed = [n for n in ta.tensors if n not in tb.tensors]
     for name, ia in ta.tensors.items():
@@ -326,13 +521,42 @@ def table(head: list[str], rows: list[list[Any]]) -> str:
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head] + rows)
 
 
+def _short(v: Any, width: int = 40) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def format_report(rep: DiffReport) -> str:
-    """A readable table of a :class:`DiffReport`."""
+    """A readable table of a :class:`DiffReport`: tensors, then plain values."""
     lines = [f"--- {rep.a}" + (f" (tensors under {rep.prefix[0]!r})" if rep.prefix[0] else ""),
              f"+++ {rep.b}" + (f" (tensors under {rep.prefix[1]!r})" if rep.prefix[1] else "")]
+    not_compared = f"plain values not compared: {rep.plain_note}"
     if rep.identical:
-        lines.append(f"identical ({rep.unchanged} tensors)")
+        if rep.plain_compared:
+            lines.append(f"identical ({rep.unchanged} tensors, {rep.plain_unchanged} plain values)")
+        else:
+            lines.append(f"identical ({rep.unchanged} tensors; {not_compared})")
         return "\n".join(lines)
+    if rep.added or rep.removed or rep.changed:
+        lines += _tensor_lines(rep)
+    else:
+        lines.append(f"tensors identical ({rep.unchanged} tensors)")
+    if rep.plain_added or rep.plain_removed or rep.plain_changed:
+        rows = ([["added", e["name"], "", _short(e["value"])] for e in rep.plain_added]
+                + [["removed", e["name"], _short(e["value"]), ""] for e in rep.plain_removed]
+                + [["changed", e["name"], _short(e["a"]), _short(e["b"])] for e in rep.plain_changed])
+        lines.append(table(["status", "plain value", "a", "b"], rows))
+        lines.append(f"plain values: {len(rep.plain_added)} added, {len(rep.plain_removed)} removed, "
+                     f"{len(rep.plain_changed)} changed, {rep.plain_unchanged} unchanged")
+    elif rep.plain_compared:
+        lines.append(f"plain values identical ({rep.plain_unchanged})")
+    else:
+        lines.append(not_compared)
+    return "\n".join(lines)
+
+
+def _tensor_lines(rep: DiffReport) -> list[str]:
+    lines = []
     head = ["status", "tensor", "chunks", "bytes", "detail"]
     if rep.values:
         head += ["max|Δ|", "max rel", "changed elems"]
@@ -352,4 +576,4 @@ def format_report(rep: DiffReport) -> str:
         f"{len(rep.added)} added, {len(rep.removed)} removed, {len(rep.changed)} changed, {rep.unchanged} unchanged; "
         f"{rep.changed_chunks} changed chunks ({fmt_bytes(rep.changed_bytes)})"
     )
-    return "\n".join(lines)
+    return lines

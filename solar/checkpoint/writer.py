@@ -41,7 +41,22 @@ _ALIGN = 64
 
 @dataclass
 class SaveResult:
-    """What one save did; the value of the future ``save`` returns."""
+    """What one save did; the value of the future ``save`` returns.
+
+    The chunk counters never overlap, so ``chunks_written + chunks_unchanged <= chunks_total``:
+
+    - ``chunks_total``: the version's chunk positions (every blob's chunks, duplicates included);
+    - ``chunks_unchanged``: positions whose bytes equal the previous version's at the same place
+      (the Merkle diff) and that the store already held, so nothing was written for them;
+    - ``chunks_written``: distinct chunks actually written, new ones and rewritten ones;
+    - ``chunks_rewritten``: those of ``chunks_written`` whose bytes equal the previous version's
+      at the same place but which the store no longer held (``verify --repair`` deleted or marked
+      them, or ``gc`` removed them): the save wrote them again, which heals every version using them.
+
+    A position that changed but whose bytes the store already held (de-duplicated against another
+    tensor or an older version) is in neither ``unchanged`` nor ``written``. A rewritten chunk is
+    not also counted as unchanged, because it was written.
+    """
 
     step: int
     logical_bytes: int
@@ -53,6 +68,7 @@ class SaveResult:
     stage_seconds: float
     persist_seconds: float
     root: str
+    chunks_rewritten: int = 0
 
     @property
     def dedup_ratio(self) -> float:
@@ -375,7 +391,8 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         sink = self._stage or self._main
         try:
-            m, written, nwritten, unchanged, new_trees, new_digests = self._write_chunks(sink, flat, host, step, meta)
+            m, written, nwritten, unchanged, rewritten, new_trees, new_digests = self._write_chunks(
+                sink, flat, host, step, meta)
         finally:
             self._pool.release(slot)
         try:
@@ -394,13 +411,14 @@ class CheckpointWriter:
         # gc runs here, in the one thread that writes this sink, so it never races a dedup decision
         sink.gc(self.keep_last, protect)
         return SaveResult(step, m.logical_bytes, written, m.nchunks, nwritten, unchanged, manifest_bytes,
-                          stage_seconds, time.perf_counter() - t0, sink.store.root)
+                          stage_seconds, time.perf_counter() - t0, sink.store.root, rewritten)
 
     def _write_chunks(self, sink: _Sink, flat: Flat, host: list[np.ndarray], step: int, meta: dict):
         cs, digest = self.chunk_size, self._digest
         entries, all_digests, new_trees, roots = [], [], {}, []
         pending: dict[bytes, Future] = {}
         unchanged = 0
+        rewritten: set[bytes] = set()
         first = 0
         for i, (blob, arr) in enumerate(zip(flat.blobs, host)):
             leaves = hash_chunks(arr, cs, digest)
@@ -409,13 +427,21 @@ class CheckpointWriter:
             # The Merkle diff says what differs from the previous version (the save's statistics).
             # What is written is every chunk the store is not known to hold: a chunk the diff
             # calls unchanged may be gone (gc removed the previous version's chunks, e.g. when it
-            # was older than the versions kept).
-            unchanged += len(leaves) - len(merkle.diff(self._prev_trees.get(name), levels))
+            # was older than the versions kept, or `verify --repair` deleted or marked it). Such a
+            # chunk is counted as rewritten, not unchanged, so the counters never overlap.
+            same_arr = np.ones(len(leaves), dtype=bool)
+            same_arr[merkle.diff(self._prev_trees.get(name), levels)] = False
+            same = same_arr.tolist()  # indexed per chunk below: Python bools, not numpy scalars
             view = memoryview(arr)
             spans = chunk_spans(blob.nbytes, cs)
             for j, row in enumerate(leaves):
                 d = row.tobytes()
-                if d in sink.known or d in pending:
+                if d in sink.known:
+                    unchanged += int(same[j])
+                    continue
+                if same[j]:
+                    rewritten.add(d)
+                if d in pending:
                     continue
                 a, e = spans[j]
                 pending[d] = self._io.submit(sink.store.put_chunk, d, view[a:e])
@@ -440,7 +466,10 @@ class CheckpointWriter:
         )
         m.stats = {"logical_bytes": m.logical_bytes, "bytes_written": written, "chunks_total": m.nchunks,
                    "chunks_written": len(pending), "chunks_unchanged": unchanged}
-        return m, written, len(pending), unchanged, new_trees, set(pending)
+        if rewritten:
+            # only when there are any: the manifests of ordinary saves keep their exact format
+            m.stats["chunks_rewritten"] = len(rewritten)
+        return m, written, len(pending), unchanged, len(rewritten), new_trees, set(pending)
 
     @staticmethod
     def _drop_orphans(sink: _Sink, digests) -> None:
@@ -477,7 +506,8 @@ class CheckpointWriter:
         m = self._main.store.read_manifest(step)
         st = m.stats or {}
         return SaveResult(step, m.logical_bytes, written, m.nchunks, st.get("chunks_written", 0),
-                          st.get("chunks_unchanged", 0), 0, 0.0, time.perf_counter() - t0, self.root)
+                          st.get("chunks_unchanged", 0), 0, 0.0, time.perf_counter() - t0, self.root,
+                          st.get("chunks_rewritten", 0))
 
     def _drain_version(self, step: int) -> int:
         src, dst = self._stage.store, self._main
