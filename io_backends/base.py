@@ -206,6 +206,11 @@ class Backend(ABC):
     def keys(self) -> list[str]:
         """Paths of every array in the container, in storage order."""
 
+    def broken_links(self) -> dict[str, str]:
+        """Paths that name an array but resolve to nothing (an HDF5 external link whose file is
+        missing), each with its target; they are not in :meth:`keys`."""
+        return {}
+
     @abstractmethod
     def info(self, key: str) -> ArrayInfo:
         """Shape and dtype of array ``key``."""

@@ -460,6 +460,10 @@ class FsspecBackend(HDF5Backend):
             keys = [k for k in order if k in self._npy.arrays] + [k for k in keys if k not in order]
         return keys
 
+    def broken_links(self) -> dict[str, str]:
+        self.ensure_open()
+        return {} if self._npy is not None else super().broken_links()
+
     def info(self, key: str) -> ArrayInfo:
         self.ensure_open()
         if self._npy is None:

@@ -11,8 +11,12 @@ from .base import ArrayInfo, Backend
 __all__ = ["HDF5Backend", "h5_keys", "h5_attrs", "h5_read_error", "read_rows"]
 
 
-def h5_keys(f) -> list[str]:
-    """Every dataset path in ``f`` (an h5py File), groups walked in creation/storage order."""
+def h5_keys(f, broken: dict[str, str] | None = None) -> list[str]:
+    """Every dataset path in ``f`` (an h5py File), groups walked in creation/storage order.
+
+    ``broken``: filled with the links that resolve to nothing (an external link whose file is
+    missing or unreachable, e.g. a relative one opened through a URL; a dangling soft link), path
+    -> target, so callers can name them instead of losing the field without a word."""
     import h5py
 
     out: list[str] = []
@@ -24,6 +28,10 @@ def h5_keys(f) -> list[str]:
                 out.append(path)
             elif isinstance(obj, h5py.Group):
                 walk(obj, path + "/")
+            elif obj is None and broken is not None:
+                link = group.get(name, getlink=True)
+                where = getattr(link, "filename", None)
+                broken[path] = f"{where}:{link.path}" if where else str(getattr(link, "path", link))
 
     walk(f, "")
     return out
@@ -81,7 +89,7 @@ class HDF5Backend(Backend):
     name = "hdf5"
 
     def _handle_attrs(self):
-        return ("_file", "_dsets", "_keys")
+        return ("_file", "_dsets", "_keys", "_broken")
 
     def _open_file(self):
         import h5py
@@ -120,8 +128,13 @@ class HDF5Backend(Backend):
     def keys(self) -> list[str]:
         self.ensure_open()
         if self._keys is None:
-            self._keys = h5_keys(self._file)
+            self._broken: dict[str, str] = {}
+            self._keys = h5_keys(self._file, self._broken)
         return list(self._keys)
+
+    def broken_links(self) -> dict[str, str]:
+        self.keys()
+        return dict(self._broken)
 
     def info(self, key: str) -> ArrayInfo:
         d = self._dset(key)

@@ -90,6 +90,9 @@ class ThrottledBackend(Backend):
     def keys(self) -> list[str]:
         return self.inner.keys()
 
+    def broken_links(self) -> dict[str, str]:
+        return self.inner.broken_links()
+
     def info(self, key: str) -> ArrayInfo:
         return self.inner.info(key)
 

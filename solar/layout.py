@@ -78,6 +78,30 @@ def tensor_dtype_ok(dtype: np.dtype) -> bool:
     return True
 
 
+def _resolve(name: str, keys: list[str]) -> str:
+    """The dataset path ``name`` means: itself (a leading ``/`` optional, as in h5py), or the one
+    nested dataset whose last path component it is (``images`` for ``entry/data/images``)."""
+    key = name.strip("/")
+    if key in keys or "/" in key:
+        return key
+    hits = [k for k in keys if k.rsplit("/", 1)[-1] == key and not k.startswith("_solar")
+            and not k.endswith(("/data", "/offsets"))]
+    return hits[0] if len(hits) == 1 else key
+
+
+def _available(backend, keys: list[str], order: list[str]) -> str:
+    """What ``fields=`` can name: the top-level fields and nested datasets with a sample axis."""
+    usable = []
+    for k in order + [k for k in keys if "/" in k and k.split("/")[0] not in order and not k.startswith("_solar")]:
+        if k in keys:
+            info = backend.info(k)
+            if len(info.shape) < 1 or not tensor_dtype_ok(info.dtype):
+                continue
+        usable.append(k)
+    return (f"available: {', '.join(usable)} (a nested dataset by its path, or its last name if unique)"
+            if usable else "no dataset with a leading sample axis in the file")
+
+
 def describe_fields(backend, fields=None) -> tuple[int, list[FieldSpec]]:
     """Parse the layout of an opened :class:`solar.io_backends.Backend`.
 
@@ -102,10 +126,12 @@ def describe_fields(backend, fields=None) -> tuple[int, list[FieldSpec]]:
         fields = order
     elif isinstance(fields, str):
         fields = [fields]
+    broken = backend.broken_links()
     specs: list[FieldSpec] = []
     for name in fields:
-        if name in keys:
-            info = backend.info(name)
+        key = _resolve(name, keys) if not every else name
+        if key in keys:
+            info = backend.info(key)
             problem = None
             if len(info.shape) < 1:
                 problem = "is a scalar; fields need a leading sample axis"
@@ -116,18 +142,28 @@ def describe_fields(backend, fields=None) -> tuple[int, list[FieldSpec]]:
                 continue           # dataset (a version, a string table) does not make the file unusable
             if problem:
                 raise DatasetFormatError(f"{backend.url}: field {name!r} {problem}; pass fields=... without it")
-            specs.append(FieldSpec(name, "raw", info.row_shape, info.dtype, name))
-        elif f"{name}/data" in keys and f"{name}/offsets" in keys:
-            a = backend.attrs(name)
+            specs.append(FieldSpec(name, "raw", info.row_shape, info.dtype, key))
+        elif f"{key}/data" in keys and f"{key}/offsets" in keys:
+            a = backend.attrs(key)
             specs.append(FieldSpec(
                 name, "codec", tuple(int(s) for s in a["sample_shape"]), np.dtype(a["dtype"]),
-                f"{name}/data", f"{name}/offsets", str(a["codec"]),
+                f"{key}/data", f"{key}/offsets", str(a["codec"]),
                 json.loads(a.get("codec_config", "{}")), float(a["abs_error"]) if "abs_error" in a else None))
-        else:
+        elif name.strip("/") in broken:
             raise DatasetFormatError(
-                f"{backend.url}: no field {name!r}; available: {', '.join(order) or 'none'}")
+                f"{backend.url}: field {name!r} is a link to {broken[name.strip('/')]}, which cannot be resolved "
+                "(the file is missing, or a relative link cannot be followed from this URL); copy the "
+                "target next to the file, open the file by its local path, or pass fields=... without it")
+        else:
+            raise DatasetFormatError(f"{backend.url}: no field {name!r}; {_available(backend, keys, order)}")
+    if every and broken:
+        import warnings
+
+        warnings.warn(f"{backend.url}: skipped {', '.join(f'{k} (-> {v})' for k, v in broken.items())}: "
+                      "links that cannot be resolved", RuntimeWarning, stacklevel=3)
     if not specs:
-        raise DatasetFormatError(f"{backend.url}: no fields with a leading sample axis found")
+        raise DatasetFormatError(f"{backend.url}: no fields with a leading sample axis found at the top level; "
+                                 f"{_available(backend, keys, order)}")
     lengths = {}
     for s in specs:
         lengths[s.name] = backend.info(s.data_key).shape[0] if s.kind == "raw" else backend.info(s.offsets_key).shape[0] - 1

@@ -247,3 +247,34 @@ def test_big_endian_fields_read_as_native_and_non_sample_datasets_are_skipped(tm
     for name, what in (("version", "scalar"), ("names", "cannot hold")):
         with pytest.raises(ValueError, match=f"field '{name}' .*{what}"):
             solar.H5Dataset(path, fields=(name,))
+
+
+def test_nested_datasets_by_path_or_last_name_and_unresolved_links_are_named(tmp_path):
+    """A NeXus-style file (datasets only inside groups): fields= takes a path with or without h5py's
+    leading '/', or a unique last name, and the errors list the nested datasets that can be fields
+    (they said "available: none"). A link that cannot be resolved is named as such (a field that
+    was simply missing before, with no word of the link), and skipped with a warning by default."""
+    p = str(tmp_path / "nexus.h5")
+    imgs = np.arange(20 * 16, dtype=np.float32).reshape(20, 4, 4)
+    with h5py.File(p, "w") as f:
+        f["entry/data/images"] = imgs
+        f["entry/sample/temperature"] = np.arange(20, dtype=np.float64)
+        f["entry/title"] = "a run"
+    with pytest.raises(solar.DatasetFormatError, match=r"no fields with a leading sample axis found at the top level; "
+                       r"available: entry/data/images, entry/sample/temperature \(a nested dataset"):
+        solar.H5Dataset(p)
+    for fields in ("images", "/entry/data/images", ("entry/data/images", "temperature")):
+        ds = solar.H5Dataset(p, fields=fields)
+        got = ds[7] if isinstance(fields, str) else ds[7][0]
+        np.testing.assert_array_equal(got.numpy(), imgs[7])
+        ds.close()
+    with pytest.raises(solar.DatasetFormatError, match=r"no field 'nope'; available: entry/data/images, entry/sample"):
+        solar.H5Dataset(p, fields="nope")
+    q = str(tmp_path / "links.h5")
+    with h5py.File(q, "w") as f:
+        f["y"] = np.arange(6.0)
+        f["x"] = h5py.ExternalLink("absent.h5", "/x")
+    with pytest.warns(RuntimeWarning, match=r"skipped x \(-> absent\.h5:/x\): links that cannot be resolved"):
+        assert solar.H5Dataset(q).fields == ("y",)
+    with pytest.raises(solar.DatasetFormatError, match=r"field 'x' is a link to absent\.h5:/x, which cannot be resolved"):
+        solar.H5Dataset(q, fields=("x", "y"))
