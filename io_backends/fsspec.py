@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from solar.errors import DatasetFormatError, SolarError, StorageError
+from solar.errors import ConfigError, DatasetFormatError, SolarError, StorageError
 
 from .base import ArrayInfo, Backend
 from .hdf5 import HDF5Backend
@@ -158,6 +158,12 @@ def _storage_errors(url: str, doing: str, hdf5: bool = False) -> Iterator[None]:
                 yield
         else:
             yield
+    except TypeError as exc:
+        if "keyword argument" not in str(exc):
+            raise
+        raise ConfigError(f"{url}: a storage option is not accepted by this URL's filesystem ({exc}) while "
+                          f"{doing}; check the keys of storage_options (and of its client_kwargs / "
+                          "config_kwargs) against the fsspec implementation for this protocol") from exc
     except Exception as exc:  # noqa: BLE001 - classified by _storage_error, else re-raised as is
         err = _storage_error(url, exc, doing, hdf5)
         if err is None:
@@ -295,6 +301,13 @@ class NpyStore:
         paths = [p for key in groups for _, p in sorted(groups[key])]
         heads = dict(zip(paths, fs.cat_ranges(paths, [0] * len(paths), [4096] * len(paths))))
         for key, members in groups.items():
+            idx = sorted(i for i, _ in members)
+            if len(members) > 1 and idx != list(range(len(idx))):  # NAME.00000.npy, NAME.00001.npy ...
+                gap = next(i for i, j in enumerate(idx) if i != j)
+                raise DatasetFormatError(
+                    f"{url}: shard {gap:05d} of {key!r} ({key}.{gap:05d}.npy) is missing: its shards are "
+                    f"numbered {', '.join(f'{i:05d}' for i in idx[:8])}{' ...' if len(idx) > 8 else ''}; "
+                    "without it the rows after it would shift, so restore the shard (or rewrite the store)")
             shards, dtype, row_shape = [], None, None
             for _, path in sorted(members):
                 head = heads[path]
@@ -368,7 +381,8 @@ class FsspecBackend(HDF5Backend):
         from fsspec.core import url_to_fs
 
         self._keep_parent_handles()
-        self._fs, path = url_to_fs(self.url, **self.options["storage_options"])
+        with _storage_errors(self.url, "opening it"):
+            self._fs, path = url_to_fs(self.url, **self.options["storage_options"])
         self._owner_pid = os.getpid()
         self._fobj = self._npy = None
         self._file = None
@@ -378,13 +392,17 @@ class FsspecBackend(HDF5Backend):
             if is_dir or urlsplit(path).path.endswith(".npy"):
                 self._npy = NpyStore(self._fs, path, self.url, is_dir)
                 return
+            self._check_same_version(info)
             kw = {} if "::" in self.url else {"cache_type": self.options.get("cache_type", "blockcache")}
-            if _is_http(self._fs):  # the server refuses (412) a file that changed since this open
+            fs = self._fs
+            if _is_http(fs):  # the server refuses (412) a file that changed since this open
                 pin = {"If-Match": info["ETag"]} if info.get("ETag") else (
                     {"If-Unmodified-Since": info["Last-Modified"]} if info.get("Last-Modified") else {})
-                kw["headers"] = {**self.options["storage_options"].get("headers", {}), **pin}
-            fobj = self._fs.open(path, "rb", block_size=self.options.get("block_size", 1 << 20),
-                                 cache_options=self.options.get("cache_options"), **kw)
+                if pin:  # through the filesystem's own headers: open(headers=) clashes with them
+                    so = self.options["storage_options"]
+                    fs = url_to_fs(self.url, **{**so, "headers": {**so.get("headers", {}), **pin}})[0]
+            fobj = fs.open(path, "rb", block_size=self.options.get("block_size", 1 << 20),
+                           cache_options=self.options.get("cache_options"), **kw)
             self._fobj = _WholeReads(fobj, self.url, info.get("size"))
         import h5py
 
@@ -398,6 +416,24 @@ class FsspecBackend(HDF5Backend):
             self._fobj.close()
             raise DatasetFormatError(f"{self.url}: cannot open as HDF5 ({exc}); is it an HDF5 file "
                                      "or a directory of .npy files?") from exc
+
+    def _check_same_version(self, info: dict) -> None:
+        """Pin the file's version on the first open; a later open of this backend or of a copy of
+        it (the dataset's request threads and workers get pickled copies, which open the URL
+        anew) must find the same version.
+
+        Why: the If-Match pin (HTTP) and s3fs's ETag check hold for one open file object only. A
+        copy opened after the file was replaced read the new version while the dataset still used
+        the old one's offsets and checksums: mixed versions, or a misleading "checksum fails,
+        the file is damaged". The version is the ETag, modification time and size that the
+        filesystem reports, whichever it has."""
+        mine = {k: info[k] for k in ("ETag", "LastModified", "Last-Modified", "mtime", "size") if info.get(k) is not None}
+        mine = {k: str(v) for k, v in mine.items()}
+        pinned = self.__dict__.get("_version")
+        if pinned is None:
+            self._version = mine
+        elif any(mine.get(k, v) != v for k, v in pinned.items()):
+            raise StorageError(f"{self.url}: {_CHANGED}")
 
     def _probe(self, path: str) -> tuple[bool, dict]:
         """``(is it a directory, its info)`` in one metadata request.

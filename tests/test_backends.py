@@ -259,6 +259,80 @@ def test_a_virtual_dataset_through_fsspec_is_an_error_not_a_crash(tmp_path):
     np.testing.assert_array_equal(HDF5Backend(str(tmp_path / "vds.h5")).read_ranges("x", [(2, 4)]), x[2:4])
 
 
+def test_http_headers_option_opens_hdf5(http_root):
+    """fsspec's usual way to send a token, storage_options={"headers": ...}, made every HTTP HDF5
+    file look missing (the version pin passed headers= a second time: a TypeError, reported as
+    FileNotFoundError). Both headers now go out with every request."""
+    root, base = http_root
+    a = np.arange(30.0).reshape(10, 3)
+    write_h5(os.path.join(root, "hdr.h5"), {"a": a})
+    b = FsspecBackend(f"{base}/hdr.h5", storage_options={"headers": {"X-Token": "abc"}})
+    np.testing.assert_array_equal(b.read_ranges("a", [(2, 5)]), a[2:5])
+    b.close()
+
+
+@pytest.mark.parametrize("where", ["http", "s3", "file"])
+def test_copies_opened_after_a_replacement_refuse_the_new_version(http_root, s3_root, tmp_path, where):
+    """The dataset's request threads and workers read through pickled copies of its backend,
+    which open the URL anew: one opened after the file was replaced read the new version while
+    the dataset used the old one's layout (mixed data, or a misleading checksum error). A copy
+    now checks that it sees the version the original pinned."""
+    import pickle
+
+    import fsspec
+
+    a = np.arange(300.0).reshape(100, 3)
+    if where == "http":
+        path, url, opts = os.path.join(http_root[0], "swap.h5"), f"{http_root[1]}/swap.h5", {}
+    elif where == "s3":
+        url, opts = f"{s3_root[0]}/swap.h5", s3_root[1]
+        path = str(tmp_path / "swap.h5")
+    else:
+        path = str(tmp_path / "swap.h5")
+        url, opts = f"file://{path}", {}
+    write_h5(path, {"a": a})
+    if where == "s3":
+        fsspec.filesystem("s3", **opts).put(path, url)
+    b = FsspecBackend(url, storage_options=opts)
+    np.testing.assert_array_equal(b.read_ranges("a", [(0, 2)]), a[:2])
+    write_h5(path + ".new", {"a": a + 1})
+    os.replace(path + ".new", path)
+    os.utime(path, (os.stat(path).st_mtime + 5,) * 2)  # validators resolve to a second
+    if where == "s3":
+        fsspec.filesystem("s3", skip_instance_cache=True, **opts).put(path, url)
+    else:
+        os.chmod(path, 0o644)
+    clone = pickle.loads(pickle.dumps(b))
+    with pytest.raises(StorageError, match="changed since it was opened"):
+        clone.read_ranges("a", [(5, 7)])
+    fresh = FsspecBackend(url, storage_options=opts)  # a new dataset reads the new version
+    np.testing.assert_array_equal(fresh.read_ranges("a", [(5, 7)]), a[5:7] + 1)
+    for x in (b, clone, fresh):
+        x.close()
+
+
+def test_npy_store_with_a_missing_shard_number_is_refused(tmp_path):
+    """Shards 00000, 00002, 00003 opened as a shorter array, silently (rows shifted)."""
+    a = np.arange(40.0).reshape(20, 2)
+    write_npy_store(str(tmp_path / "s"), {"a": a, "b": a}, shard_rows=5)
+    for k in ("a", "b"):
+        os.remove(tmp_path / "s" / f"{k}.00001.npy")
+    with pytest.raises(DatasetFormatError, match=r"shard 00001 of 'a' \(a\.00001\.npy\) is missing"):
+        FsspecBackend(str(tmp_path / "s")).keys()
+
+
+def test_a_storage_option_the_filesystem_rejects_is_named(s3_root, http_root):
+    """An option the URL's filesystem does not take (a typo such as S3's 'endpoint', S3 options on
+    an HTTP URL) gave a bare TypeError naming neither the URL nor storage_options."""
+    bucket, opts = s3_root
+    write_h5(os.path.join(http_root[0], "o.h5"), {"a": np.zeros((2, 2))})
+    for url, so in ((f"{bucket}/o.h5", {**opts, "endpoint": "http://127.0.0.1:1"}),
+                    (f"{http_root[1]}/o.h5", {"key": "k", "secret": "s"})):
+        with pytest.raises(ConfigError, match=r"o\.h5: a storage option is not accepted by this URL's filesystem "
+                                              r".*check the keys of storage_options"):
+            FsspecBackend(url, storage_options=so).keys()
+
+
 def test_group_keys_and_presigned_npy_urls(http_root, tmp_path):
     """A group's key is a KeyError naming the keys (was AttributeError from h5py's Group); a .npy
     URL with a query string (presigned) is one array named after the file (was opened as HDF5)."""
