@@ -36,7 +36,7 @@ import torch
 from torch.utils.data import Dataset
 
 from solar.cache import TierStats
-from solar.errors import CorruptDataError, InputError
+from solar.errors import ConfigError, CorruptDataError, InputError
 from solar.io_backends.base import lockstep
 from solar.layout import FieldSpec, checksum_key, describe_fields, sample_checksum
 
@@ -109,7 +109,8 @@ class H5Dataset(Dataset):
         backend: ``"auto"`` (``mpi-hdf5`` under mpirun, ``fsspec`` for URLs, else ``hdf5``), a
             registry name, or a :class:`solar.io_backends.Backend` instance.
         transform: optional per-sample callable applied to the sample (tuple or tensor).
-        device: where compressed fields are decoded (``"cpu"``, ``"cuda"`` ...).
+        device: where batches are built (``"cpu"``, ``"cuda"`` ...): compressed fields are decoded
+            there, raw fields are moved there.
         decode_compile: decode compressed fields with the ``torch.compile``-d decoder graph
             (:mod:`solar.codec.fused`): up to about 2x faster per batch once compiled (1.0-1.3x
             per epoch in ``bench/loader``), at a one-time compile of seconds per sample shape; None
@@ -132,12 +133,15 @@ class H5Dataset(Dataset):
         from solar.io_backends import open_backend
 
         self.path = os.fspath(path) if not isinstance(path, str) else path
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():  # say so now, not at the first batch
+            raise ConfigError(f"{self.path}: device={device!r}, but torch sees no CUDA device here; pass "
+                              "device='cpu' (or run where a GPU is visible)")
         self._single = isinstance(fields, str)
         self.backend = open_backend(self.path, backend, **(backend_options or {}))
         self.num_samples, self.specs = describe_fields(self.backend, fields)
         self.fields = tuple(s.name for s in self.specs)
         self.transform = transform
-        self.device = torch.device(device)
         self.decode_compile = decode_compile
         self.verify = verify
         if sieve_bytes < 0 or io_threads < 1:

@@ -278,3 +278,10 @@ def test_nested_datasets_by_path_or_last_name_and_unresolved_links_are_named(tmp
         assert solar.H5Dataset(q).fields == ("y",)
     with pytest.raises(solar.DatasetFormatError, match=r"field 'x' is a link to absent\.h5:/x, which cannot be resolved"):
         solar.H5Dataset(q, fields=("x", "y"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where no GPU is visible")
+def test_cuda_device_without_a_gpu_is_refused_at_construction(raw_path):
+    """device='cuda' where torch sees no GPU failed with torch's AssertionError at the first batch."""
+    with pytest.raises(solar.ConfigError, match="device='cuda', but torch sees no CUDA device"):
+        solar.H5Dataset(raw_path, device="cuda")
