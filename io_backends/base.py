@@ -21,9 +21,11 @@ NOTE [ Collective request checks ]
     own error, the others one of the same built-in type (``IndexError``/``ValueError``) naming
     the rank that failed and why. Serial backends raise at once and make no MPI call.
 
-    Only calls the ranks make in *lockstep* agree: the loader's passes (``H5Dataset.fetch_steps``
-    runs inside :func:`lockstep`) and any ``disjoint=True`` read (the collective transfer). Every
-    other read (``ds[i]``, ``__getitems__`` from a user's loop or torch's ``DataLoader``, a direct
+    Only calls the ranks make in *lockstep* agree: the loader's passes over a ``DistributedSampler``
+    (``H5Dataset.fetch_steps`` runs inside :func:`lockstep`; its sample checks, each field's read
+    and the checksum and decode checks agree) and any ``disjoint=True`` read (the collective
+    transfer). An independent read agrees nothing itself, even in lockstep: a dataset's lazily
+    cached reads (offsets, checksums) are made by some ranks only. Every other read (``ds[i]``, ``__getitems__`` from a user's loop or torch's ``DataLoader``, a direct
     ``read_ranges``) uses the independent transfer, which makes no MPI call, so a rank may read
     alone (rank 0 plotting a sample, each rank its own subset) and a bad request raises on the rank
     that made it. Before, every read agreed, and such ordinary code hung in the allreduce.
@@ -254,8 +256,8 @@ class Backend(ABC):
         if disjoint:
             with lockstep():  # a collective transfer follows: every rank is in this call
                 self.agree(problem)
-        else:
-            self.agree(problem)
+        elif problem is not None:  # an independent read: nothing to keep in step (the caller agrees)
+            raise problem
         if out is None:
             out = np.empty(want, dtype=info.dtype)
         token = _DISJOINT.set(bool(disjoint))
@@ -290,15 +292,18 @@ class Backend(ABC):
         from solar.errors import CorruptDataError
 
         comm = self.comm
+        from solar.errors import StorageError
+
         kind = ("index" if isinstance(problem, IndexError) else
-                "corrupt" if isinstance(problem, CorruptDataError) else "value")
+                "corrupt" if isinstance(problem, CorruptDataError) else
+                "storage" if isinstance(problem, OSError) else "value")
         mine = (0, comm.rank, kind, str(problem)) if problem is not None else (1, comm.rank, "", "")
         failed, rank, kind, why = comm.allreduce(mine, op=MPI.MIN)  # the lowest failing rank, if any
         if problem is not None:
             raise problem
         if failed == 0:
-            cls = {"index": IndexError, "corrupt": CorruptDataError}.get(kind, ValueError)
-            what = "found corrupt data" if kind == "corrupt" else "rejected its read request"
+            cls = {"index": IndexError, "corrupt": CorruptDataError, "storage": StorageError}.get(kind, ValueError)
+            what = {"corrupt": "found corrupt data", "storage": "failed to read"}.get(kind, "rejected its read request")
             raise cls(f"{self.url}: rank {rank} of {comm.size} {what} ({why}); every rank stops here instead "
                       f"of waiting in the next collective read: see rank {rank}'s error")
 

@@ -94,6 +94,8 @@ class MPIHDF5Backend(HDF5Backend):
         super().__init__(url, **options)
         self.transfer = transfer
         self._comm = comm
+        self._origin_pid = os.getpid()  # pickled along: a copy in a worker knows it is one
+        self._child = False
 
     def _handle_attrs(self):
         return (*super()._handle_attrs(), "_comm", "_dxpl", "_dxpls", "_vfile")
@@ -106,6 +108,14 @@ class MPIHDF5Backend(HDF5Backend):
 
     def _open_file(self):
         import h5py
+
+        # NOTE [ mpi-hdf5 in a child process ]: a DataLoader worker (forked, or a spawned copy)
+        # must not make MPI calls: MPI does not survive fork, and H5Fopen with the mpio driver
+        # (an MPI_Comm_dup) hung there. A child reads through a serial handle instead: reads
+        # outside the loader's passes are independent anyway, and a worker only makes those.
+        self._child = os.getpid() != self._origin_pid
+        if self._child:
+            return h5py.File(self.url, "r", rdcc_nbytes=self.options.get("rdcc_nbytes", 4 << 20))
         from mpi4py import MPI
 
         kw: dict[str, Any] = {}
@@ -191,12 +201,17 @@ class MPIHDF5Backend(HDF5Backend):
     def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
         import h5py
 
+        if self._child:  # NOTE [ mpi-hdf5 in a child process ]
+            self.stats.read_calls += read_rows(self._dset(key), self.url, key, ranges, out)
+            return
         d = self._dset(key)
-        if d.is_virtual:
+        if d.shape[0] and d.id.get_storage_size() == 0 and self._virtual(key).is_virtual:
             # Parallel HDF5 cannot read virtual datasets (HDF5 1.10: "parallel reads not supported
             # on virtual datasets"), and their storage size is 0, so the branch below returned the
             # fill value for every row, silently. They are read through a serial handle of the
             # same file instead: independent reads, no MPI call, so any rank may make them alone.
+            # (Asked of that handle too: ``is_virtual`` on the mpio one copies the layout, an
+            # MPI_Comm_dup, collective, which hung a rank that read alone.)
             self.stats.read_calls += read_rows(self._virtual(key), self.url, key, ranges, out)
             return
         if d.shape[0] == 0 or d.id.get_storage_size() == 0:

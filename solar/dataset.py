@@ -37,7 +37,7 @@ from torch.utils.data import Dataset
 
 from solar.cache import TierStats
 from solar.errors import ConfigError, CorruptDataError, InputError
-from solar.io_backends.base import lockstep
+from solar.io_backends.base import lockstep as _lockstep
 from solar.layout import FieldSpec, checksum_key, describe_fields, sample_checksum
 
 __all__ = ["H5Dataset", "StoredBatch", "StepBatch", "coalesce"]
@@ -314,7 +314,12 @@ class H5Dataset(Dataset):
         else:
             off = self._offsets_of(spec)
             want = np.stack([off[runs[:, 0]], off[runs[:, 1]]], axis=1) if len(runs) else runs
-        buf = self._read(spec.data_key, want, disjoint)
+        problem = None
+        try:
+            buf = self._read(spec.data_key, want, disjoint)
+        except (OSError, CorruptDataError) as exc:  # e.g. a damaged chunk on one rank: every rank
+            problem = exc                           # raises (in lockstep), none waits in the next call
+        self.backend.agree(problem)
         self.stats.read_calls += len(want)
         self.stats.bytes_in += int(buf.nbytes)
         # where each wanted row starts in the concatenated buffer
@@ -424,7 +429,8 @@ class H5Dataset(Dataset):
         return any(s.kind == "codec" for s in self.specs)
 
     def fetch_steps(self, steps: Sequence[Sequence[int]], buffer=None, keep=None, shared: bool = False,
-                    evict: Sequence[int] | None = None, decode: bool = False, disjoint: bool = False) -> list[StoredBatch]:
+                    evict: Sequence[int] | None = None, decode: bool = False, disjoint: bool = False,
+                    lockstep: bool = True) -> list[StoredBatch]:
         """:meth:`fetch_stored` for several steps in one pass (one ``read_ranges`` per field for all
         of them, so runs and sieving span steps), split back into one batch per step.
 
@@ -432,11 +438,16 @@ class H5Dataset(Dataset):
         per field) and gives each step its share as ``decoded`` (views; see NOTE [ Stored vs
         decoded ]); the steps then carry no stored bytes.
 
-        On a collective backend every rank must call this alike (the loader does): its checks
-        agree across ranks. Direct reads (:meth:`fetch_stored`, ``ds[i]``) need not.
+        ``lockstep=True``: every rank calls this alike (the loader does over a
+        ``DistributedSampler``), so on a collective backend its checks agree across ranks and a
+        failure on one rank raises on all. ``False`` (any other sampler: ranks may make different
+        passes, or only one rank may iterate) reads and checks on this rank alone, as direct reads
+        (:meth:`fetch_stored`, ``ds[i]``) do.
         """
-        with lockstep():  # the loader's passes: every rank makes them (NOTE [ Collective request checks ])
-            return self._fetch_steps(steps, buffer, keep, shared, evict, decode, disjoint)
+        if lockstep or disjoint:  # a disjoint pass is a collective read: every rank makes it
+            with _lockstep():  # NOTE [ Collective request checks ]
+                return self._fetch_steps(steps, buffer, keep, shared, evict, decode, disjoint)
+        return self._fetch_steps(steps, buffer, keep, shared, evict, decode, disjoint)
 
     def _fetch_steps(self, steps, buffer, keep, shared, evict, decode, disjoint) -> list[StoredBatch]:
         lengths = [len(s) for s in steps]

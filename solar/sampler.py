@@ -238,6 +238,7 @@ class SolarBatchSampler(BatchSampler):
         P, rank = self._prepare()
         buffer = self.buffer  # an older iteration's last read never lands in a newer buffer
         b, C = self._geometry()[2], self._capacity
+        in_step = type(self.inner) is BatchSampler and _stock_distributed(self.sampler)
 
         def fetch(group: list[tuple]) -> list[StepBatch]:
             # schedule mode: the plan says what this rank keeps and evicts (ownership moves, see
@@ -260,8 +261,11 @@ class SolarBatchSampler(BatchSampler):
             # [ Disjoint collective reads ] in io_backends/base.py). Every rank decides alike.
             tag = group[0][3]
             disjoint = tag is not None and max(g[3][1] for g in group) < tag[0]
+            # in step only over a DistributedSampler (every rank gets as many batches); with any
+            # other sampler ranks may differ, or one rank may iterate alone (a validation loop)
             stored = self.dataset.fetch_steps(steps, buffer=buffer, keep=keep, shared=self.shared, evict=evict,
-                                              disjoint=disjoint, **({"decode": True} if self._decode_ahead else {}))
+                                              disjoint=disjoint, lockstep=in_step,
+                                              **({"decode": True} if self._decode_ahead else {}))
             out = [StepBatch(indices) for indices in steps]
             for batch, st in zip(out, stored):
                 batch.stored = st

@@ -126,8 +126,12 @@ def test_a_bad_request_on_one_rank_fails_every_rank_instead_of_hanging(comm, sha
                 ds.fetch_stored([2, 3])
         with pytest.raises(IndexError, match=r"^\S+:x: row 40 out of range" if last else
                            rf"rank {size - 1} of {size} rejected .*row 40 out of range for 40 rows"):
-            b.read_ranges("x", [(39, 41)] if last else [(0, 2)])
-    # a disjoint read is collective, so it agrees in or out of lockstep
+            b.read_ranges("x", [(39, 41)] if last else [(0, 2)], disjoint=True)  # (the check fails first)
+    # a disjoint read is collective, so it agrees in or out of lockstep; an independent one raises
+    # on its own rank only (it makes no MPI call)
+    if last:
+        with pytest.raises(IndexError, match=r"^\S+:x: row 40 out of range"):
+            b.read_ranges("x", [(39, 41)])
     with pytest.raises(ValueError, match=r"^\S+:x: out has shape" if last else rf"rank {size - 1} .*out has shape"):
         b.read_ranges("x", [(0, 2)], out=np.empty((3 if last else 2, 3), np.float32), disjoint=True)
     # every rank is still in step: the next collective reads pair up and return the right rows
@@ -191,6 +195,97 @@ def test_virtual_datasets_are_read_not_filled(comm, shared_tmp):
     rows = [(2 * comm.rank, 2 * comm.rank + 2), (60 + 5 * comm.rank, 65 + 5 * comm.rank)]  # disjoint
     np.testing.assert_array_equal(ds.backend.read_ranges("x", rows, disjoint=True),
                                   np.concatenate([x[a:b] for a, b in rows]))
+    comm.Barrier()
+    ds.close()
+    comm.Barrier()
+
+
+@pytest.mark.timeout(120, method="thread")  # a hang (the bug) ends the MPI job instead of stalling it
+@pytest.mark.parametrize("compressed", [False, True], ids=["raw", "codec"])
+def test_reading_alone_then_training_together(comm, shared_tmp, compressed):
+    """Rank-local use next to the loader's passes: rank 0 peeks at a sample (caching the
+    checksums, and a codec field's offsets, on rank 0 only), then every rank trains over a
+    DistributedSampler; then rank 0 alone runs a validation loader, a torch DataLoader with
+    workers reads each rank's subset, and rank 0 alone reads a virtual dataset. Each hung: a
+    cached read agreed on some ranks only (an unmatched allreduce), a pass agreed with nobody,
+    workers opened the file with MPI after fork, and ``is_virtual`` made a collective call."""
+    import h5py
+    import torch.utils.data as tud
+
+    import solar
+    from solar.ingest import ingest
+
+    x = np.random.default_rng(1).standard_normal((48, 8, 8)).astype(np.float32)
+    src, path = os.path.join(shared_tmp, "alone.npy"), os.path.join(shared_tmp, f"alone-{compressed}.h5")
+    if comm.rank == 0:
+        np.save(src, x)
+        ingest([src], path, comm=None, progress=False, abs_error=1e-3 if compressed else None)
+        for i in range(2):
+            with h5py.File(os.path.join(shared_tmp, f"vpart{i}.h5"), "w") as f:
+                f["x"] = x[24 * i:24 * (i + 1)]
+        layout = h5py.VirtualLayout(shape=x.shape, dtype=x.dtype)
+        for i in range(2):
+            layout[24 * i:24 * (i + 1)] = h5py.VirtualSource(os.path.join(shared_tmp, f"vpart{i}.h5"), "x", (24, 8, 8))
+        with h5py.File(os.path.join(shared_tmp, "valone.h5"), "w") as f:
+            f.create_virtual_dataset("x", layout)
+    comm.Barrier()
+    ds = solar.H5Dataset(path, "x")
+    vds = solar.H5Dataset(os.path.join(shared_tmp, "valone.h5"), "x")
+    tol = 1e-3 if compressed else 0
+    if comm.rank == 0:
+        assert np.abs(ds[0].numpy() - x[0]).max() <= tol
+    s = tud.DistributedSampler(ds, num_replicas=comm.size, rank=comm.rank, shuffle=True, seed=1)
+    seen = 0
+    for epoch in range(2):
+        s.set_epoch(epoch)
+        for b in solar.DataLoader(ds, batch_size=4, sampler=s, buffer=0):
+            seen += len(b)
+    assert seen == 2 * 48 // comm.size
+    if comm.rank == 0:
+        got = torch_cat([b for b in solar.DataLoader(ds, batch_size=10)])
+        assert np.abs(got - x).max() <= tol
+        np.testing.assert_array_equal(vds[30].numpy(), x[30])
+    mine = list(range(comm.rank, 48, comm.size))
+    got = torch_cat([b for b in tud.DataLoader(tud.Subset(ds, mine), batch_size=4, num_workers=2)])
+    assert np.abs(got - x[mine]).max() <= tol
+    comm.Barrier()
+    ds.close()
+    vds.close()
+    comm.Barrier()
+
+
+def torch_cat(batches):
+    return np.concatenate([b.numpy() for b in batches])
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_a_damaged_chunk_on_one_rank_fails_every_rank_of_the_loader(comm, shared_tmp):
+    """h5py's read error (a Fletcher32 mismatch) on the rank that reads the damaged chunk raised
+    there alone; the others waited in the next pass's allreduce forever. Now every rank raises."""
+    import h5py
+    import torch.utils.data as tud
+
+    import solar
+
+    path = os.path.join(shared_tmp, "f32.h5")
+    if comm.rank == 0:
+        with h5py.File(path, "w") as f:
+            f.create_dataset("x", data=np.arange(40 * 8, dtype=np.float32).reshape(40, 8), chunks=(1, 8),
+                             fletcher32=True)
+            info = f["x"].id.get_chunk_info(21)
+        with open(path, "r+b") as fh:
+            fh.seek(info.byte_offset + 4)
+            byte = fh.read(1)
+            fh.seek(info.byte_offset + 4)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+    comm.Barrier()
+    ds = solar.H5Dataset(path, "x")
+    loader = solar.DataLoader(ds, batch_size=2, buffer=0, prefetch=1, sampler=tud.DistributedSampler(
+        ds, num_replicas=comm.size, rank=comm.rank, shuffle=False))
+    with pytest.raises(solar.StorageError, match=r"rows \d+-\d+ of 'x' failed .*Fletcher32|rank \d+ of \d+ failed to read"):
+        for _ in loader:
+            pass
+    del loader
     comm.Barrier()
     ds.close()
     comm.Barrier()
