@@ -228,6 +228,18 @@ def _keep_tiny_fields_raw(plans: list[FieldPlan]) -> list[str]:
     return notes
 
 
+def _samples_auto_note(sources: list[Source]) -> list[str]:
+    """The note rank 0 prints when ``samples="auto"`` took each ``.npy``/``.npz`` file as one
+    sample: runs of equal length look the same as equal-shape samples, so say which was chosen."""
+    whole = [s for s in sources if s.per_file]
+    if not whole:
+        return []
+    shapes = {n: f.shape for n, f in whole[0].fields.items()}
+    shape = str(next(iter(shapes.values()))) if len(shapes) == 1 else str(shapes)
+    return [f"{len(whole)} inputs of equal shape {shape}: each file is one sample (--samples file); pass "
+            "--samples axis0 to take their leading axis as samples"]
+
+
 def _validate(inputs, output, fields, abs_error, rel_error, resume, overwrite, batch_size, samples,
               storage_options) -> Plan:
     if abs_error is not None and rel_error is not None:
@@ -260,7 +272,8 @@ def _validate(inputs, output, fields, abs_error, rel_error, resume, overwrite, b
         raise ConfigError(f"field {deep[0].name!r} has {len(deep[0].shape)}-D samples {deep[0].shape}; the codec "
                           "handles samples of up to 4 dimensions: reshape them, or ingest this field without "
                           "--abs-error/--rel-error")
-    notes = _keep_tiny_fields_raw(plans)
+    notes = _samples_auto_note(sources) if samples == "auto" else []
+    notes += _keep_tiny_fields_raw(plans)
     starts = np.concatenate([[0], np.cumsum([s.n for s in sources])]).astype(int).tolist()
     return Plan(output, sources, plans, starts[-1], batch_size, rel_error, abs_error, starts[:-1], notes)
 

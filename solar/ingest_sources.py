@@ -17,7 +17,8 @@ How inputs map to fields
 One sample per file or many
     ``samples="axis0"``: each array's leading axis indexes samples. ``samples="file"``: each file
     is one sample (the whole array). ``samples="auto"`` (default): ``file`` when there are two or
-    more ``.npy``/``.npz`` inputs and all of them have identical array shapes, else ``axis0``.
+    more ``.npy``/``.npz`` inputs and all of them have identical array shapes, else ``axis0``
+    (``solar ingest`` says on stderr when ``auto`` chose ``file``: equal-length runs look alike).
     HDF5 inputs always have a leading sample axis.
 """
 

@@ -320,3 +320,14 @@ def test_a_signalling_nan_encodes_without_warnings_and_comes_back_exact():
         warnings.simplefilter("error")
         y = sc.decode(sc.encode(x, abs_error=1e-3)).numpy()
     assert y.view(np.uint32)[3] == 0x7FA00000
+
+
+def test_decode_batch_of_one_blob_not_in_a_list():
+    """decode_batch(blob) iterated the bytes and said "got int"; it now says to use decode()."""
+    blob = sc.encode(np.zeros((3, 4), np.float32), abs_error=1e-2)
+    for one in (blob, bytearray(blob), memoryview(blob), np.frombuffer(blob, np.uint8)):
+        with pytest.raises(ConfigError, match=r"sequence of blobs.*decode\(blob\)"):
+            sc.decode_batch(one)
+    # sequences still work: a list, a tuple, an object array of blobs, a generator
+    for many in ([blob, blob], (blob, blob), np.array([blob, blob], dtype=object), (b for b in (blob, blob))):
+        assert tuple(sc.decode_batch(many).shape) == (2, 3, 4)

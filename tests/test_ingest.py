@@ -81,6 +81,21 @@ def test_one_sample_per_file_and_field_name(tmp_path):
     assert _read_field(out2, "x").shape == (24, 4)
 
 
+def test_samples_auto_says_when_it_takes_each_file_as_one_sample(tmp_path, capsys):
+    """Runs of equal length (README's `solar ingest run*.npy`) became one sample per file without a
+    word; rank 0 now says what auto chose and how to get the leading axis as samples."""
+    paths, _ = _npy_inputs(tmp_path, sizes=(10, 10), shape=(2, 3))
+    ingest(paths, str(tmp_path / "o.h5"), progress=False)
+    err = capsys.readouterr().err
+    assert ("solar ingest: 2 inputs of equal shape (10, 2, 3): each file is one sample (--samples file); "
+            "pass --samples axis0") in err
+    for samples, n in (("file", 2), ("axis0", 20)):  # asked for explicitly: nothing to say
+        assert ingest(paths, str(tmp_path / f"{samples}.h5"), samples=samples, progress=False).num_samples == n
+        assert "each file is one sample" not in capsys.readouterr().err
+    ingest(paths[:1], str(tmp_path / "one.h5"), progress=False)  # one input: auto takes axis 0, silently
+    assert "each file is one sample" not in capsys.readouterr().err
+
+
 def test_npz_and_hdf5_inputs_with_fields_and_compression(tmp_path):
     rng = np.random.default_rng(2)
     img1, img2 = rng.standard_normal((10, 8, 8)).astype(np.float32), rng.standard_normal((15, 8, 8)).astype(np.float32)
@@ -529,6 +544,56 @@ def test_cli_serial_and_exit_codes(tmp_path):
 
         n, specs = describe_fields(open_backend(out))
         assert n == 6 and specs[0].name == "x"
+
+
+def test_storage_failure_mid_run_is_one_line_with_a_resume_hint(tmp_path, http_root, monkeypatch, capsys):
+    """An input server failing mid-run (the audit killed nginx; here it answers 403 once the file
+    is unreadable) ended in an 80-line traceback with exit 1 and no word of --resume. Now: one
+    line naming the URL, a --resume hint once batches are committed, exit 4; --resume finishes."""
+    import uuid
+
+    import solar.ingest_sources as sources
+    from solar.cli import main
+
+    root, base = http_root
+    sub = uuid.uuid4().hex[:10]
+    os.makedirs(os.path.join(root, sub))
+    path, url = os.path.join(root, sub, "a.npy"), f"{base}/{sub}/a.npy"
+    a = np.random.default_rng(7).standard_normal((40, 4, 4)).astype(np.float32)
+    np.save(path, a)
+    os.chmod(path, 0o644)
+    out = str(tmp_path / "o.h5")
+    args = ["ingest", url, "-o", out, "--no-progress", "--batch-size", "8", "--commit-interval", "0"]
+    real = sources.Source.read
+
+    def run_failing_at(k):  # the k-th read (one per batch: raw, one field) finds the file unreadable
+        calls = []
+
+        def read(self, name, lo, hi):
+            calls.append(lo)
+            if len(calls) == k:
+                os.chmod(path, 0)
+            return real(self, name, lo, hi)
+
+        monkeypatch.setattr(sources.Source, "read", read)
+        try:
+            return main(args)
+        finally:
+            os.chmod(path, 0o644)
+            monkeypatch.setattr(sources.Source, "read", real)
+
+    assert run_failing_at(1) == 4  # nothing committed yet: nothing to resume, no hint
+    err = capsys.readouterr().err
+    assert err.startswith(f"solar ingest: {url}") and "403" in err and len(err.strip().splitlines()) == 1
+    assert run_failing_at(3) == 4  # two batches committed (--commit-interval 0)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"solar ingest: {url}") and "403" in lines[0]
+    assert lines[1] == (f"solar ingest: {out}.tmp keeps the 2 batch(es) committed so far; once the storage "
+                        "answers again, rerun the same command with --resume to continue from there")
+    assert not os.path.exists(out)
+    assert main(args + ["--resume"]) == 0
+    assert "resumed at batch 2" in capsys.readouterr().out
+    np.testing.assert_array_equal(_read_field(out, "x"), a)
 
 
 def test_empty_input_reports_no_infinite_ratio(tmp_path, capsys):

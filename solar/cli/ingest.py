@@ -6,13 +6,17 @@ Examples::
     mpirun -n 8 solar ingest run1.h5 run2.h5 -o train.h5 --rel-error 1e-3 --verify
     mpirun -n 8 solar ingest ... -o train.h5 --resume         # after a crash: continue
 
-Exit codes: 0 done, 2 bad input or options (nothing written), 3 verification failed, 1 other.
+Exit codes: 0 done, 2 bad input or options (nothing written), 3 verification failed, 4 storage or
+I/O failure during the run (an input server died, stalled or refused a read; ``--resume`` continues
+from the last committed batch), 1 other.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 __all__ = ["configure", "run"]
 
@@ -42,7 +46,7 @@ def configure(p) -> None:
                    help="seconds between commits (flush + journal) that --resume restarts from (default 2; 0: every batch)")
     p.add_argument("--samples", choices=("auto", "file", "axis0"), default="auto",
                    help="file: each .npy/.npz file is one sample; axis0: arrays have a leading sample axis; "
-                        "auto (default): file when several inputs all have the same shape")
+                        "auto (default): file when several inputs all have the same shape (stderr says so)")
     p.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
                    help='fsspec options for input URLs, e.g. \'{"anon": true}\'')
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -51,11 +55,12 @@ def configure(p) -> None:
 
 def run(args) -> int:
     from solar.dist import mpi_comm
-    from solar.errors import ConfigError, CorruptDataError, InputError, MPIUnavailableError
+    from solar.errors import ConfigError, CorruptDataError, InputError, MPIUnavailableError, SolarError
     from solar.ingest import ingest
 
     comm = mpi_comm()
     rank = comm.rank if comm is not None else 0
+    t0 = time.time()
     try:
         rep = ingest(args.inputs, args.output, fields=args.fields, abs_error=args.abs_error,
                      rel_error=args.rel_error, resume=args.resume, overwrite=args.overwrite, verify=args.verify,
@@ -69,6 +74,20 @@ def run(args) -> int:
         if rank == 0:
             print(f"solar ingest: verification failed: {exc}", file=sys.stderr)
         return 3
+    except OSError as exc:
+        # Storage failed mid-run (StorageError: a server died, refused or ignored a Range request;
+        # or another OSError of a read or write): one line, not a traceback, and how to go on.
+        # Possibly raised on this rank alone: under MPI it says so and ends the job.
+        parallel = comm is not None and comm.size > 1
+        what = str(exc) if isinstance(exc, SolarError) else f"{type(exc).__name__}: {exc}"
+        if rank == 0 or parallel:
+            print(f"solar ingest: {f'rank {rank}: ' if parallel else ''}{what}", file=sys.stderr)
+            hint = _resume_hint(args, t0)
+            if hint:
+                print(f"solar ingest: {hint}", file=sys.stderr, flush=True)
+        if parallel:
+            comm.Abort(EXIT_STORAGE)
+        return EXIT_STORAGE
     except BaseException as exc:
         # One rank failing alone would leave the others blocked in a collective call: end the job.
         if comm is not None and comm.size > 1 and not isinstance(exc, KeyboardInterrupt):
@@ -95,3 +114,23 @@ def run(args) -> int:
 
 
 OUT_SAFE = "the output was not created; rerun with --resume to continue"
+EXIT_STORAGE = 4
+
+
+def _resume_hint(args, t0: float) -> str | None:
+    """What ``--resume`` would continue after a failed run, if anything: ``OUT.tmp`` and its
+    journal with committed batches (NOTE [ Ingest crash safety ] in ``solar/ingest.py``). A
+    journal older than this run belongs to an earlier one, unless this run was a ``--resume``."""
+    from solar.ingest import JOURNAL_SUFFIX, TMP_SUFFIX, _journal_read
+
+    out = args.output[len("file://"):] if args.output.startswith("file://") else args.output
+    tmp, journal = out + TMP_SUFFIX, out + JOURNAL_SUFFIX
+    rec = _journal_read(journal)
+    try:
+        fresh = args.resume or os.stat(journal).st_mtime >= t0 - 1
+    except OSError:
+        return None
+    if not rec or not fresh or not os.path.exists(tmp) or not int(rec.get("batches_done") or 0):
+        return None
+    return (f"{tmp} keeps the {rec['batches_done']} batch(es) committed so far; once the storage answers "
+            "again, rerun the same command with --resume to continue from there")

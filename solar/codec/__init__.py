@@ -187,6 +187,12 @@ def decode_batch(blobs: Sequence, *, device="cpu", names: Sequence[Any] | None =
     """
     import torch
 
+    # one blob passed alone would be iterated byte by byte ("got int"): say what to pass instead
+    if isinstance(blobs, (bytes, bytearray, memoryview)) or (
+            isinstance(blobs, np.ndarray) and blobs.ndim == 1 and not blobs.dtype.hasobject):
+        raise ConfigError(f"decode_batch takes a sequence of blobs (e.g. a list of bytes), got one "
+                          f"{type(blobs).__name__} object; use decode(blob) for a single blob, or "
+                          "decode_batch([blob])")
     if names is not None and len(names) != len(blobs):
         raise ConfigError(f"names= has {len(names)} entries for {len(blobs)} blobs")
     parsed = [_parse(b, f"sample {names[i]!r}" if names is not None else f"blob {i} of the batch")
