@@ -25,9 +25,9 @@ NOTE [ Collective request checks ]
     (``H5Dataset.fetch_steps`` runs inside :func:`lockstep`; its sample checks, each field's read
     and the checksum and decode checks agree) and any ``disjoint=True`` read (the collective
     transfer). An independent read agrees nothing itself, even in lockstep: a dataset's lazily
-    cached reads (offsets, checksums) are made by some ranks only. Every other read (``ds[i]``, ``__getitems__`` from a user's loop or torch's ``DataLoader``, a direct
-    ``read_ranges``) uses the independent transfer, which makes no MPI call, so a rank may read
-    alone (rank 0 plotting a sample, each rank its own subset) and a bad request raises on the rank
+    cached reads (offsets, checksums) are made by some ranks only. Every other read (``ds[i]``,
+    ``__getitems__`` from a user's loop or torch's ``DataLoader``, a direct ``read_ranges``) uses
+    the independent transfer, which makes no MPI call, so a rank may read alone (rank 0 plotting a sample, each rank its own subset) and a bad request raises on the rank
     that made it. Before, every read agreed, and such ordinary code hung in the allreduce.
 
 NOTE [ Disjoint collective reads ]
@@ -76,6 +76,7 @@ def lockstep() -> Iterator[None]:
         yield
     finally:
         _LOCKSTEP.reset(token)
+
 
 __all__ = ["Backend", "ArrayInfo", "IOStats", "normalize_ranges", "lockstep"]
 
@@ -289,11 +290,9 @@ class Backend(ABC):
             return
         from mpi4py import MPI
 
-        from solar.errors import CorruptDataError
+        from solar.errors import CorruptDataError, StorageError
 
         comm = self.comm
-        from solar.errors import StorageError
-
         kind = ("index" if isinstance(problem, IndexError) else
                 "corrupt" if isinstance(problem, CorruptDataError) else
                 "storage" if isinstance(problem, OSError) else "value")

@@ -427,8 +427,8 @@ class FsspecBackend(HDF5Backend):
         the old one's offsets and checksums: mixed versions, or a misleading "checksum fails,
         the file is damaged". The version is the ETag, modification time and size that the
         filesystem reports, whichever it has."""
-        mine = {k: info[k] for k in ("ETag", "LastModified", "Last-Modified", "mtime", "size") if info.get(k) is not None}
-        mine = {k: str(v) for k, v in mine.items()}
+        mine = {k: str(info[k]) for k in ("ETag", "LastModified", "Last-Modified", "mtime", "size")
+                if info.get(k) is not None}
         pinned = self.__dict__.get("_version")
         if pinned is None:
             self._version = mine

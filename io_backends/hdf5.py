@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import numpy as np
 
 from .base import ArrayInfo, Backend
 
-__all__ = ["HDF5Backend", "h5_keys", "h5_attrs", "h5_read_error", "read_rows"]
+__all__ = ["HDF5Backend", "h5_keys", "h5_attrs", "h5_read_errors", "read_rows"]
 
 
 def h5_keys(f, broken: dict[str, str] | None = None) -> list[str]:
@@ -37,20 +38,24 @@ def h5_keys(f, broken: dict[str, str] | None = None) -> list[str]:
     return out
 
 
-def h5_read_error(url: str, key: str, ranges: np.ndarray, exc: BaseException) -> Exception | None:
-    """h5py's own read failure (a plain ``OSError`` such as "data error detected by Fletcher32
-    checksum") as a :class:`~solar.StorageError` naming the file, dataset and rows; None for
-    anything else (transport errors keep their types for the caller to classify)."""
-    if type(exc) is not OSError:
-        return None
-    from solar.errors import StorageError
+@contextlib.contextmanager
+def h5_read_errors(url: str, key: str, ranges) -> Iterator[None]:
+    """Re-raise h5py's own read failure (a plain ``OSError`` such as "data error detected by
+    Fletcher32 checksum") as a :class:`~solar.StorageError` naming the file, dataset and rows;
+    anything else passes (transport errors keep their types for the caller to classify)."""
+    try:
+        yield
+    except OSError as exc:
+        if type(exc) is not OSError:
+            raise
+        from solar.errors import StorageError
 
-    msg = str(exc)
-    rows = f"rows {int(ranges[0][0])}-{int(ranges[-1][1]) - 1}" if len(ranges) else "no rows"
-    damaged = any(w in msg.lower() for w in ("checksum", "data error", "filter", "inflate", "decompress"))
-    todo = ("its stored chunks are damaged (an HDF5 filter or checksum failed): copy the file again or "
-            "regenerate it" if damaged else "check that the file is intact and readable with h5py")
-    return StorageError(f"{url}: reading {rows} of {key!r} failed ({msg}); {todo}")
+        msg = str(exc)
+        rows = f"rows {int(ranges[0][0])}-{int(ranges[-1][1]) - 1}" if len(ranges) else "no rows"
+        damaged = any(w in msg.lower() for w in ("checksum", "data error", "filter", "inflate", "decompress"))
+        todo = ("its stored chunks are damaged (an HDF5 filter or checksum failed): copy the file again or "
+                "regenerate it" if damaged else "check that the file is intact and readable with h5py")
+        raise StorageError(f"{url}: reading {rows} of {key!r} failed ({msg}); {todo}") from exc
 
 
 def read_rows(d, url: str, key: str, ranges: np.ndarray, out: np.ndarray) -> int:
@@ -61,13 +66,8 @@ def read_rows(d, url: str, key: str, ranges: np.ndarray, out: np.ndarray) -> int
         n = stop - start
         if n == 0:
             continue
-        try:
+        with h5_read_errors(url, key, [(start, stop)]):
             d.read_direct(out, np.s_[start:stop], np.s_[pos:pos + n])
-        except OSError as exc:
-            err = h5_read_error(url, key, np.array([[start, stop]]), exc)
-            if err is None:
-                raise
-            raise err from exc
         pos += n
         calls += 1
     return calls

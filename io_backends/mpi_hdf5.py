@@ -39,7 +39,7 @@ import numpy as np
 from solar.errors import ConfigError, MPIUnavailableError
 
 from .base import disjoint_read
-from .hdf5 import HDF5Backend, h5_read_error, read_rows
+from .hdf5 import HDF5Backend, h5_read_errors, read_rows
 
 __all__ = ["MPIHDF5Backend", "require_parallel_hdf5"]
 
@@ -115,7 +115,7 @@ class MPIHDF5Backend(HDF5Backend):
         # outside the loader's passes are independent anyway, and a worker only makes those.
         self._child = os.getpid() != self._origin_pid
         if self._child:
-            return h5py.File(self.url, "r", rdcc_nbytes=self.options.get("rdcc_nbytes", 4 << 20))
+            return super()._open_file()
         from mpi4py import MPI
 
         kw: dict[str, Any] = {}
@@ -202,8 +202,7 @@ class MPIHDF5Backend(HDF5Backend):
         import h5py
 
         if self._child:  # NOTE [ mpi-hdf5 in a child process ]
-            self.stats.read_calls += read_rows(self._dset(key), self.url, key, ranges, out)
-            return
+            return super()._read_ranges(key, ranges, out)
         d = self._dset(key)
         if d.shape[0] and d.id.get_storage_size() == 0 and self._virtual(key).is_virtual:
             # Parallel HDF5 cannot read virtual datasets (HDF5 1.10: "parallel reads not supported
@@ -238,15 +237,9 @@ class MPIHDF5Backend(HDF5Backend):
             buf = out
             if not (out.flags.c_contiguous and out.flags.writeable):
                 buf = np.empty_like(out)
-        try:
+        with h5_read_errors(self.url, key, ranges):
             d.id.read(mspace, fspace, buf, dxpl=self._dataset_dxpl(key, d))
-        except OSError as exc:
-            err = h5_read_error(self.url, key, ranges, exc)
-            if err is None:
-                raise
-            raise err from exc
         if total and buf is not out:
             out[...] = buf
         self.stats.read_calls += 1
         self.stats.extra["collective_calls"] = self.stats.extra.get("collective_calls", 0) + 1
-

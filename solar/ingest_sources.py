@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from solar.errors import InputError
+from solar.layout import name_matches
 
 __all__ = ["Source", "FieldInfo", "open_sources", "parse_field_args", "input_kind"]
 
@@ -184,7 +185,7 @@ class Source:
         out: list[str] = []
         for key in wanted:
             k = key.strip("/")
-            hits = [k] if k in entries else [e for e in entries if e.rsplit("/", 1)[-1] == k]
+            hits = name_matches(k, entries)
             if not hits:
                 raise InputError(f"{self.url}: no array {key!r}; it has: {', '.join(entries) or 'none'}")
             if len(hits) > 1:
@@ -228,8 +229,7 @@ def _describe(url: str, wanted, storage_options) -> Source:
         names = {}
         for name, k in wanted:
             # an HDF5 dataset may be named by its full path or, if unambiguous, its last component
-            k = k.strip("/") if kind == "hdf5" else k
-            hits = [k] if k in avail else [a for a in avail if a.rsplit("/", 1)[-1] == k]
+            hits = name_matches(k, avail)
             if len(hits) != 1:
                 raise InputError(f"{url}: no array {k!r}; it has: {', '.join(avail) or 'none'}")
             names[name] = hits[0]

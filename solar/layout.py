@@ -78,15 +78,19 @@ def tensor_dtype_ok(dtype: np.dtype) -> bool:
     return True
 
 
-def _resolve(name: str, keys: list[str]) -> str:
-    """The dataset path ``name`` means: itself (a leading ``/`` optional, as in h5py), or the one
-    nested dataset whose last path component it is (``images`` for ``entry/data/images``)."""
+def name_matches(name: str, entries) -> list[str]:
+    """The entries (dataset paths) ``name`` may mean: itself, a leading ``/`` optional as in h5py,
+    else every entry whose last path component it is (``images`` for ``entry/data/images``); a
+    caller takes a single match and reports none or several."""
     key = name.strip("/")
-    if key in keys or "/" in key:
-        return key
-    hits = [k for k in keys if k.rsplit("/", 1)[-1] == key and not k.startswith("_solar")
-            and not k.endswith(("/data", "/offsets"))]
-    return hits[0] if len(hits) == 1 else key
+    return [key] if key in entries else [e for e in entries if e.rsplit("/", 1)[-1] == key]
+
+
+def _resolve(name: str, keys: list[str]) -> str:
+    """The dataset path ``name`` means (:func:`name_matches` among the datasets that are not
+    SOLAR's own or a compressed field's parts), or ``name`` itself when that is not one path."""
+    hits = name_matches(name, [k for k in keys if not k.startswith("_solar") and not k.endswith(("/data", "/offsets"))])
+    return hits[0] if len(hits) == 1 else name.strip("/")
 
 
 def _available(backend, keys: list[str], order: list[str]) -> str:
@@ -149,9 +153,9 @@ def describe_fields(backend, fields=None) -> tuple[int, list[FieldSpec]]:
                 name, "codec", tuple(int(s) for s in a["sample_shape"]), np.dtype(a["dtype"]),
                 f"{key}/data", f"{key}/offsets", str(a["codec"]),
                 json.loads(a.get("codec_config", "{}")), float(a["abs_error"]) if "abs_error" in a else None))
-        elif name.strip("/") in broken:
+        elif key in broken:
             raise DatasetFormatError(
-                f"{backend.url}: field {name!r} is a link to {broken[name.strip('/')]}, which cannot be resolved "
+                f"{backend.url}: field {name!r} is a link to {broken[key]}, which cannot be resolved "
                 "(the file is missing, or a relative link cannot be followed from this URL); copy the "
                 "target next to the file, open the file by its local path, or pass fields=... without it")
         else:

@@ -146,8 +146,13 @@ class SolarBatchSampler(BatchSampler):
         return getattr(inner, name)
 
     @property
+    def _distributed(self) -> bool:
+        """Torch's batches over a stock ``DistributedSampler``: every rank gets as many."""
+        return type(self.inner) is BatchSampler and _stock_distributed(self.sampler)
+
+    @property
     def mode(self) -> str:
-        ok = type(self.inner) is BatchSampler and _stock_distributed(self.sampler)
+        ok = self._distributed
         # a batch larger than the rank's share is one partial step (or none with drop_last): as in
         # torch, and there is nothing to plan, so such a loader passes through
         return "schedule" if ok and len(self.sampler) >= self.inner.batch_size else "passthrough"
@@ -238,7 +243,7 @@ class SolarBatchSampler(BatchSampler):
         P, rank = self._prepare()
         buffer = self.buffer  # an older iteration's last read never lands in a newer buffer
         b, C = self._geometry()[2], self._capacity
-        in_step = type(self.inner) is BatchSampler and _stock_distributed(self.sampler)
+        in_step = self._distributed
 
         def fetch(group: list[tuple]) -> list[StepBatch]:
             # schedule mode: the plan says what this rank keeps and evicts (ownership moves, see
