@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from solar.dist import collective_call, private_comm
 from solar.errors import ConfigError, MPIUnavailableError
 
 from .base import disjoint_read
@@ -70,7 +71,9 @@ class MPIHDF5Backend(HDF5Backend):
 
     Args:
         url: local path on a file system every rank sees.
-        comm: an mpi4py communicator (default ``MPI.COMM_WORLD``); not pickled.
+        comm: an mpi4py communicator (default ``MPI.COMM_WORLD``); the backend makes its calls
+            over SOLAR's private duplicate of it (:func:`solar.dist.private_comm`, made when the
+            backend is constructed: collective over ``comm``). Not pickled.
         mpi_hints: MPI-IO hints (``MPI.Info``), e.g. ``{"romio_cb_read": "enable",
             "cb_buffer_size": "16777216"}``; strings only.
         transfer: ``"collective"`` (default; ``H5FD_MPIO_COLLECTIVE``, MPI-IO may aggregate with
@@ -93,7 +96,9 @@ class MPIHDF5Backend(HDF5Backend):
                               f"got {transfer!r}")
         super().__init__(url, **options)
         self.transfer = transfer
-        self._comm = comm
+        # SOLAR's own duplicate of the communicator, made here, on the constructing thread, where
+        # every rank constructs the backend (NOTE [ SOLAR's own MPI traffic ] in solar/dist.py)
+        self._comm = private_comm(comm if comm is not None else require_parallel_hdf5(f"backend 'mpi-hdf5' for {url}"))
         self._origin_pid = os.getpid()  # pickled along: a copy in a worker knows it is one
         self._child = False
 
@@ -102,8 +107,9 @@ class MPIHDF5Backend(HDF5Backend):
 
     @property
     def comm(self):
+        """SOLAR's private duplicate of the communicator (a pickled copy takes its process's cached one)."""
         if getattr(self, "_comm", None) is None:
-            self._comm = require_parallel_hdf5(f"backend 'mpi-hdf5' for {self.url}")
+            self._comm = private_comm(require_parallel_hdf5(f"backend 'mpi-hdf5' for {self.url}"))
         return self._comm
 
     def _open_file(self):
@@ -137,13 +143,22 @@ class MPIHDF5Backend(HDF5Backend):
         # than leave the others blocked inside H5Fopen's MPI_File_open.
         if not os.path.exists(self.url):
             raise FileNotFoundError(f"{self.url}: no such HDF5 file; check the path (every rank must see it)")
-        super()._open()
+        if os.getpid() != self._origin_pid:  # a child reads through a serial handle: no MPI call
+            super()._open()
+            return
+        collective_call(super()._open)  # H5Fopen is collective: on the MPI thread, in order
         # An mpio file still open when MPI_Finalize runs (mpi4py finalizes at exit) aborts the
         # job; close it first. atexit runs handlers in reverse order, so this precedes mpi4py's.
         ref = weakref.ref(self)
         atexit.register(lambda: (b := ref()) is not None and b.close())
 
     def _close(self) -> None:
+        if not self._child:  # H5Fclose of an mpio file is collective too
+            collective_call(self._close_handles)
+        else:
+            self._close_handles()
+
+    def _close_handles(self) -> None:
         self.__dict__.pop("_dxpl", None)
         self.__dict__.pop("_dxpls", None)
         v = self.__dict__.pop("_vfile", None)

@@ -9,9 +9,15 @@ variables, else a single process. mpi4py is imported only when a launcher is det
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
-__all__ = ["DistInfo", "get_dist_info", "under_mpirun", "mpi_comm"]
+__all__ = ["DistInfo", "get_dist_info", "under_mpirun", "mpi_comm", "private_comm", "mpi_executor", "on_mpi_thread",
+           "collective_call"]
+
+T = TypeVar("T")
 
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "SLURM_MPI_TYPE")
 
@@ -53,3 +59,88 @@ def get_dist_info() -> DistInfo:
     if "WORLD_SIZE" in os.environ:
         return DistInfo(int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"]), "env")
     return DistInfo(0, 1, "single")
+
+
+# NOTE [ SOLAR's own MPI traffic ]
+#     MPI pairs the collective calls of a communicator by their order on each rank. SOLAR makes
+#     collective calls of its own (opening and closing parallel HDF5 files, the loader's
+#     collective reads and its small agreement allreduces), while the training script makes
+#     others: its own mpi4py reductions on COMM_WORLD, and a second loader (a validation pass in
+#     the middle of an epoch) whose reads would otherwise run on another thread. Two rules keep
+#     the pairing right on every rank:
+#
+#     * SOLAR's calls go over a **private duplicate** of the communicator (:func:`private_comm`),
+#       never COMM_WORLD itself, so a script's ``comm.allreduce`` cannot pair with one of ours
+#       (it did: a user's sum met our allreduce's tuple, or both ranks hung).
+#     * they all run on **one thread per process** (:func:`mpi_executor`), in the order they
+#       were submitted. Submissions come from the training loop's thread, in program order,
+#       which is the same on every rank, so the calls are too, however many loaders run. Before,
+#       each loader's read-ahead thread made its calls when it got to them, and a validation
+#       loader's pass met the training loader's read-ahead in a different order on each rank.
+#
+#     Reads outside the loader's passes (``ds[i]``) stay independent and run where they are
+#     called. A script making its own *parallel HDF5* calls (an ``mpio`` h5py file of its own)
+#     while a loader reads ahead should do them through :func:`collective_call` too: h5py holds
+#     one lock over every HDF5 call, so a collective HDF5 call on two threads can wait on each
+#     other across ranks.
+
+_COMMS: dict = {}
+_COMMS_LOCK = threading.Lock()
+_EXECUTOR: ThreadPoolExecutor | None = None
+_EXECUTOR_PID: int | None = None
+_EXECUTOR_IDENT: int | None = None
+
+
+def private_comm(comm=None):
+    """SOLAR's duplicate of ``comm`` (default ``MPI.COMM_WORLD``), one per process and base comm.
+
+    The first call for a communicator is collective over it (``MPI_Comm_dup``): make it at the
+    same point on every rank, from the thread that owns ``comm`` (opening a parallel-HDF5 dataset
+    does it). Later calls return the cached duplicate and make no MPI call. Returns ``None``
+    when not under an MPI launcher and no ``comm`` is given. See NOTE [ SOLAR's own MPI traffic ].
+    """
+    if comm is None:
+        comm = mpi_comm()
+        if comm is None:
+            return None
+    key = (os.getpid(), comm.py2f())
+    with _COMMS_LOCK:
+        dup = _COMMS.get(key)
+        if dup is None:
+            dup = _COMMS[key] = comm.Dup()
+    return dup
+
+
+def _note_thread() -> None:
+    global _EXECUTOR_IDENT
+    _EXECUTOR_IDENT = threading.get_ident()
+
+
+def mpi_executor() -> ThreadPoolExecutor:
+    """The single thread that makes SOLAR's collective MPI calls in this process (created on first use)."""
+    global _EXECUTOR, _EXECUTOR_PID
+    with _COMMS_LOCK:
+        if _EXECUTOR is None or _EXECUTOR_PID != os.getpid():  # a forked child starts its own
+            _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="solar-mpi", initializer=_note_thread)
+            _EXECUTOR_PID = os.getpid()
+        return _EXECUTOR
+
+
+def on_mpi_thread() -> bool:
+    """Whether the calling thread is :func:`mpi_executor`'s."""
+    return _EXECUTOR_IDENT is not None and threading.get_ident() == _EXECUTOR_IDENT and _EXECUTOR_PID == os.getpid()
+
+
+def collective_call(fn: Callable[..., T], *args, **kwargs) -> T:
+    """Run ``fn(*args, **kwargs)`` on :func:`mpi_executor`'s thread and return its result.
+
+    Inline when already on that thread (nested calls) or when the interpreter is shutting down
+    (no other thread runs then). Exceptions propagate with their type.
+    """
+    if on_mpi_thread():
+        return fn(*args, **kwargs)
+    try:
+        fut = mpi_executor().submit(fn, *args, **kwargs)
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        return fn(*args, **kwargs)
+    return fut.result()

@@ -3,13 +3,16 @@
 One thread, not a pool: the fetches mutate the rank's buffer (hits, keeps) and, on a collective
 backend, make MPI calls that every rank must issue in the same order; a single FIFO thread keeps
 both in step order while I/O overlaps the training loop (h5py, throttled sleeps and network reads
-all release the GIL, and torch kernels release it too).
+all release the GIL, and torch kernels release it too). Collective passes run on the process's
+one MPI thread instead (``executor=``, NOTE [ SOLAR's own MPI traffic ] in solar/dist.py), which
+every loader shares.
 """
 
 from __future__ import annotations
 
 import collections
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from typing import Callable, Iterable, Iterator, TypeVar
 
 __all__ = ["prefetch"]
@@ -18,7 +21,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2, cancel: bool = True) -> Iterator[R]:
+def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2, cancel: bool = True,
+             executor: Executor | None = None) -> Iterator[R]:
     """Yield ``fn(item)`` for each item, computing up to ``depth`` items ahead on a background thread.
 
     ``depth=0`` runs ``fn`` inline. Exceptions from ``fn`` are re-raised, with their type, when
@@ -27,12 +31,16 @@ def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2, cancel: b
     it still runs. Collective reads need ``cancel=False``: how many fetches were *submitted*
     depends only on how many results the consumer took, which is the same on every rank, while
     how many had *started* depends on timing.
+
+    ``executor``: a shared single-thread executor to run ``fn`` on (not shut down here); then
+    ``fn`` runs there even with ``depth=0`` (submitted and waited for one item at a time).
     """
-    if depth <= 0:
+    if depth <= 0 and executor is None:
         for item in items:
             yield fn(item)
         return
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="solar-prefetch")
+    depth = max(depth, 0)
+    pool = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="solar-prefetch")
     pending: collections.deque = collections.deque()
     it = iter(items)
     try:
@@ -46,4 +54,12 @@ def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2, cancel: b
         if cancel:
             for fut in pending:
                 fut.cancel()
-        pool.shutdown(wait=True)
+        if executor is None:
+            pool.shutdown(wait=True)
+        elif not _on_thread_of(executor):  # (a generator collected on that thread cannot wait for it)
+            wait(pending)
+
+
+def _on_thread_of(executor: Executor) -> bool:
+    threads = getattr(executor, "_threads", ())
+    return any(t.ident == threading.get_ident() for t in threads)

@@ -38,6 +38,7 @@ from typing import Any, Iterator
 import numpy as np
 from torch.utils.data import BatchSampler, DistributedSampler
 
+from solar.dist import collective_call, mpi_executor
 from solar.errors import ConfigError
 from solar.prefetch import prefetch as _prefetch
 from solar.schedule import PlanConfig, Planner, capacity_for_bytes, owner_of
@@ -281,7 +282,10 @@ class SolarBatchSampler(BatchSampler):
         groups = iter(lambda: list(itertools.islice(steps, size)), [])
         collective = self._collective
         handed = 0
-        passes = _prefetch(groups, fetch, 1 if self.prefetch else 0, cancel=not collective)
+        # passes in step make collective calls: on the process's one MPI thread, shared by every
+        # loader (NOTE [ SOLAR's own MPI traffic ] in solar/dist.py)
+        executor = mpi_executor() if collective and in_step else None
+        passes = _prefetch(groups, fetch, 1 if self.prefetch else 0, cancel=not collective, executor=executor)
         try:
             for group in passes:
                 for batch in group:
@@ -362,7 +366,11 @@ class SolarBatchSampler(BatchSampler):
         from mpi4py import MPI
 
         comm = self.dataset.backend.comm
-        lo, hi, any_open = (comm.allreduce(v, op=MPI.MAX) for v in (-steps, steps, is_open))
+
+        def agree():
+            return [comm.allreduce(v, op=MPI.MAX) for v in (-steps, steps, is_open)]
+
+        lo, hi, any_open = collective_call(agree)
         return (hi if -lo == hi else -1), bool(any_open)
 
     @property

@@ -1,7 +1,8 @@
 """Reliability: SIGKILL a saving process at random moments, again and again.
 
 A "zygote" process imports torch once and forks one saver per cycle, so a cycle costs
-milliseconds instead of a Python start-up; the test SIGKILLs the saver after a random 0-200 ms
+milliseconds instead of a Python start-up; the test SIGKILLs the saver after a random 0-200 ms (longer on a machine
+where one save takes longer than 50 ms)
 (while it is hashing, writing chunks, committing a manifest or collecting garbage), then checks
 that the newest committed version loads bit-exact and that ``verify`` passes. Every sixth cycle
 kills a full ``gc`` instead, which must never leave a manifest whose chunks are gone.
@@ -33,11 +34,22 @@ def make_state(step):
 '''
 
 ZYGOTE_SRC = '''
-import os, random, signal, sys
+import os, random, signal, sys, time
 from solar.checkpoint import CheckpointWriter, gc, list_versions
-signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps killed savers
 root = sys.argv[1]
-print("ready", flush=True)
+# how long one save takes on this machine now: the kill delays scale with it, so a loaded CI
+# machine still kills savers in the middle of their saves, not always before the first commits.
+# Timed in a child: a save starts threads, and a process must not fork after that.
+t0 = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    try:
+        CheckpointWriter(root + "-calibrate", chunk_size=16 * 1024).save(make_state(0), 0)
+    finally:
+        os._exit(0)
+os.waitpid(pid, 0)
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps killed savers
+print("ready", time.perf_counter() - t0, flush=True)
 for line in sys.stdin:
     job, seed = line.split()
     seed = int(seed)
@@ -89,13 +101,15 @@ def test_sigkill_while_saving_never_loses_the_last_committed_version(tmp_path):
     rng = random.Random(1234)
     kills, with_temporaries, last = 0, 0, -1
     try:
-        assert zygote.stdout.readline().strip() == "ready"
+        ready, save_s = zygote.stdout.readline().split()
+        assert ready == "ready"
+        save_window = max(0.2, 4 * float(save_s))
         for cycle in range(60):
             job = "gc" if cycle % 6 == 5 else "save"
             zygote.stdin.write(f"{job} {cycle}\n")
             zygote.stdin.flush()
             pid = int(zygote.stdout.readline())
-            time.sleep(rng.uniform(0.0, 0.2 if job == "save" else 0.02))
+            time.sleep(rng.uniform(0.0, save_window if job == "save" else 0.02))
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:  # a small gc can finish first; a saver loops until killed

@@ -488,6 +488,40 @@ def test_prefetch_order_errors_and_early_close(cancel):
     assert ran == sorted(ran) and set(ran) <= {0, 1, 2} and (cancel or ran == [0, 1, 2])
 
 
+def test_two_prefetches_on_the_shared_mpi_thread_run_in_submission_order():
+    """Collective passes of every loader share one thread (NOTE [ SOLAR's own MPI traffic ]):
+    their fetches run in the order the consumer submitted them, interleaved across loaders, and
+    nested collective calls run inline there instead of waiting on themselves."""
+    import threading
+
+    from solar.dist import collective_call, mpi_executor, on_mpi_thread
+    from solar.prefetch import prefetch
+
+    ran, threads = [], set()
+
+    def fn(tag):
+        def f(i):
+            threads.add(threading.get_ident())
+            assert on_mpi_thread() and collective_call(lambda: i) == i  # nested: inline
+            ran.append((tag, i))
+            return i
+        return f
+
+    ex = mpi_executor()
+    a = prefetch(range(4), fn("a"), depth=1, cancel=False, executor=ex)
+    b = prefetch(range(3), fn("b"), depth=0, cancel=False, executor=ex)
+    assert next(a) == 0  # submits a0, a1
+    assert next(b) == 0  # submits b0 and waits for it
+    assert next(a) == 1  # submits a2
+    a.close()  # waits for a2 (cancel=False: every rank runs what it submitted)
+    assert list(b) == [1, 2]
+    assert ran == [("a", 0), ("a", 1), ("b", 0), ("a", 2), ("b", 1), ("b", 2)]
+    assert len(threads) == 1 and not on_mpi_thread()
+    with pytest.raises(KeyError, match="boom"):
+        collective_call(lambda: {}["boom"])
+    assert mpi_executor() is ex
+
+
 def test_buffers_follow_the_plan_exactly_when_ownership_moves(h5path):
     """Small batches at a high fill overflow single owners; the plan then moves ownership (keeps +
     evictions). The ranks' buffers must serve exactly the planned hits and never exceed C."""

@@ -186,3 +186,83 @@ def test_resuming_a_one_rank_state_on_every_rank_gives_each_a_batch_in_the_last_
     want = {bytes(r) for r in y_ref[global_order(96, comm.size, 8, 0)[7:]].numpy().reshape(89, -1)}
     assert got >= want
     ds.close()
+
+
+def _no_hang(seconds: int = 120):
+    """A hang fails the job (with every thread's stack) instead of blocking CI."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(seconds, exit=True)
+
+
+@pytest.mark.mpi
+def test_a_validation_pass_in_the_middle_of_an_epoch_keeps_both_loaders_in_step(comm, shared_tmp):
+    """Validate every few training steps with a second loader over a DistributedSampler, as
+    training scripts do, while the training loader reads ahead. Before, each loader's read-ahead
+    thread made its collective calls when it got to them, so the two loaders' calls met in a
+    different order on each rank: a hang (or an allreduce paired with the wrong one). Now every
+    collective pass runs on one MPI thread, in the order the loop submitted it
+    (NOTE [ SOLAR's own MPI traffic ] in solar/dist.py)."""
+    import time
+
+    _no_hang()
+    ds, sampler, loader = _ptycho_loader(comm, os.path.join(shared_tmp, "train.h5"), 7, 3, 0.5)
+    vpath = os.path.join(shared_tmp, "val.h5")
+    write_ptycho_h5(vpath, 48, 8, seed=8, comm=comm, progress=False)
+    comm.Barrier()
+    val = solar.H5Dataset(vpath)
+    vloader = solar.DataLoader(val, batch_size=5, sampler=tud.DistributedSampler(
+        val, num_replicas=comm.size, rank=comm.rank, shuffle=False), prefetch=2)
+    # 48 samples: no DistributedSampler padding on 2 or 3 ranks, so every pass sums each once
+    want = sum(float(torch.from_numpy(solar.synthetic.ptycho_sample(i, 8, 8)[1]).double().sum()) for i in range(48))
+    sums, seen = [], 0
+    try:
+        for e in range(2):
+            sampler.set_epoch(e)
+            for k, (x, y) in enumerate(loader):
+                seen += len(y)
+                if comm.rank == 0:
+                    time.sleep(0.005)  # the ranks' read-ahead progress differs, as on a real cluster
+                if k % 3 == 1:
+                    mine = sum(float(vy.double().sum()) for _, vy in vloader)
+                    sums.append(sum(comm.allgather(mine)))
+    finally:
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()
+    assert seen == 2 * 96 // comm.size
+    assert len(sums) >= 4 and all(s == pytest.approx(want, rel=1e-9) for s in sums)
+    assert len(set(comm.allgather(len(sums)))) == 1
+    val.close()
+    ds.close()
+
+
+@pytest.mark.mpi
+def test_a_scripts_own_mpi4py_collectives_never_pair_with_the_loaders(comm, shared_tmp):
+    """A training loop that averages its metrics with mpi4py on COMM_WORLD while the loader
+    reads ahead: SOLAR's collectives run on a private duplicate communicator. Before, they used
+    COMM_WORLD, and the script's allreduce met the loader's (a TypeError adding an int to the
+    loader's tuple on one rank, a hang on the other)."""
+    import time
+
+    from mpi4py import MPI
+
+    _no_hang()
+    ds, sampler, loader = _ptycho_loader(comm, os.path.join(shared_tmp, "own.h5"), 9, 4, 0.5)
+    assert ds.backend.comm is not comm and ds.backend.comm.size == comm.size
+    steps = 0
+    try:
+        for e in range(2):
+            sampler.set_epoch(e)
+            for k, (x, y) in enumerate(loader):
+                if comm.rank == 0:
+                    time.sleep(0.003)
+                assert comm.allreduce(len(y), op=MPI.SUM) == 4 * comm.size
+                assert comm.allgather(k) == [k] * comm.size
+                steps += 1
+    finally:
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()
+    assert steps == 2 * 96 // (4 * comm.size)
+    ds.close()
