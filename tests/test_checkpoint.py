@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -16,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from solar.cache.disk import DiskTier
-from solar.checkpoint import CheckpointWriter, gc, list_versions, load, verify
+from solar.checkpoint import CheckpointWriter, Reader, gc, list_versions, load, verify
 from solar.checkpoint import merkle
 from solar.checkpoint.chunking import hash_chunks, hasher
 from solar.checkpoint.diff import c_order_bytes
@@ -806,3 +807,167 @@ def test_an_over_budget_save_leaves_no_chunks_behind(tmp_path):
     w.save({"w": torch.randn(10)}, 3).result()  # fits once the failed save's chunks are gone
     w.close()
     assert list_versions(tmp_path) == [3] and verify(tmp_path).ok
+
+
+# -- a reader racing a keep_last writer: a version removed mid-read is not damage --
+
+def _state(seed: int) -> dict:
+    """Two tensors (two blobs) of 2 chunks each; every seed gives other bytes, so a newer version
+    shares no chunk with an older one and retention deletes all of the older one's chunks."""
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(2048, generator=g), "b": torch.randn(2048, generator=g)}
+
+
+def _commit_during_reads(monkeypatch, writer, steps, at_reads):
+    """Before the loader's chunk reads number ``at_reads`` (1-based), let ``writer`` commit the next
+    step of ``steps``; its keep_last=1 retention then deletes the version being read (manifest,
+    then chunks) exactly between the loader reading the manifest and reading those chunks. This is
+    the race of a reader and a writer, made deterministic (no threads, no sleeps)."""
+    original = CheckpointStore.read_chunk_into
+    pending = list(steps)
+    reads = {"n": 0}
+
+    def read_chunk_into(self, digest, out):
+        reads["n"] += 1
+        if pending and (at_reads == "all" or reads["n"] in at_reads):
+            step = pending.pop(0)
+            writer.save(_state(step), step, blocking=True)
+        return original(self, digest, out)
+
+    monkeypatch.setattr(CheckpointStore, "read_chunk_into", read_chunk_into)
+    return reads
+
+
+def _first_read_of_last_blob(root, step) -> int:
+    """The chunk read at which the loader has fully read (and cached) every blob but the last."""
+    m = CheckpointStore(root).read_manifest(step)
+    assert len(m.blobs) == 2
+    return m.blobs[0].nchunks + 1
+
+
+def test_load_of_the_newest_version_starts_over_when_retention_removes_it_mid_read(tmp_path, monkeypatch):
+    with CheckpointWriter(tmp_path, chunk_size=4 * KB, keep_last=1) as w:
+        w.save(_state(1), 1, blocking=True)
+        at = _first_read_of_last_blob(tmp_path, 1)
+        reads = _commit_during_reads(monkeypatch, w, [2], {at})
+        out = load(tmp_path)  # used to raise CorruptDataError "chunk ... is missing ... restore from an older version"
+        assert reads["n"] > at and list_versions(tmp_path) == [2]
+        # all of step 2: blob "a" read (and cached) from the removed step 1 is not reused
+        assert_same(out, _state(2))
+        r = Reader(tmp_path)  # a Reader (what `solar-ckpt restore` uses) follows the newest version too
+        assert r.manifest.step == 2
+        _commit_during_reads(monkeypatch, w, [3], {at})
+        assert_same(r.state_dict(), _state(3))
+        assert r.manifest.step == 3
+
+
+def test_an_explicit_version_removed_mid_read_says_so_and_is_not_corruption(tmp_path, monkeypatch):
+    from solar.checkpoint import CheckpointVersionRemovedError
+
+    with CheckpointWriter(tmp_path, chunk_size=4 * KB, keep_last=1) as w:
+        w.save(_state(1), 1, blocking=True)
+        _commit_during_reads(monkeypatch, w, [2], {_first_read_of_last_blob(tmp_path, 1)})
+        with pytest.raises(CheckpointVersionRemovedError) as info:
+            load(tmp_path, 1)
+    err = info.value
+    assert isinstance(err, CheckpointError) and isinstance(err, FileNotFoundError)
+    assert not isinstance(err, CorruptDataError)
+    msg = str(err)
+    assert f"step 1 of {tmp_path} was removed while it was being read" in msg
+    assert "keep_last" in msg and "Nothing is corrupt" in msg and "[2]" in msg and "restore from" not in msg
+    assert verify(tmp_path).ok and list_versions(tmp_path) == [2]
+
+
+def test_a_version_removed_on_every_read_gives_up_after_a_few_retries(tmp_path, monkeypatch):
+    from solar.checkpoint import CheckpointVersionRemovedError
+    from solar.checkpoint.loader import LATEST_RETRIES
+
+    with CheckpointWriter(tmp_path, chunk_size=4 * KB, keep_last=1) as w:
+        w.save(_state(1), 1, blocking=True)
+        steps = list(range(2, LATEST_RETRIES + 10))
+        _commit_during_reads(monkeypatch, w, steps, "all")  # a new version before every chunk read
+        with pytest.raises(CheckpointVersionRemovedError, match=f"{LATEST_RETRIES + 1} times in a row") as info:
+            load(tmp_path)
+        assert "keep_last" in str(info.value) and str(tmp_path) in str(info.value)
+        assert list_versions(tmp_path) == [LATEST_RETRIES + 2]  # one commit per attempt, then it stopped
+
+
+def test_a_chunk_missing_from_a_version_still_stored_is_corruption_even_for_the_newest(tmp_path):
+    with CheckpointWriter(tmp_path, chunk_size=4 * KB, keep_last=1) as w:
+        w.save(_state(1), 1, blocking=True)
+    store = CheckpointStore(tmp_path)
+    store.delete_chunk(store.read_manifest(1).blob_digests(1)[0].tobytes())
+    with pytest.raises(CorruptDataError, match="chunk .* of step 1 .* tensor\\(s\\) b. Run `solar-ckpt verify"):
+        load(tmp_path)
+
+
+def test_opening_the_newest_version_lists_again_when_retention_removes_it_first(tmp_path, monkeypatch):
+    """The manifest listed as the newest can be removed before it is read: list again, do not
+    report "no checkpoint step N" or fall back to an older listed step (removed as well)."""
+    with CheckpointWriter(tmp_path, chunk_size=4 * KB, keep_last=1) as w:
+        w.save(_state(1), 1, blocking=True)
+        original = CheckpointStore.steps
+        listed = []
+
+        def steps(self):
+            out = original(self)
+            if not listed:
+                listed.append(out)
+                w.save(_state(2), 2, blocking=True)  # removes step 1 after we listed it
+            return out
+
+        monkeypatch.setattr(CheckpointStore, "steps", steps)
+        out = load(tmp_path)
+    assert listed == [[1]]
+    assert_same(out, _state(2))
+
+
+# -- a read-only root: one clear error naming it, not a bare OSError on .lock --
+
+def _read_only_lock(monkeypatch, err: int) -> None:
+    """Make opening any ``.lock`` for writing fail as on a read-only mount (EROFS) or without
+    permission (EACCES): tests run as root, which chmod cannot stop."""
+    real_open = os.open
+
+    def fake_open(path, flags, *args, **kwargs):
+        if os.path.basename(os.fspath(path)) == ".lock" and flags & (os.O_RDWR | os.O_WRONLY | os.O_CREAT):
+            raise OSError(err, os.strerror(err), os.fspath(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", fake_open)
+
+
+@pytest.mark.parametrize("err", [errno.EROFS, errno.EACCES])
+def test_a_read_only_root_is_a_clear_error_for_writers_and_gc_and_still_loads(tmp_path, monkeypatch, err):
+    from solar.checkpoint import CheckpointReadOnlyError
+
+    with CheckpointWriter(tmp_path, chunk_size=4 * KB) as w:
+        w.save(_state(1), 1, blocking=True)
+    _read_only_lock(monkeypatch, err)
+    for attempt in (lambda: CheckpointWriter(tmp_path), lambda: gc(tmp_path, keep_last=1),
+                    lambda: verify(tmp_path, repair=True)):
+        with pytest.raises(CheckpointReadOnlyError) as info:
+            attempt()
+        e = info.value
+        assert isinstance(e, CheckpointError) and isinstance(e, PermissionError)
+        msg = str(e)
+        assert f"checkpoint root {tmp_path} is not writable here" in msg and os.strerror(err) in msg
+        assert "need write access" in msg and "load" in msg and "\n" not in msg
+    assert_same(load(tmp_path), _state(1))  # reading needs no lock
+    assert verify(tmp_path).ok
+
+
+def test_a_new_root_that_cannot_be_created_is_a_clear_error(tmp_path, monkeypatch):
+    from solar.checkpoint import CheckpointReadOnlyError
+
+    real_mkdir = os.mkdir
+    ro = str(tmp_path / "ro")
+
+    def fake_mkdir(path, *args, **kwargs):
+        if os.fspath(path).startswith(ro):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", fake_mkdir)
+    with pytest.raises(CheckpointReadOnlyError, match=f"checkpoint root {ro}/ck is not writable here"):
+        CheckpointWriter(f"{ro}/ck")

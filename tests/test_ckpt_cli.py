@@ -387,3 +387,79 @@ def test_diff_json_is_strict_json_when_values_become_inf_or_nan(tmp_path, capsys
     main(["diff", f"{tmp_path}@1", f"{tmp_path}@2", "--values", "--json"])
     out = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
     assert out["changed"][0]["max_abs"] is None and out["changed"][0]["changed_elements"] == 1
+
+
+# -- environment errors: a read-only root; a version removed by a keep_last writer while read --
+
+@pytest.mark.parametrize("err", ["EROFS", "EACCES"])
+def test_gc_and_repair_on_a_read_only_root_one_line_exit_2(root, tmp_path, capsys, monkeypatch, err):
+    """Used to be a traceback of OSError on ROOT/.lock with exit 1 ("a check failed")."""
+    import errno
+
+    path, state = root
+    code = getattr(errno, err)
+    real_open = os.open
+
+    def read_only_open(p, flags, *args, **kwargs):  # tests run as root, which chmod cannot stop
+        if os.path.basename(os.fspath(p)) == ".lock" and flags & (os.O_RDWR | os.O_WRONLY | os.O_CREAT):
+            raise OSError(code, os.strerror(code), os.fspath(p))
+        return real_open(p, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only_open)
+    for argv in (["gc", path, "--keep-last", "1"], ["verify", path, "--repair"]):
+        rc, _out, err_text = run_cli(capsys, *argv)
+        _one_line_error(rc, err_text, f"checkpoint root {path} is not writable here", os.strerror(code), "write access")
+    assert list_versions(path) == [10, 20, 30]
+    rc, out, err_text = run_cli(capsys, "verify", path)  # read-only commands still work
+    assert rc == 0 and "OK" in out, err_text
+    rc, _out, err_text = run_cli(capsys, "restore", f"{path}@30", "-o", tmp_path / "r.pt")
+    assert rc == 0, err_text
+
+
+def test_any_other_os_error_is_one_line_exit_2(root, capsys, monkeypatch):
+    import errno
+
+    from solar.checkpoint import collect
+
+    path, _ = root
+
+    def io_error(*_a, **_k):
+        raise OSError(errno.EIO, "Input/output error", str(path))
+
+    monkeypatch.setattr(collect, "collect", io_error)
+    rc, _out, err_text = run_cli(capsys, "gc", path, "--keep-last", "1")
+    _one_line_error(rc, err_text, path, "Input/output error")
+
+
+def test_export_of_the_newest_version_follows_a_keep_last_writer(tmp_path, capsys, monkeypatch):
+    """``export ROOT`` (no step) starts over on the new newest version when the writer's retention
+    removes the one being exported; ``export ROOT@STEP`` says the step was removed, exit 2."""
+    from safetensors.torch import load_file
+
+    def state(seed):
+        g = torch.Generator().manual_seed(seed)
+        return {"a": torch.randn(2048, generator=g), "b": torch.randn(2048, generator=g)}
+
+    ck = tmp_path / "ck"
+    with CheckpointWriter(ck, chunk_size=4 * KB, keep_last=1) as w:
+        w.save(state(1), 1, blocking=True)
+        original = CheckpointStore.read_chunk_into
+        armed = []  # steps to commit at the next chunk read (keep_last=1 then removes the version read)
+
+        def read_chunk_into(self, digest, out):
+            if armed:
+                step = armed.pop()
+                w.save(state(step), step, blocking=True)
+            return original(self, digest, out)
+
+        monkeypatch.setattr(CheckpointStore, "read_chunk_into", read_chunk_into)
+        out = tmp_path / "x.safetensors"
+        armed.append(2)
+        rc, text, err = run_cli(capsys, "export", ck, "-o", out)
+        assert rc == 0 and "of step 2 to" in text, err
+        got = load_file(out)
+        assert all(torch.equal(got[k], state(2)[k]) for k in ("a", "b"))
+        armed.append(3)
+        rc, _text, err = run_cli(capsys, "export", f"{ck}@2", "-o", tmp_path / "y.safetensors")
+        _one_line_error(rc, err, f"step 2 of {ck} was removed while it was being read", "keep_last", "[3]")
+        assert not (tmp_path / "y.safetensors").exists()

@@ -9,6 +9,7 @@ exports and garbage-collects. See ``docs/checkpoint.md``.
 from __future__ import annotations
 
 from .collect import GcReport, gc
+from .errors import CheckpointReadOnlyError, CheckpointVersionRemovedError
 from .loader import Reader, list_versions, load
 from .manifest import Manifest
 from .store import CheckpointStore
@@ -27,4 +28,6 @@ __all__ = [
     "Reader",
     "CheckpointStore",
     "Manifest",
+    "CheckpointVersionRemovedError",
+    "CheckpointReadOnlyError",
 ]

@@ -3,7 +3,8 @@
 Works without the training code: every command reads the root (or plain ``.pt`` / ``.safetensors``
 files for ``diff``) on its own. Human output is tables; ``--json`` is for scripts. Exit codes: 0
 success, 1 a check failed (``verify`` found corruption, ``diff --exit-code`` found differences), 2
-bad input or an error.
+bad input or an error (including the environment: a root ``gc`` or ``verify --repair`` cannot write),
+always as one line on stderr.
 """
 
 from __future__ import annotations
@@ -303,7 +304,7 @@ def cmd_restore(args) -> int:
     root, step = _ref(args.ref)
     reader = Reader(root, step)
     if fmt == "safetensors":
-        n = _export_safetensors(reader, args.output)
+        n = reader.retry_if_removed(lambda: _export_safetensors(reader, args.output))
         print(f"wrote {n} tensors of step {reader.manifest.step} to {args.output} (safetensors)")
         return 0
     state = reader.state_dict(map_location="cpu", progress=True)
@@ -378,6 +379,12 @@ def run(args: argparse.Namespace) -> int:
         return int(args.func(args) or 0)
     except (SolarError, FileNotFoundError, ValueError) as exc:
         print(f"{prog} {args.ckpt_command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        # an environment error (permissions, read-only or full file system, I/O error) is "an
+        # error", exit 2: a traceback with exit 1 would read as "a check failed"
+        print(f"{prog} {args.ckpt_command}: error: {exc}; check that the checkpoint root and its files are "
+              "readable (and writable for gc and verify --repair)", file=sys.stderr)
         return 2
 
 

@@ -2,23 +2,33 @@
 
 Every chunk is re-hashed as it is read, so :func:`load` never returns corrupt data: a flipped byte
 raises :class:`~solar.errors.CorruptDataError` naming the chunk and the tensors it touches.
+
+A writer's ``keep_last`` retention may delete the version being read (its manifest first, then the
+chunks no kept version uses). That can only make chunks *missing*, never wrong: chunk files are
+named by the digest of their bytes and published atomically (temporary + rename), so a file under
+a digest's name holds exactly those bytes, even one deleted and rewritten meanwhile. A missing chunk
+of a version whose manifest is gone is reported as removed (or the newest version is read again),
+not as damage, and nothing read from the removed version is kept.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 
 from solar.errors import CheckpointError, CorruptDataError
 
 from .chunking import chunk_spans, hasher
+from .errors import CheckpointVersionRemovedError
 from .flatten import materialize, unflatten
 from .manifest import Manifest
 from .store import CheckpointStore
 
-__all__ = ["load", "list_versions", "Reader"]
+__all__ = ["load", "list_versions", "Reader", "LATEST_RETRIES"]
+
+T = TypeVar("T")
 
 
 def _target_device(saved: str, map_location: Any) -> torch.device:
@@ -35,8 +45,18 @@ def _target_device(saved: str, map_location: Any) -> torch.device:
     return dev
 
 
+#: how many more times a load of the newest version starts over after the writer's ``keep_last``
+#: retention removed the version mid-read (each time a newer one had been committed)
+LATEST_RETRIES = 5
+
+
 class Reader:
     """Reads blobs and tensors of one version, checking every chunk against its digest.
+
+    A writer's ``keep_last`` retention can remove the version while it is being read (manifest
+    first, then its chunks). A chunk that goes missing is then not reported as damage: a reader of
+    the newest version (``step=None``) starts over on the now-newest one (see :meth:`retry_if_removed`),
+    and a reader of an explicit step raises :class:`CheckpointVersionRemovedError`.
 
     Args:
         root: checkpoint root (path, URL or tier).
@@ -47,10 +67,42 @@ class Reader:
     def __init__(self, root: Any, step: int | None = None, *, verify: bool = True, store: CheckpointStore | None = None,
                  storage_options: dict | None = None) -> None:
         self.store = store or CheckpointStore(root, **(storage_options or {}))
-        self.manifest: Manifest = self.store.resolve(step)
+        self.requested = step
         self.verify = verify
-        self._digest = hasher(self.manifest.hash)
+        self._open(self.store.resolve(step))
+
+    def _open(self, manifest: Manifest) -> None:
+        """Switch to ``manifest``, dropping every blob read for the previous one.
+
+        The blob cache is keyed by blob index, which means nothing across versions: keeping it
+        would splice the old version's bytes into the new one.
+        """
+        self.manifest: Manifest = manifest
+        self._digest = hasher(manifest.hash)
         self._blobs: dict[int, torch.Tensor] = {}
+
+    def retry_if_removed(self, read: Callable[[], T]) -> T:
+        """``read()``, started over on the now-newest version when retention removed the one read.
+
+        Only for a reader of the newest version (``step=None``), and at most
+        :data:`LATEST_RETRIES` times; ``read`` must take everything from ``self.manifest`` and
+        :meth:`read_blob` afresh on each call. Nothing from the removed version is kept, so the
+        result is always one complete version.
+        """
+        for attempt in range(LATEST_RETRIES + 1):
+            try:
+                return read()
+            except CheckpointVersionRemovedError as exc:
+                if self.requested is not None:
+                    raise
+                if attempt == LATEST_RETRIES:
+                    raise CheckpointVersionRemovedError(
+                        f"the newest version of {self.store.root} was removed while it was being read, "
+                        f"{LATEST_RETRIES + 1} times in a row (last: step {self.manifest.step}): a CheckpointWriter's "
+                        "keep_last retention deletes versions faster than a load reads them. Nothing is corrupt; "
+                        "give the writer a larger keep_last, or load while it is not saving") from exc
+                self._open(self.store.resolve(None))
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def corrupt(self, blob: int, digest: bytes, what: str) -> CorruptDataError:
         m = self.manifest
@@ -60,8 +112,31 @@ class Reader:
             f"{names}. Run `solar-ckpt verify {self.store.root}` and restore from an older version"
         )
 
+    def removed(self) -> CheckpointVersionRemovedError:
+        m = self.manifest
+        now = self.store.versions()
+        return CheckpointVersionRemovedError(
+            f"step {m.step} of {self.store.root} was removed while it was being read: a CheckpointWriter's keep_last "
+            f"retention (or a gc) deleted it after committing newer versions. Nothing is corrupt; load a newer "
+            f"version (there now: {now or 'none'}) or give the writer a larger keep_last")
+
+    def _chunk_error(self, blob: int, digest: bytes, what: str) -> CheckpointError:
+        """The error for a chunk that cannot be read right: damage only if the version is still stored.
+
+        ``gc`` deletes manifests before chunks, so if the manifest is gone (or replaced), the
+        chunk went with the version, deleted by the writer's retention during this read.
+        """
+        if not self.store.holds(self.manifest):
+            return self.removed()
+        return self.corrupt(blob, digest, what)
+
     def read_blob(self, i: int) -> torch.Tensor:
-        """Blob ``i`` as a CPU uint8 tensor (verified)."""
+        """Blob ``i`` as a CPU uint8 tensor (verified).
+
+        Raises:
+            CorruptDataError: a chunk of this (still stored) version is missing or damaged.
+            CheckpointVersionRemovedError: the version was removed while being read.
+        """
         if i in self._blobs:
             return self._blobs[i]
         m = self.manifest
@@ -74,16 +149,19 @@ class Reader:
             try:
                 n = self.store.read_chunk_into(d, view[a:e])
             except ValueError as exc:  # longer than expected, or missing
-                raise self.corrupt(i, d, "is missing or has the wrong size") from exc
+                raise self._chunk_error(i, d, "is missing or has the wrong size") from exc
             if n != e - a:
-                raise self.corrupt(i, d, f"has {n} B instead of {e - a} B")
+                raise self._chunk_error(i, d, f"has {n} B instead of {e - a} B")
             if self.verify and self._digest(view[a:e]) != d:
-                raise self.corrupt(i, d, "fails its hash (the stored bytes changed)")
+                raise self._chunk_error(i, d, "fails its hash (the stored bytes changed)")
         self._blobs[i] = buf
         return buf
 
     def tensor(self, name: str, map_location: Any = "cpu") -> torch.Tensor:
         """One tensor by its flattened name, reading only the chunks of its blob."""
+        return self.retry_if_removed(lambda: self._tensor(name, map_location))
+
+    def _tensor(self, name: str, map_location: Any) -> torch.Tensor:
         refs = [t for t in self.manifest.tensors if t.name == name]
         if not refs:
             raise CheckpointError(f"no tensor {name!r} in step {self.manifest.step} of {self.store.root}")
@@ -93,6 +171,10 @@ class Reader:
         return materialize([ref], {ref.blob: buf if dev.type == "cpu" else buf.to(dev)})[0]
 
     def state_dict(self, map_location: Any = None, *, progress: bool = False) -> Any:
+        """The whole version as the state dict it was saved from."""
+        return self.retry_if_removed(lambda: self._state_dict(map_location, progress))
+
+    def _state_dict(self, map_location: Any, progress: bool) -> Any:
         m = self.manifest
         buffers = []
         bar = None
@@ -100,14 +182,16 @@ class Reader:
             from tqdm import tqdm
 
             bar = tqdm(total=m.logical_bytes, unit="B", unit_scale=True, desc=f"load step {m.step}", leave=False, disable=None)
-        for i, entry in enumerate(m.blobs):
-            buf = self.read_blob(i)
-            dev = _target_device(entry.device, map_location)
-            buffers.append(buf if dev.type == "cpu" else buf.to(dev))
+        try:
+            for i, entry in enumerate(m.blobs):
+                buf = self.read_blob(i)
+                dev = _target_device(entry.device, map_location)
+                buffers.append(buf if dev.type == "cpu" else buf.to(dev))
+                if bar is not None:
+                    bar.update(entry.nbytes)
+        finally:  # a retry after a removed version opens its own bar
             if bar is not None:
-                bar.update(entry.nbytes)
-        if bar is not None:
-            bar.close()
+                bar.close()
         self._blobs.clear()
         return unflatten(m.skeleton, materialize(m.tensors, buffers))
 
@@ -125,6 +209,9 @@ def load(root: "str | os.PathLike", step: int | None = None, map_location: Any =
 
     Raises:
         CheckpointError: no such version, or nothing complete to load.
+        CheckpointVersionRemovedError: an explicit ``step`` was removed by a writer's ``keep_last``
+            retention while it was being read (with ``step=None`` the load starts over on the
+            now-newest version instead, a few times).
         CorruptDataError: a chunk is missing or does not match its digest (names it and its tensors).
     """
     return Reader(root, step, verify=verify, storage_options=storage_options).state_dict(map_location)

@@ -13,6 +13,7 @@ and the loader share one implementation of atomic writes and byte budgets.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -26,6 +27,7 @@ import numpy as np
 from solar.cache.base import Tier
 from solar.errors import CheckpointError, CheckpointLockedError, CorruptDataError
 
+from .errors import CheckpointReadOnlyError, CheckpointVersionRemovedError
 from .manifest import Manifest, decode, encode
 
 __all__ = ["CheckpointStore", "open_tier", "chunk_key", "manifest_key", "parse_ref", "referenced"]
@@ -36,6 +38,8 @@ _CHUNKS = "chunks/"
 #: A writer starting on the root treats them as absent and rewrites them when it produces
 #: their bytes (then the marker goes).
 _DAMAGED = "damaged/"
+#: listings :meth:`CheckpointStore.latest` makes when listed manifests vanish before they are read
+_RELISTS = 5
 
 
 def _local_dir(root: str) -> str | None:
@@ -44,11 +48,35 @@ def _local_dir(root: str) -> str | None:
     return None if "://" in root else root
 
 
+#: errnos that mean "this process may not write here" (read-only mount, permissions, immutable files)
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _is_not_writable(exc: OSError) -> bool:
+    return isinstance(exc, PermissionError) or exc.errno in _NOT_WRITABLE
+
+
+def not_writable(root: str, path: str, exc: OSError) -> CheckpointReadOnlyError:
+    """The error for a root this process cannot write.
+
+    A bare ``OSError: [Errno 30] ... /.lock`` from the lock file left users guessing whether the
+    checkpoint was broken; this names the root and the path refused, what needs write access, and
+    that reading still works without it.
+    """
+    return CheckpointReadOnlyError(
+        f"checkpoint root {root} is not writable here ({exc.strerror or exc}: {path}); saving, gc and "
+        "`verify --repair` need write access to it: remount it read-write, fix its permissions or use "
+        "another root. Reading works as it is (load, log, show, verify, diff, restore, export)")
+
+
 def open_tier(root: "str | os.PathLike | Tier", *, durable: bool = True, **storage_options) -> Tier:
     """The tier a checkpoint root lives on: a disk tier for local paths, fsspec for URLs.
 
     ``durable=False`` skips the fsyncs of a local root: writes stay atomic against crashed
     processes, but a power loss may lose recent versions.
+
+    Raises:
+        CheckpointReadOnlyError: a local root that does not exist cannot be created here.
     """
     if isinstance(root, Tier):
         return root
@@ -57,7 +85,12 @@ def open_tier(root: "str | os.PathLike | Tier", *, durable: bool = True, **stora
     if local is not None:
         from solar.cache.disk import DiskTier
 
-        return DiskTier(local, fsync=durable)
+        try:
+            return DiskTier(local, fsync=durable)  # creates the directory if missing
+        except OSError as exc:
+            if _is_not_writable(exc):
+                raise not_writable(root, exc.filename or local, exc) from exc
+            raise
     from solar.cache.fsspec_tier import FsspecTier
 
     return FsspecTier(root, storage_options=storage_options or None)
@@ -109,9 +142,7 @@ class _Lock:
         if local is not None:
             import fcntl
 
-            os.makedirs(local, exist_ok=True)
-            path = os.path.join(local, ".lock")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open_local(local)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -135,8 +166,8 @@ class _Lock:
             try:
                 created = tier.put_new("LOCK", token)
             except NotImplementedError:  # http:// and other read-only file systems
-                raise CheckpointError(f"checkpoint root {self.store.root} is read-only here (its file system cannot "
-                                      "write); writing, gc and repair need a writable root") from None
+                raise CheckpointReadOnlyError(f"checkpoint root {self.store.root} is read-only here (its file system "
+                                              "cannot write); writing, gc and repair need a writable root") from None
             if created:
                 break
             holder = tier.get("LOCK")
@@ -152,6 +183,23 @@ class _Lock:
         if tier.get("LOCK") != token:  # lost a race with another writer (tiers without exclusive create)
             raise CheckpointLockedError(f"checkpoint root {self.store.root} was locked concurrently by another writer")
         self.token = token
+
+    def _open_local(self, local: str) -> int:
+        """Open (creating it if needed) the lock file of a local root.
+
+        This is the first write anything does to a root, so a read-only mount or missing
+        permissions surface here: as :class:`CheckpointReadOnlyError` naming the root, not as a
+        bare ``OSError`` on ``.lock`` (which ``solar-ckpt`` reported as a traceback with exit 1,
+        the code for "a check failed").
+        """
+        path = os.path.join(local, ".lock")
+        try:
+            os.makedirs(local, exist_ok=True)
+            return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if _is_not_writable(exc):
+                raise not_writable(self.store.root, exc.filename or path, exc) from exc
+            raise
 
     def release(self) -> None:
         if self.fd is not None:
@@ -305,14 +353,44 @@ class CheckpointStore:
 
     def latest(self) -> Manifest | None:
         """The newest complete version; newer manifests failing their checksum are skipped, with
-        a warning naming them (``solar-ckpt verify`` reports them as problems)."""
-        for step in reversed(self.steps()):
-            try:
-                return self.read_manifest(step)
-            except CorruptDataError as exc:
-                warnings.warn(f"skipping checkpoint step {step}: {exc}", stacklevel=2)
-                continue
-        return None
+        a warning naming them (``solar-ckpt verify`` reports them as problems).
+
+        A listed manifest that is gone when read was removed by a writer's ``keep_last`` retention
+        in between, which means a newer version was committed: the store is listed again (falling
+        back to an older listed step would pick a version that retention is removing too).
+
+        Raises:
+            CheckpointVersionRemovedError: versions vanished on every one of ``_RELISTS`` listings.
+        """
+        for _listing in range(_RELISTS):
+            for step in reversed(self.steps()):
+                data = self.tier.get(manifest_key(step))
+                if data is None:
+                    break  # removed since listed: list again
+                try:
+                    return decode(data, f"manifest of step {step} in {self.root}")
+                except CorruptDataError as exc:
+                    warnings.warn(f"skipping checkpoint step {step}: {exc}", stacklevel=2)
+            else:
+                return None
+        raise CheckpointVersionRemovedError(
+            f"the newest version of {self.root} was removed while it was being opened, {_RELISTS} times in a row: a "
+            "CheckpointWriter with keep_last is committing there faster than versions can be read; load again, "
+            "or give the writer a larger keep_last")
+
+    def holds(self, m: Manifest) -> bool:
+        """Whether the manifest ``m`` was read from is still stored (not removed or replaced).
+
+        ``gc`` deletes a version's manifest before its chunks, so a chunk missing while its manifest
+        is still here is damage, and one whose manifest is gone was collected while being read.
+        """
+        data = self.tier.get(manifest_key(m.step))
+        if data is None:
+            return False
+        try:
+            return decode(data).root == m.root
+        except CorruptDataError:
+            return True  # still there, damaged: what went wrong is damage, reported as such
 
     def resolve(self, step: int | None) -> Manifest:
         if step is None:

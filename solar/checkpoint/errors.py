@@ -1,0 +1,22 @@
+"""Checkpoint-specific errors (see :mod:`solar.errors` for the pattern).
+
+Like every SOLAR error, each also subclasses the built-in a caller would naturally catch, so
+``except FileNotFoundError`` / ``except PermissionError`` written against plain files keeps working,
+while ``except CheckpointError`` (or ``SolarError``) catches them with the rest.
+"""
+
+from __future__ import annotations
+
+from solar.errors import CheckpointError
+
+__all__ = ["CheckpointVersionRemovedError", "CheckpointReadOnlyError"]
+
+
+class CheckpointVersionRemovedError(CheckpointError, FileNotFoundError):
+    """The version being read was removed meanwhile, by a writer's ``keep_last`` retention (or a
+    ``gc``). Nothing is corrupt: load a newer version, or keep more versions."""
+
+
+class CheckpointReadOnlyError(CheckpointError, PermissionError):
+    """The checkpoint root cannot be written here (read-only mount, missing permissions), so
+    saving, ``gc`` and ``verify --repair`` cannot run; reading it still works."""
