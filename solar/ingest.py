@@ -26,12 +26,16 @@ NOTE [ Ingest phases ]
 NOTE [ Ingest crash safety ]
     Everything is written to ``OUT.tmp``; ``OUT`` appears only by ``os.replace`` after the file is
     complete (and verified when asked). If any rank dies (SIGKILL), ``OUT`` is untouched.
-    ``--resume`` reopens ``OUT.tmp``, checks the journal's fingerprint (inputs with their size
-    and mtime, fields, bounds, batch size) and continues after the last committed batch, rewriting anything a dead batch
-    left half-written. The world size may differ between the runs: a batch is a global unit (a
-    file a serial run started is restarted under mpirun: parallel HDF5 cannot grow its chunked
-    datasets). Under mpirun, an error on one rank inside the write loop aborts the job with its
-    message (the others would wait in the next collective write); committed batches stay.
+    ``--resume`` reopens ``OUT.tmp``, checks the journal's fingerprint (inputs with their size,
+    mtime and a digest of a sample of their bytes, fields, bounds, batch size) and continues
+    after the last committed batch, rewriting anything a dead batch left half-written; a changed
+    input (the journal names it) starts the run over. The world size may differ between the
+    runs: a batch is a global unit (a file a serial run started is restarted under mpirun:
+    parallel HDF5 cannot grow its chunked datasets). Under mpirun, an error on one rank inside
+    the write loop aborts the job with its message (the others would wait in the next collective
+    write); committed batches stay. A storage failure (disk full, an input server gone) prints
+    the lines the serial run prints (what failed, which file, the ``--resume`` hint) and aborts
+    with ``EXIT_STORAGE`` (4), which mpirun returns as the job's exit code.
     If ``OUT.tmp`` cannot be opened any more, the run starts over. Serially, ``OUT.tmp`` is
     fsynced before the rename (under MPI the collective flush is an ``MPI_File_sync``) and the
     directory after it. A finished ``OUT`` is only ever replaced with ``--overwrite``: ``--resume``
@@ -41,10 +45,12 @@ NOTE [ Ingest crash safety ]
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -53,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from solar.cache.disk import fsync_path
-from solar.errors import ConfigError, InputError, MPIUnavailableError
+from solar.errors import ConfigError, InputError, MPIUnavailableError, SolarError, StorageError
 from solar.ingest_sources import Source, open_sources
 from solar.ingest_verify import verify_file
 from solar.layout import FORMAT, checksum_key, sample_checksum
@@ -63,6 +69,8 @@ __all__ = ["ingest", "IngestReport", "verify_file"]
 JOURNAL_SUFFIX = ".ingest.json"
 TMP_SUFFIX = ".tmp"
 DATA_CHUNK = 1 << 20
+FINGERPRINT_PREFIX = "v2-"  # fingerprints that include a content digest of each input
+EXIT_STORAGE = 4  # `solar ingest`'s exit code (and MPI_Abort code) for a storage failure mid-run
 
 
 # -- a communicator that also works without MPI ----------------------------------------------------
@@ -129,11 +137,26 @@ class Plan:
     def num_batches(self) -> int:
         return -(-self.num_samples // self.batch_size)
 
-    def fingerprint(self) -> str:
-        """The job's identity for ``--resume``: inputs (with their size and modification stamp,
-        :meth:`Source.stamp`), fields, bounds and batch size. Stats every input: call it on one
-        rank and broadcast."""
-        desc = {"inputs": [(s.url, s.n, s.per_file, s.keys, s.stamp()) for s in self.sources],
+    def input_identities(self) -> list[list]:
+        """``[url, size, modification stamp, content digest]`` of every input
+        (:meth:`Source.identity`). Stats every input and reads a sample of its bytes: call it on
+        one rank. The journal keeps them, so a refused resume can name the input that changed."""
+        return [[s.url, *s.identity()] for s in self.sources]
+
+    def fingerprint(self, ids: list[list]) -> str:
+        """The job's identity for ``--resume``: inputs (with their size, modification stamp and
+        content digest, ``ids`` from :meth:`input_identities`), fields, bounds and batch size.
+        Prefixed ``v2-``: a fingerprint without the prefix is a :meth:`legacy_fingerprint`."""
+        return FINGERPRINT_PREFIX + self._digest([i[1:] for i in ids])
+
+    def legacy_fingerprint(self, ids: list[list]) -> str:
+        """The fingerprint solar ingest wrote before it sampled input contents (size and
+        modification stamp only), to recognise a journal or an output written by that version:
+        see :func:`_resume_point`."""
+        return self._digest([i[1:3] for i in ids])
+
+    def _digest(self, stamps: list[list]) -> str:
+        desc = {"inputs": [(s.url, s.n, s.per_file, s.keys, st) for s, st in zip(self.sources, stamps)],
                 "fields": [asdict(f) for f in self.fields], "batch_size": self.batch_size}
         return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -494,7 +517,9 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
             print(f"solar ingest: {note}", file=sys.stderr)
     _bound_pass(plan, comm)
     out, tmp, journal = plan.output, plan.output + TMP_SUFFIX, plan.output + JOURNAL_SUFFIX
-    fp = comm.bcast(plan.fingerprint() if comm.rank == 0 else None, root=0)  # one rank stats the inputs
+    # one rank stats the inputs and reads a sample of each (see Source.identity)
+    ids = plan.input_identities() if comm.rank == 0 else None
+    fp = comm.bcast(plan.fingerprint(ids) if comm.rank == 0 else None, root=0)
 
     # --resume when OUT exists (see NOTE [ Ingest crash safety ]): written by this very job (same
     # fingerprint; it may have died between the rename and removing the journal) -> nothing to
@@ -502,7 +527,7 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
     # replaced without it
     existing = None
     if comm.rank == 0 and resume and os.path.exists(out):
-        existing = "done" if _finished_fingerprint(out) == fp else "other"
+        existing = _finished_by(out, fp, plan.legacy_fingerprint(ids))
     existing = comm.bcast(existing, root=0)
     if existing == "other" and not overwrite:
         raise InputError(f"{out} already exists and was written by a different job (other inputs or options "
@@ -518,12 +543,10 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
     # where to start
     start, sizes = 0, {f.name: 0 for f in plan.fields if f.compress}
     if comm.rank == 0 and resume:
-        rec = _journal_read(journal)
-        if rec and rec.get("fingerprint") == fp and os.path.exists(tmp):
-            start, sizes = int(rec["batches_done"]), dict(rec["data_bytes"])
-        elif rec and rec.get("fingerprint") != fp:
-            print(f"solar ingest: {journal} belongs to a different job (inputs/options changed); starting over",
-                  file=sys.stderr)
+        start, kept, note = _resume_point(_journal_read(journal), fp, plan.legacy_fingerprint(ids), ids, journal, tmp)
+        sizes = kept if kept is not None else sizes
+        if note:
+            print(f"solar ingest: {note}", file=sys.stderr)
     start, sizes = comm.bcast((start, sizes), root=0)
     kw = {"driver": "mpio", "comm": comm} if parallel else {}
     f = None
@@ -548,27 +571,27 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
                 f.close()
                 f = None
             start, sizes = 0, {k: 0 for k in sizes}
+    row_bytes = sum(int(np.prod(fp_.shape, dtype=np.int64)) * np.dtype(fp_.dtype).itemsize for fp_ in plan.fields)
+    need = row_bytes * plan.batch_size  # what one batch may add to OUT.tmp (raw size)
     if f is None:
-        f = h5py.File(tmp, "w", **kw)
-        _create(f, plan)
-        f.flush()
+        f = _create_tmp(tmp, plan, kw, need)
         if comm.rank == 0:
-            _journal_write(journal, {"fingerprint": fp, "batches_done": 0, "data_bytes": sizes, "output": out})
+            _journal_write(journal, _journal_record(fp, ids, 0, sizes, out))
     dxpl = None
     if parallel:
         dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
         dxpl.set_dxpl_mpio(h5py.h5fd.MPIO_COLLECTIVE)
 
-    row_bytes = sum(int(np.prod(fp_.shape, dtype=np.int64)) * np.dtype(fp_.dtype).itemsize for fp_ in plan.fields)
     last_commit = time.monotonic()
     bar = _Progress(plan.num_samples, min(plan.num_samples, start * plan.batch_size), row_bytes,
                     progress and comm.rank == 0)
+    committed, finished = start, False
     try:
         for b in range(start, plan.num_batches):
             g0, g1 = b * plan.batch_size, min(plan.num_samples, (b + 1) * plan.batch_size)
             lo, hi = _share(g0, g1, comm.rank, comm.size)
             for fpl in plan.fields:
-                rows = plan.read(fpl.name, lo, hi)
+                rows = _read_input(plan, fpl.name, lo, hi)
                 if fpl.compress:
                     sizes[fpl.name], sums = _write_compressed(f, fpl, rows, lo, sizes[fpl.name], comm, dxpl)
                 else:
@@ -584,24 +607,26 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
                 f.flush()  # collective: every rank's bytes up to this batch are in the file now
                 last_commit = now
                 if comm.rank == 0:
-                    _journal_write(journal, {"fingerprint": fp, "batches_done": b + 1, "data_bytes": sizes,
-                                             "output": out})
+                    _journal_write(journal, _journal_record(fp, ids, b + 1, sizes, out))
+                committed = b + 1  # every rank knows: the commit decision was broadcast
             bar.update(g1 - g0)
             if os.environ.get("SOLAR_INGEST_TEST_DELAY"):  # lets the crash test kill a rank mid-run
                 time.sleep(float(os.environ["SOLAR_INGEST_TEST_DELAY"]))
         _finish(f, plan, sizes, inputs, comm, dxpl, fp)
+        finished = True
     except BaseException as exc:
+        failure = _storage_failure(exc, f"writing {getattr(exc, 'filename', None) or tmp}", tmp, need)
         if parallel and comm.size > 1 and not isinstance(exc, KeyboardInterrupt):
             # One rank failed between collective writes: the others wait in the next one, and the
             # collective close below would hang this rank too. Say why, then end the whole job
             # (the journal keeps every committed batch for --resume).
-            print(f"solar ingest: rank {comm.rank} failed: {type(exc).__name__}: {exc}; aborting the job "
-                  f"(resume with --resume)", file=sys.stderr, flush=True)
-            comm.Abort(1)
+            _abort_job(comm, failure or exc, tmp, committed)
+        if failure is not None:
+            raise failure from exc
         raise
     finally:
         bar.close()
-        f.close()
+        _close(f, quiet=not finished)
     comm.Barrier()
     for s in plan.sources:
         s.close()
@@ -641,6 +666,221 @@ def _finished_fingerprint(path: str) -> str | None:
             return fp if isinstance(fp, str) else None
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def _finished_by(out: str, fp: str, legacy_fp: str) -> str:
+    """Who finished the existing ``out``: ``"done"`` (this job; also when an older solar
+    ingest finished it and its fingerprint matches this job's :meth:`Plan.legacy_fingerprint`,
+    with a note, for the reasons given in :func:`_resume_point`) or ``"other"``."""
+    got = _finished_fingerprint(out)
+    if got == fp:
+        return "done"
+    if got == legacy_fp:
+        print(f"solar ingest: {out} was finished by an older solar ingest, which recorded its inputs by size and "
+              "modification time only; they match, so it is reported complete. If an input was rewritten since "
+              "(e.g. copied back with cp -p or rsync -a), rerun with --overwrite; --verify compares every sample "
+              "with the inputs", file=sys.stderr)
+        return "done"
+    return "other"
+
+
+def _resume_point(rec: dict | None, fp: str, legacy_fp: str, ids: list[list], journal: str,
+                  tmp: str) -> tuple[int, dict | None, str | None]:
+    """Where ``--resume`` continues: ``(batches_done, data_bytes or None, note for stderr)``.
+
+    * the journal's fingerprint is this job's: continue after its committed batches;
+    * it is this job's :meth:`Plan.legacy_fingerprint` (written by a solar ingest that did not
+      sample input contents): continue too, with a note. Why not start over: the inputs match
+      on everything that version recorded, so the user who upgraded between the crash and the
+      resume keeps the guarantee the run was started with and does not lose its committed
+      batches; the note says how to be sure (``--overwrite``, or ``--verify``, which compares
+      every sample with the inputs before ``OUT`` is created). From the next commit on the
+      journal carries the new fingerprint;
+    * anything else is another job: start over, naming the inputs that changed when the
+      journal recorded them (a regenerated input must never be mixed into its old rows)."""
+    if not rec:
+        return 0, None, None
+    got = rec.get("fingerprint")
+    if got in (fp, legacy_fp):
+        if not os.path.exists(tmp):
+            return 0, None, None
+        done, kept = int(rec["batches_done"]), dict(rec["data_bytes"])
+        if got == fp:
+            return done, kept, None
+        return done, kept, (f"{journal} was written by an older solar ingest, which recorded the inputs by size and "
+                            "modification time only (not a sample of their contents); they match, so the run resumes "
+                            f"at batch {done}. If an input may have been rewritten since the crash (e.g. copied back "
+                            "with cp -p or rsync -a), stop and rerun with --overwrite instead, or add --verify, which "
+                            "compares every sample with the inputs before the output is created")
+    changed = _changed_inputs(rec.get("inputs"), ids)
+    if changed:
+        return 0, None, (f"cannot resume {tmp}: {'; '.join(changed)}; starting over, so that the output does not mix "
+                         "rows of the old and the new input")
+    return 0, None, f"{journal} belongs to a different job (inputs/options changed); starting over"
+
+
+def _changed_inputs(old: Any, ids: list[list]) -> list[str]:
+    """One phrase per input whose ``[url, size, stamp, digest]`` differs from the journal's
+    record ``old`` (a journal of an older version has none: then nothing can be named)."""
+    if not isinstance(old, list):
+        return []
+    before = {o[0]: list(o[1:4]) for o in old if isinstance(o, list) and len(o) == 4}
+    out = []
+    for url, *now in ids:
+        was = before.get(url)
+        if was is None or was == now:
+            continue
+        if was[:2] != now[:2]:
+            out.append(f"input {url} changed since that run (its size or modification time differs)")
+        else:
+            out.append(f"input {url} changed since that run (same size and modification time, other contents: "
+                       "rewritten, e.g. regenerated and copied back with cp -p or rsync -a)")
+    return out
+
+
+def _journal_record(fp: str, ids: list[list] | None, batches_done: int, sizes: dict, out: str) -> dict:
+    """The journal: what ``--resume`` continues (NOTE [ Ingest crash safety ]); ``inputs`` lets
+    it name an input that changed since (:func:`_changed_inputs`)."""
+    return {"fingerprint": fp, "batches_done": batches_done, "data_bytes": sizes, "output": out, "inputs": ids}
+
+
+# -- storage failures (NOTE [ Ingest crash safety ]) -----------------------------------------------
+#: HDF5 reports some I/O failures (a flush, a close) as a RuntimeError naming the failed call.
+_HDF5_IO = re.compile(r"file (?:write|read) failed|unable to extend file|errno = \d+", re.IGNORECASE)
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _is_storage_failure(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) or isinstance(exc, RuntimeError) and bool(_HDF5_IO.search(str(exc)))
+
+
+def _errno_of(exc: BaseException) -> int | None:
+    """``exc.errno``, or the ``errno = N`` HDF5's sec2 driver writes into its message. The
+    MPI-IO driver's messages have neither ("Can't write data (file write failed)")."""
+    code = getattr(exc, "errno", None)
+    if isinstance(code, int) and code:
+        return code
+    m = re.search(r"errno = (\d+)", str(exc))
+    return int(m.group(1)) if m else None
+
+
+def _free_bytes(path: str) -> int | None:
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line; HDF5's sec2 details (time, descriptor, buffer address...)
+    are dropped once the errno has been read from them."""
+    text = re.sub(r"(failed): time = [^)]*", r"\1", " ".join(str(exc).split()))
+    return f"{type(exc).__name__}: {text}"
+
+
+def storage_error(exc: BaseException, doing: str, path: str | None, need: int = 0) -> StorageError:
+    """The :class:`StorageError` for a failed read or write: ``"{doing} failed: {why} [{exc}]"``.
+
+    ``why`` comes from the errno; without one (MPI-IO drops it) and when the file system of
+    ``path`` has less than ``need`` bytes (one batch) + 1 MiB free, it is "No space left on
+    device", said to be inferred. Why: under mpirun the bare "Can't write data (file write
+    failed)" named neither the file nor the cause of the commonest failure, a full disk."""
+    code = _errno_of(exc)
+    free = _free_bytes(path) if path else None
+    room = f"its file system has {free / 1e6:.1f} MB free" if free is not None else None
+    if code is None and free is not None and free < need + (1 << 20):
+        code, why = errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (inferred: the error gives no reason, and {room})"
+    elif code in _NO_SPACE:
+        why = f"{os.strerror(code)} (errno {code}{f'; {room}' if room else ''})"
+    else:
+        why = f"{os.strerror(code)} (errno {code})" if code else None
+    err = StorageError(f"{doing} failed: {why} [{_one_line(exc)}]" if why else f"{doing} failed: {_one_line(exc)}")
+    err.errno = code
+    return err
+
+
+def _storage_failure(exc: BaseException, doing: str, path: str | None, need: int = 0) -> StorageError | None:
+    """The :class:`StorageError` to raise instead of ``exc``, or None: ``exc`` is no storage
+    failure, or already names its file (a :class:`SolarError`, e.g. an input server's answer)."""
+    if isinstance(exc, SolarError) or not _is_storage_failure(exc):
+        return None
+    return storage_error(exc, doing, path, need)
+
+
+def _read_input(plan: Plan, name: str, lo: int, hi: int) -> np.ndarray:
+    """``plan.read``, with a storage failure naming the input (an HDF5 read error does not)."""
+    try:
+        return plan.read(name, lo, hi)
+    except Exception as exc:
+        failure = _storage_failure(exc, f"reading {_where(plan, lo)}", None)
+        if failure is None:
+            raise
+        raise failure from exc
+
+
+def _create_tmp(tmp: str, plan: Plan, kw: dict, need: int):
+    """Create ``OUT.tmp`` with every dataset; a storage failure becomes a :class:`StorageError`
+    naming it (HDF5 reports a failed first flush as a RuntimeError)."""
+    import h5py
+
+    f = None
+    try:
+        f = h5py.File(tmp, "w", **kw)
+        _create(f, plan)
+        f.flush()
+        return f
+    except Exception as exc:
+        failure = _storage_failure(exc, f"creating {tmp}", tmp, need)
+        if f is not None:
+            _close(f, quiet=True)
+        if failure is None:
+            raise
+        raise failure from exc
+
+
+def _close(f, quiet: bool) -> None:
+    """Close ``f``; ``quiet``: while another error propagates, a close that fails for the same
+    reason (HDF5 flushes on close: "Can't decrement id ref count (file write failed ...)")
+    must not replace that error."""
+    try:
+        f.close()
+    except Exception:
+        if not quiet:
+            raise
+
+
+def resume_hint(tmp: str, batches: int, exc: BaseException | None = None) -> str:
+    """The second line of a storage failure: what ``--resume`` will continue from."""
+    when = ("there is free space on its file system again" if exc is not None and _errno_of(exc) in _NO_SPACE
+            else "the storage answers again")
+    return (f"{tmp} keeps the {batches} batch(es) committed so far; once {when}, rerun the same command with "
+            "--resume to continue from there")
+
+
+def failure_lines(exc: BaseException, tmp: str, batches: int, rank: int | None = None) -> list[str]:
+    """What ``solar ingest`` prints for a storage failure, serially (``rank=None``) or under
+    mpirun (by the failing rank): one line naming what failed, and the :func:`resume_hint` once
+    batches were committed."""
+    what = str(exc) if isinstance(exc, SolarError) else " ".join(f"{type(exc).__name__}: {exc}".split())
+    lines = [what if rank is None else f"rank {rank}: {what}"]
+    if batches:
+        lines.append(resume_hint(tmp, batches, exc))
+    return lines
+
+
+def _abort_job(comm, exc: BaseException, tmp: str, committed: int) -> None:
+    """End the MPI job after ``exc`` on this rank alone (the others wait in a collective call).
+    A storage failure prints :func:`failure_lines` and aborts with :data:`EXIT_STORAGE`, which
+    mpirun returns as the job's exit code, as the serial run does; anything else exits 1."""
+    if isinstance(exc, OSError):
+        lines, code = failure_lines(exc, tmp, committed, comm.rank), EXIT_STORAGE
+    else:
+        lines, code = [f"rank {comm.rank} failed: {type(exc).__name__}: {exc}; aborting the job "
+                       "(resume with --resume)"], 1
+    for line in lines:
+        print(f"solar ingest: {line}", file=sys.stderr, flush=True)
+    comm.Abort(code)
 
 
 def _min_op(parallel: bool):

@@ -373,22 +373,9 @@ def test_resume_continues_from_the_journal(tmp_path, monkeypatch):
 def test_resume_starts_over_when_an_input_changed(tmp_path, monkeypatch, capsys):
     """Same shapes, new values: the fingerprint carries each input's size and mtime, so the
     interrupted file's batches (made from the old values) are not kept."""
-    import solar.ingest as ing
-
     paths, _ = _npy_inputs(tmp_path, sizes=(30, 17), shape=(8, 8))
     out = str(tmp_path / "o.h5")
-    real, calls = ing.sample_checksum, {"n": 0}
-
-    def dying(buf):
-        calls["n"] += 1
-        if calls["n"] > 20:
-            raise KeyboardInterrupt
-        return real(buf)
-
-    monkeypatch.setattr(ing, "sample_checksum", dying)
-    with pytest.raises(KeyboardInterrupt):
-        ingest(paths, out, batch_size=8, abs_error=0.05, progress=False, commit_interval=0)
-    monkeypatch.setattr(ing, "sample_checksum", real)
+    _crash_after_two_batches(paths, out, monkeypatch, abs_error=0.05)
     new = np.load(paths[0]) + 10.0  # regenerated input: same shape and dtype, other values
     np.save(paths[0], new)
     rep = ingest(paths, out, batch_size=8, abs_error=0.05, resume=True, verify=True, progress=False)
@@ -414,6 +401,145 @@ def test_http_input_stamp_sees_a_regenerated_file_without_etag(tmp_path):
         os.utime(tmp_path / "a.npy", ns=(st.st_atime_ns, st.st_mtime_ns + 10**10))  # HTTP dates are in seconds
         after = src.stamp()
     assert before[0] == after[0] and before[1] is not None and before != after
+
+
+def _crash_after_two_batches(paths, out, monkeypatch, **kw):
+    """Run an ingest that dies during its third batch of 8 (two committed), as the resume tests do."""
+    import solar.ingest as ing
+
+    real, calls = ing.sample_checksum, {"n": 0}
+
+    def dying(buf):
+        calls["n"] += 1
+        if calls["n"] > 20:
+            raise KeyboardInterrupt
+        return real(buf)
+
+    monkeypatch.setattr(ing, "sample_checksum", dying)
+    with pytest.raises(KeyboardInterrupt):
+        ingest(paths, out, batch_size=8, progress=False, commit_interval=0, **kw)
+    monkeypatch.setattr(ing, "sample_checksum", real)
+    assert json.load(open(out + ".ingest.json"))["batches_done"] == 2
+
+
+def _rewrite_keeping_size_and_mtime(path, array):
+    """Regenerate an input as `cp -p`/`rsync -a` of a regenerated file leave it: new bytes, same
+    size and mtime (also what a coarse-mtime file system shows for two writes within a tick)."""
+    st = os.stat(path)
+    np.save(path, array)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
+
+
+def test_resume_starts_over_when_an_input_is_rewritten_with_the_same_size_and_mtime(tmp_path, monkeypatch, capsys):
+    """Audit finding: the fingerprint had each input's size and mtime only, so an input
+    regenerated between the crash and `--resume` and copied back with `cp -p` resumed, exit 0,
+    into an output of old rows followed by new ones (which verify_file passes: the checksums are
+    of the stored bytes). Now the fingerprint has a digest of a sample of each input's bytes:
+    the resume names the input and starts over."""
+    paths, _ = _npy_inputs(tmp_path, sizes=(30, 17), shape=(8, 8))
+    out = str(tmp_path / "o.h5")
+    _crash_after_two_batches(paths, out, monkeypatch)
+    new = -np.load(paths[0])
+    _rewrite_keeping_size_and_mtime(paths[0], new)
+    rep = ingest(paths, out, batch_size=8, resume=True, progress=False)
+    err = capsys.readouterr().err
+    assert rep.resumed_from_batch == 0, "resumed into rows of the old input"
+    assert f"input {paths[0]} changed since that run (same size and modification time" in err
+    assert "starting over" in err and paths[1] not in err
+    np.testing.assert_array_equal(_read_field(out, "x")[:30], new)  # no old rows left
+    with pytest.raises(InputError, match="different job"):  # a finished output of the old contents
+        _rewrite_keeping_size_and_mtime(paths[0], -new)
+        ingest(paths, out, batch_size=8, resume=True, progress=False)
+
+
+def test_resume_of_a_run_started_before_inputs_were_content_sampled(tmp_path, monkeypatch, capsys):
+    """A journal (or a finished output) written by the previous version carries the old
+    fingerprint (size and mtime only, no `v2-` prefix, no `inputs`): with unchanged inputs it
+    still resumes (or counts as complete), with a note saying how to be sure."""
+    import hashlib
+    from dataclasses import asdict
+
+    from solar.ingest import _validate
+
+    paths, want = _npy_inputs(tmp_path, sizes=(30, 17), shape=(8, 8))
+    out = str(tmp_path / "o.h5")
+    _crash_after_two_batches(paths, out, monkeypatch)
+    plan = _validate(paths, out, None, None, None, True, False, 8, "auto", None)
+    # the previous version's Plan.fingerprint(), verbatim
+    stamps = [[os.stat(s.url).st_size, os.stat(s.url).st_mtime_ns] for s in plan.sources]
+    desc = {"inputs": [(s.url, s.n, s.per_file, s.keys, st) for s, st in zip(plan.sources, stamps)],
+            "fields": [asdict(f) for f in plan.fields], "batch_size": plan.batch_size}
+    old = hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    rec = json.load(open(out + ".ingest.json"))
+    assert rec["fingerprint"].startswith("v2-") and len(rec["inputs"]) == 2
+    json.dump({k: v for k, v in rec.items() if k != "inputs"} | {"fingerprint": old}, open(out + ".ingest.json", "w"))
+    rep = ingest(paths, out, batch_size=8, resume=True, verify=True, progress=False)
+    assert rep.resumed_from_batch == 2
+    assert "written by an older solar ingest" in capsys.readouterr().err
+    np.testing.assert_array_equal(_read_field(out, "x"), want)
+    with h5py.File(out, "r+") as f:  # an output finished by the previous version
+        f.attrs["provenance"] = json.dumps({**json.loads(f.attrs["provenance"]), "fingerprint": old})
+    rep = ingest(paths, out, batch_size=8, resume=True, progress=False)
+    assert rep.already_complete and "finished by an older solar ingest" in capsys.readouterr().err
+
+
+def test_journal_without_inputs_changed_in_contents_starts_over(tmp_path, monkeypatch, capsys):
+    """A journal of this version whose inputs changed in contents only, and whose input list
+    cannot name them (hand-edited, truncated record): still a different job, starting over."""
+    paths, _ = _npy_inputs(tmp_path, sizes=(30, 17), shape=(8, 8))
+    out = str(tmp_path / "o.h5")
+    _crash_after_two_batches(paths, out, monkeypatch)
+    rec = json.load(open(out + ".ingest.json"))
+    json.dump({**rec, "inputs": None}, open(out + ".ingest.json", "w"))
+    _rewrite_keeping_size_and_mtime(paths[1], np.load(paths[1]) + 1)
+    assert ingest(paths, out, batch_size=8, resume=True, progress=False).resumed_from_batch == 0
+    assert "belongs to a different job" in capsys.readouterr().err
+
+
+def test_content_digest_reads_a_bounded_sample():
+    from solar.ingest_sources import digest_ranges
+
+    assert digest_ranges(0) == [(0, 0)] and digest_ranges(1000) == [(0, 1000)]
+    for size in (300_000, 10**12):
+        r = digest_ranges(size)
+        assert r[0][0] == 0 and r[-1][1] == size and len(r) == 10
+        assert sum(b - a for a, b in r) == 256 << 10  # whatever the size
+        assert all(a < b <= c for (a, b), (c, _) in zip(r, r[1:]))  # ordered, disjoint
+
+
+def test_content_digest_over_every_fsspec_protocol(tmp_path, place):
+    """The content sample is read through the input's own URL and storage_options (file, memory,
+    http via nginx with Range requests, s3): equal bytes give equal digests, a same-size rewrite
+    that changes one middle block gives another."""
+    from solar.ingest_sources import Source, digest_ranges
+
+    data = bytearray(np.random.default_rng(1).integers(0, 256, 1 << 20, np.uint8).tobytes())
+    url = place.put_bytes("a.npy", bytes(data))
+    src = Source(url, "npy", False, {"x": "x"}, storage_options=place.storage_options)
+    first = src.identity()
+    assert first[0] == len(data) and first[2] is not None
+    mid = digest_ranges(len(data))[5][0]
+    data[mid + 100] ^= 0xFF
+    place.put_bytes("a.npy", bytes(data))
+    changed = src.identity()
+    assert changed[0] == first[0] and changed[2] != first[2]
+    data[mid + 100] ^= 0xFF
+    place.put_bytes("a.npy", bytes(data))
+    assert src.identity()[2] == first[2]
+
+
+def test_content_digest_with_a_server_that_ignores_range_requests(tmp_path):
+    from servers import python_http_server
+    from solar.ingest_sources import Source
+
+    np.save(tmp_path / "a.npy", np.zeros((40000, 3), np.float32))
+    with python_http_server(str(tmp_path)) as base:
+        src = Source(f"{base}/a.npy", "npy", False, {"x": "x"})
+        before = src.identity()
+        np.save(tmp_path / "a.npy", np.ones((40000, 3), np.float32))
+        after = src.identity()
+    assert before[0] == after[0] and None not in (before[2], after[2]) and before[2] != after[2]
 
 
 def test_resume_never_replaces_a_finished_output(tmp_path, capsys):
@@ -483,6 +609,15 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _mpirun_env() -> dict:
+    """An environment for a nested `mpirun` (as root, oversubscribed, slowed so a test can act mid-run)."""
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1", "SOLAR_INGEST_TEST_DELAY": "0.25"}
+    for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_SIZE", "SOLAR_EXPECT_WORLD"):
+        env.pop(var, None)
+    return env
+
+
 def _mpirun(args, env, **kw):
     return subprocess.Popen(["mpirun", "-n", "2", "--bind-to", "none", SOLAR, "ingest", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, **kw)
@@ -493,10 +628,7 @@ def test_sigkill_one_rank_then_resume_under_mpirun(tmp_path):
     """The real thing: `mpirun -n 2 solar ingest`, SIGKILL of rank 1 mid-run, `--resume --verify`."""
     paths, want = _npy_inputs(tmp_path, sizes=(64, 40), shape=(8, 8))
     out = str(tmp_path / "o.h5")
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_rmaps_base_oversubscribe": "1", "SOLAR_INGEST_TEST_DELAY": "0.25"}
-    for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_SIZE", "SOLAR_EXPECT_WORLD"):
-        env.pop(var, None)
+    env = _mpirun_env()
     args = [*paths, "-o", out, "--batch-size", "8", "--abs-error", "0.01", "--no-progress", "--commit-interval", "0"]
     proc = _mpirun(args, env)
     journal = out + ".ingest.json"
@@ -594,6 +726,82 @@ def test_storage_failure_mid_run_is_one_line_with_a_resume_hint(tmp_path, http_r
     assert main(args + ["--resume"]) == 0
     assert "resumed at batch 2" in capsys.readouterr().out
     np.testing.assert_array_equal(_read_field(out, "x"), a)
+
+
+def test_storage_failure_lines_name_the_file_and_the_cause(tmp_path, monkeypatch):
+    """The lines both the serial CLI and a failing rank under mpirun print (failure_lines): the
+    file, the cause from the errno (HDF5's sec2 driver puts it in the message), or, from the
+    MPI-IO driver, which drops it, "No space left" inferred from the output's free space."""
+    import errno
+
+    import solar.ingest as ing
+
+    tmp = str(tmp_path / "o.h5.tmp")
+    sec2 = OSError(errno.ENOSPC, "Can't write data (file write failed: time = Sun Nov 22 18:14:20 2026\n, "
+                                 f"filename = '{tmp}', errno = 28, error message = 'No space left on device', buf = 0x1)")
+    err = ing.storage_error(sec2, f"writing {tmp}", tmp)
+    assert isinstance(err, OSError) and err.errno == errno.ENOSPC
+    assert str(err).startswith(f"writing {tmp} failed: No space left on device (errno 28; its file system has ")
+    assert "time =" not in str(err) and "\n" not in str(err)
+    mpio = OSError("Can't write data (file write failed)")
+    monkeypatch.setattr(ing, "_free_bytes", lambda path: 4096)
+    lines = ing.failure_lines(ing.storage_error(mpio, f"writing {tmp}", tmp, need=1000), tmp, 31, rank=1)
+    assert lines == [f"rank 1: writing {tmp} failed: No space left on device (inferred: the error gives no reason, "
+                     "and its file system has 0.0 MB free) [OSError: Can't write data (file write failed)]",
+                     f"{tmp} keeps the 31 batch(es) committed so far; once there is free space on its file system "
+                     "again, rerun the same command with --resume to continue from there"]
+    monkeypatch.setattr(ing, "_free_bytes", lambda path: 10**12)  # plenty of room: no guess
+    assert str(ing.storage_error(mpio, f"writing {tmp}", tmp, need=1000)) == (
+        f"writing {tmp} failed: OSError: Can't write data (file write failed)")
+    flush = RuntimeError("Unable to flush file's cached information (unable to extend file properly, errno = 27, "
+                         "error message = 'File too large')")  # how HDF5 reports a failed flush
+    assert ing._storage_failure(flush, "writing x", tmp).errno == errno.EFBIG
+    assert ing._storage_failure(RuntimeError("a bug"), "writing x", tmp) is None
+    assert ing.failure_lines(mpio, tmp, 0) == ["OSError: Can't write data (file write failed)"]  # no batches: no hint
+
+
+@pytest.mark.slow
+def test_storage_failure_under_mpirun_is_one_line_and_exit_code_4(tmp_path):
+    """Audit finding: a full disk under `mpirun -n 2 solar ingest` printed "rank 0 failed:
+    OSError: Can't write data (file write failed)" (no file, no cause, no word of the committed
+    batches), then MPI_Abort(1): exit 1, where the serial run prints one clear line and exits 4.
+    The failure here is real, without a mount: mid-run both ranks get RLIMIT_FSIZE at OUT.tmp's
+    size, so the file cannot grow (EFBIG; HDF5 may report it from a write, a resize or a flush)."""
+    import resource
+
+    paths, want = _npy_inputs(tmp_path, sizes=(64, 40), shape=(8, 8))
+    out = str(tmp_path / "o.h5")
+    env = _mpirun_env()
+    args = [*paths, "-o", out, "--batch-size", "8", "--abs-error", "0.01", "--no-progress", "--commit-interval", "0"]
+    proc = _mpirun(args, env)
+    journal, deadline, done = out + ".ingest.json", time.monotonic() + 120, 0
+    while time.monotonic() < deadline and proc.poll() is None and done < 3:
+        try:
+            done = json.load(open(journal))["batches_done"]
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.05)
+    assert proc.poll() is None, f"ingest ended before the disk could fill: {proc.communicate()}"
+    ranks = [p for p in _children(proc.pid) if "python" in open(f"/proc/{p}/cmdline").read()]
+    assert len(ranks) == 2, f"expected 2 rank processes under mpirun, found {ranks}"
+    size = os.path.getsize(out + ".tmp")
+    for pid in ranks:
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (size, size))
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 4, stderr  # EXIT_STORAGE, as serially (MPI_Abort(4); was 1)
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("solar ingest: ")]
+    assert lines, stderr
+    failed = [ln for ln in lines if ln.startswith("solar ingest: rank ")]
+    assert failed and all(f"writing {out}.tmp failed: " in ln for ln in failed), stderr
+    committed = json.load(open(journal))["batches_done"]
+    assert f"solar ingest: {out}.tmp keeps the {committed} batch(es) committed so far; once the storage answers " \
+           "again, rerun the same command with --resume to continue from there" in lines, stderr
+    assert "Traceback" not in stderr and not os.path.exists(out)
+    env["SOLAR_INGEST_TEST_DELAY"] = "0"
+    res = _mpirun([*args, "--resume", "--verify", "--json"], env)
+    stdout, stderr = res.communicate(timeout=120)
+    assert res.returncode == 0, stderr
+    assert json.loads(stdout.strip().splitlines()[-1])["resumed_from_batch"] == committed
+    assert np.abs(_read_field(out, "x") - want).max() <= 0.01
 
 
 def test_empty_input_reports_no_infinite_ratio(tmp_path, capsys):

@@ -53,16 +53,7 @@ def test_resuming_a_serially_started_compressed_ingest_under_mpirun(comm, shared
     paths = _inputs(comm, shared_tmp)
     out, ref = os.path.join(shared_tmp, "resumed.h5"), os.path.join(shared_tmp, "fresh.h5")
     if comm.rank == 0:
-        calls = {"n": 0}
-        real = si._write_rows
-
-        def dies(*a, **k):  # the serial run dies after a few committed batches
-            calls["n"] += 1
-            if calls["n"] > 12:
-                raise KeyboardInterrupt
-            return real(*a, **k)
-
-        monkeypatch.setattr(si, "_write_rows", dies)
+        _die_after_writes(monkeypatch, 12)  # the serial run dies after a few committed batches
         with pytest.raises(KeyboardInterrupt):
             ingest(paths, out, abs_error=0.01, batch_size=5, comm=None, progress=False, commit_interval=0)
         monkeypatch.undo()
@@ -74,5 +65,52 @@ def test_resuming_a_serially_started_compressed_ingest_under_mpirun(comm, shared
     with h5py.File(out, "r") as a, h5py.File(ref, "r") as b:
         for k in ("x/data", "x/offsets", checksum_key("x")):
             np.testing.assert_array_equal(a[k][:], b[k][:])
+    faulthandler.cancel_dump_traceback_later()
+    comm.Barrier()
+
+
+def _die_after_writes(monkeypatch, n: int) -> None:
+    """Make ingest raise KeyboardInterrupt (a crash) in its write number ``n + 1``."""
+    import solar.ingest as si
+
+    calls, real = {"n": 0}, si._write_rows
+
+    def dies(*a, **k):
+        calls["n"] += 1
+        if calls["n"] > n:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(si, "_write_rows", dies)
+
+
+def test_resume_under_mpirun_sees_an_input_rewritten_with_the_same_size_and_mtime(comm, shared_tmp, monkeypatch):
+    """Audit finding (its `mpirun -n 2` case): an input regenerated between the crash and
+    `--resume` and copied back with its size and mtime (`cp -p`, `rsync -a`) was resumed into,
+    giving old rows followed by new ones. Rank 0 fingerprints the inputs, now with a digest of a
+    sample of their bytes, and every rank starts over."""
+    import faulthandler
+
+    import solar.ingest as si
+
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the job instead of blocking CI
+    paths = _inputs(comm, shared_tmp)
+    out = os.path.join(shared_tmp, "rewritten.h5")
+    _die_after_writes(monkeypatch, 12)  # collective: every rank makes the same calls, so all die at the same one
+    with pytest.raises(KeyboardInterrupt):
+        ingest(paths, out, batch_size=5, progress=False, commit_interval=0)
+    monkeypatch.undo()
+    new = None
+    if comm.rank == 0:
+        assert si._journal_read(out + si.JOURNAL_SUFFIX)["batches_done"] > 0
+        st = os.stat(paths[0])
+        new = -np.load(paths[0])
+        np.save(paths[0], new)
+        os.utime(paths[0], ns=(st.st_atime_ns, st.st_mtime_ns))
+    new = comm.bcast(new, root=0)
+    rep = ingest(paths, out, batch_size=5, resume=True, progress=False)
+    assert rep.world_size == comm.size and rep.resumed_from_batch == 0  # started over
+    with h5py.File(out, "r") as f:
+        np.testing.assert_array_equal(f["x"][:len(new)], new)
     faulthandler.cancel_dump_traceback_later()
     comm.Barrier()

@@ -7,8 +7,10 @@ Examples::
     mpirun -n 8 solar ingest ... -o train.h5 --resume         # after a crash: continue
 
 Exit codes: 0 done, 2 bad input or options (nothing written), 3 verification failed, 4 storage or
-I/O failure during the run (an input server died, stalled or refused a read; ``--resume`` continues
-from the last committed batch), 1 other.
+I/O failure during the run (an input server died, stalled or refused a read, the output's disk is
+full; ``--resume`` continues from the last committed batch), 1 other. Under mpirun the same codes
+are the job's: a rank that fails alone prints its message and ends the job with ``MPI_Abort`` of
+that code (mpirun returns it, after its MPI_ABORT banner).
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ def configure(p) -> None:
 
 def run(args) -> int:
     from solar.dist import mpi_comm
-    from solar.errors import ConfigError, CorruptDataError, InputError, MPIUnavailableError, SolarError
-    from solar.ingest import ingest
+    from solar.errors import ConfigError, CorruptDataError, InputError, MPIUnavailableError
+    from solar.ingest import TMP_SUFFIX, failure_lines, ingest
 
     comm = mpi_comm()
     rank = comm.rank if comm is not None else 0
@@ -75,16 +77,16 @@ def run(args) -> int:
             print(f"solar ingest: verification failed: {exc}", file=sys.stderr)
         return 3
     except OSError as exc:
-        # Storage failed mid-run (StorageError: a server died, refused or ignored a Range request;
-        # or another OSError of a read or write): one line, not a traceback, and how to go on.
-        # Possibly raised on this rank alone: under MPI it says so and ends the job.
+        # Storage failed mid-run (StorageError: a server died, refused or ignored a Range request,
+        # the disk is full; or another OSError of a read or write): one line, not a traceback,
+        # and how to go on. Possibly raised on this rank alone: under MPI it says so and ends the
+        # job. (A failure inside the write loop under MPI is reported by ingest() itself, with
+        # the same lines, since the other ranks wait in a collective call: failure_lines.)
         parallel = comm is not None and comm.size > 1
-        what = str(exc) if isinstance(exc, SolarError) else f"{type(exc).__name__}: {exc}"
         if rank == 0 or parallel:
-            print(f"solar ingest: {f'rank {rank}: ' if parallel else ''}{what}", file=sys.stderr)
-            hint = _resume_hint(args, t0)
-            if hint:
-                print(f"solar ingest: {hint}", file=sys.stderr, flush=True)
+            out = args.output[len("file://"):] if args.output.startswith("file://") else args.output
+            for line in failure_lines(exc, out + TMP_SUFFIX, _committed_batches(args, t0), rank if parallel else None):
+                print(f"solar ingest: {line}", file=sys.stderr, flush=True)
         if parallel:
             comm.Abort(EXIT_STORAGE)
         return EXIT_STORAGE
@@ -114,13 +116,14 @@ def run(args) -> int:
 
 
 OUT_SAFE = "the output was not created; rerun with --resume to continue"
-EXIT_STORAGE = 4
+EXIT_STORAGE = 4  # = solar.ingest.EXIT_STORAGE (also the MPI_Abort code, which mpirun returns)
 
 
-def _resume_hint(args, t0: float) -> str | None:
-    """What ``--resume`` would continue after a failed run, if anything: ``OUT.tmp`` and its
-    journal with committed batches (NOTE [ Ingest crash safety ] in ``solar/ingest.py``). A
-    journal older than this run belongs to an earlier one, unless this run was a ``--resume``."""
+def _committed_batches(args, t0: float) -> int:
+    """How many batches ``--resume`` would keep after a failed run: those of ``OUT.tmp``'s
+    journal (NOTE [ Ingest crash safety ] in ``solar/ingest.py``); 0 when there is nothing to
+    continue. A journal older than this run belongs to an earlier one, unless this run was a
+    ``--resume``."""
     from solar.ingest import JOURNAL_SUFFIX, TMP_SUFFIX, _journal_read
 
     out = args.output[len("file://"):] if args.output.startswith("file://") else args.output
@@ -129,8 +132,7 @@ def _resume_hint(args, t0: float) -> str | None:
     try:
         fresh = args.resume or os.stat(journal).st_mtime >= t0 - 1
     except OSError:
-        return None
-    if not rec or not fresh or not os.path.exists(tmp) or not int(rec.get("batches_done") or 0):
-        return None
-    return (f"{tmp} keeps the {rec['batches_done']} batch(es) committed so far; once the storage answers "
-            "again, rerun the same command with --resume to continue from there")
+        return 0
+    if not rec or not fresh or not os.path.exists(tmp):
+        return 0
+    return int(rec.get("batches_done") or 0)
