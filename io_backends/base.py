@@ -57,6 +57,10 @@ import numpy as np
 _DISJOINT: contextvars.ContextVar[bool] = contextvars.ContextVar("solar_disjoint_read", default=False)
 
 
+#: handles a forked child inherited from its parent (see :meth:`Backend.ensure_open`)
+_INHERITED: list = []
+
+
 def disjoint_read() -> bool:
     """Whether the running ``read_ranges`` call was promised disjoint across ranks; wrappers
     that forward to an inner backend pass it on."""
@@ -167,6 +171,12 @@ class Backend(ABC):
     def ensure_open(self) -> None:
         """Open (or reopen after fork) the underlying handles in this process."""
         if self._pid != os.getpid():
+            if self._pid is not None:
+                # handles inherited across fork belong to the parent: dropping them here would
+                # close or free them in this child (h5py printed "Can't decrement id ref count"
+                # tracebacks when DataLoader workers exited, for parallel-HDF5 files), so they are
+                # parked, never touched (torch's workers leave by os._exit: no teardown)
+                _INHERITED.append({k: self.__dict__.pop(k) for k in self._handle_attrs() if k in self.__dict__})
             self._pid = None
             self._open()
             self._pid = os.getpid()

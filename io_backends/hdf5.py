@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Iterator
 
 import numpy as np
@@ -89,7 +90,7 @@ class HDF5Backend(Backend):
     name = "hdf5"
 
     def _handle_attrs(self):
-        return ("_file", "_dsets", "_keys", "_broken")
+        return ("_file", "_dsets", "_keys", "_broken", "_fd")
 
     def _open_file(self):
         import h5py
@@ -105,6 +106,39 @@ class HDF5Backend(Backend):
             raise OSError(f"{self.url}: cannot open as HDF5 ({exc}); is it an HDF5 file?") from exc
         self._dsets: dict[str, Any] = {}
         self._keys: list[str] | None = None
+        self._pin_size()
+
+    def _pin_size(self) -> None:
+        """Remember the file's size at the first open (pickled copies keep it).
+
+        HDF5 reads rows past the end of a file as zeros, without an error: a plain HDF5 file
+        truncated while a loader reads it (rewritten in place, a copy still in progress) gave
+        zeros for every row past the cut. Files with stored checksums catch that; plain files
+        have only this size check (:meth:`_check_size`, one ``fstat`` per read call).
+        """
+        fd = size = None
+        if self._file.driver == "sec2":  # a POSIX descriptor (mpio's handle is not one)
+            try:
+                fd = self._file.id.get_vfd_handle()
+                size = os.fstat(fd).st_size
+            except Exception:  # noqa: BLE001 - no descriptor after all: no check
+                fd = size = None
+        self._fd = fd if size is not None else None
+        if getattr(self, "_pinned_size", None) is None:
+            self._pinned_size = size
+
+    def _check_size(self) -> None:
+        fd, pinned = self.__dict__.get("_fd"), getattr(self, "_pinned_size", None)
+        if fd is None or pinned is None:
+            return
+        size = os.fstat(fd).st_size
+        if size < pinned:
+            from solar.errors import StorageError
+
+            raise StorageError(
+                f"{self.url}: the file shrank from {pinned} to {size} bytes while open (truncated, or being "
+                "rewritten in place), so rows past the cut would read as zeros; recreate the dataset once the "
+                "file is complete again (write a new file and rename it over the old one)")
 
     def _close(self) -> None:
         f = self.__dict__.pop("_file", None)
@@ -146,3 +180,4 @@ class HDF5Backend(Backend):
 
     def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
         self.stats.read_calls += read_rows(self._dset(key), self.url, key, ranges, out)
+        self._check_size()  # after the read: a cut during it is caught too

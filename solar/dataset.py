@@ -105,7 +105,8 @@ class H5Dataset(Dataset):
     Args:
         path: file path or URL (``file://``, ``http://``, ``s3://`` ... through the backend).
         fields: field names; a tuple/list gives samples as tuples, a string gives one tensor,
-            ``None`` (default) every field of the file, in file order, as tuples.
+            ``None`` (default) every field of the file, as tuples: in the order h5py lists them
+            (alphabetical unless the file tracks creation order), a SOLAR file's in ingest order.
         backend: ``"auto"`` (``mpi-hdf5`` under mpirun, ``fsspec`` for URLs, else ``hdf5``), a
             registry name, or a :class:`solar.io_backends.Backend` instance.
         transform: optional per-sample callable applied to the sample (tuple or tensor).

@@ -138,6 +138,17 @@ class DataLoader(tud.DataLoader):
             from solar.sampler import parse_buffer
 
             parse_buffer(buffer)  # bad options fail here too, not only on storage-backed datasets
+            inner = _wrapped_storage(dataset)
+            if inner is not None:
+                import warnings
+
+                warnings.warn(
+                    f"solar.DataLoader: the dataset is a {type(dataset).__name__} of {type(inner).__name__} "
+                    f"{getattr(inner, 'path', '')!s}; SOLAR's schedule, buffer and read-ahead work on a storage-backed "
+                    "dataset passed directly, so this loader runs as torch's would (correct, not faster). "
+                    "Pass the H5Dataset itself: keep the split in separate files, or select samples with a "
+                    "sampler (e.g. SubsetRandomSampler(indices)) instead of random_split/Subset",
+                    UserWarning, stacklevel=2)
 
     # -- epochs ---------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -291,3 +302,15 @@ class DataLoader(tud.DataLoader):
                 self._set_rng_state(state["next_rng"])
             return
         self._progress["resume"] = dict(state)
+
+
+def _wrapped_storage(dataset) -> Any:
+    """The storage-backed dataset inside a torch ``Subset`` / ``ConcatDataset`` (``random_split``
+    returns Subsets), else None. Such wrappers hide ``fetch_stored``, so SOLAR is silently off
+    for them: PtychoNN's training script splits its dataset that way."""
+    if isinstance(dataset, tud.Subset):
+        return dataset.dataset if is_storage_backed(dataset.dataset) else _wrapped_storage(dataset.dataset)
+    if isinstance(dataset, tud.ConcatDataset):
+        return next((d if is_storage_backed(d) else _wrapped_storage(d) for d in dataset.datasets
+                     if is_storage_backed(d) or _wrapped_storage(d) is not None), None)
+    return None

@@ -92,6 +92,33 @@ def parse_buffer(value: Any) -> BufferSpec:
                       "('2GiB', '500MB') or a fraction of the dataset (0.5)")
 
 
+#: Seconds an iteration waits for the other ranks to start it before saying why it may never end.
+WAIT_WARN_S = 60.0
+
+
+def _wait(req, comm, path: str) -> None:
+    """Complete the request, warning once if the other ranks do not join within WAIT_WARN_S.
+
+    Every rank must iterate a loader over a DistributedSampler on parallel HDF5 (its passes are
+    collective). A loop only some ranks run (``if rank == 0: validate(loader)``) waited here
+    forever without a word; the wait itself is right (a rank may be slower), the silence was not.
+    """
+    import time
+    import warnings
+
+    start = time.monotonic()
+    while not req.Test():
+        if start is not None and time.monotonic() - start > WAIT_WARN_S:
+            warnings.warn(
+                f"solar.DataLoader over {path} (rank {comm.rank} of {comm.size}): waited {WAIT_WARN_S:.0f} s for "
+                "the other ranks to start this iteration. Over a DistributedSampler on parallel HDF5 every rank "
+                "must iterate the loader together; for a loop only some ranks run (validation on rank 0), build "
+                "that loader without a DistributedSampler, or open its H5Dataset with backend='hdf5'",
+                RuntimeWarning, stacklevel=2)
+            start = None
+        time.sleep(0.0005)
+
+
 def _stock_distributed(sampler: Any) -> bool:
     return isinstance(sampler, DistributedSampler) and type(sampler).__iter__ is DistributedSampler.__iter__
 
@@ -366,9 +393,13 @@ class SolarBatchSampler(BatchSampler):
         from mpi4py import MPI
 
         comm = self.dataset.backend.comm
+        path = getattr(self.dataset, "path", "")
 
         def agree():
-            return [comm.allreduce(v, op=MPI.MAX) for v in (-steps, steps, is_open)]
+            mine = np.array([-steps, steps, is_open], np.int64)
+            out = np.empty_like(mine)
+            _wait(comm.Iallreduce(mine, out, op=MPI.MAX), comm, path)
+            return out.tolist()
 
         lo, hi, any_open = collective_call(agree)
         return (hi if -lo == hi else -1), bool(any_open)

@@ -116,8 +116,10 @@ def global_order(n: int, world_size: int, seed: int, epoch: int, shuffle: bool =
     total = sampler_num_samples(n, world_size, drop_last) * world_size
     if total <= n:
         return perm[:total]
-    reps = math.ceil(total / n)
-    return np.tile(perm, reps)[:total]
+    out = np.empty(total, dtype=perm.dtype)  # perm repeated to length total, in an array of its own
+    for start in range(0, total, n):  # (np.tile(...)[:total] and np.resize keep a longer array alive)
+        out[start:start + n] = perm[:total - start]
+    return out
 
 
 def owner_of(indices: np.ndarray, world_size: int, batch_size: int, capacity: int) -> np.ndarray:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 
 import h5py
@@ -285,3 +286,22 @@ def test_cuda_device_without_a_gpu_is_refused_at_construction(raw_path):
     """device='cuda' where torch sees no GPU failed with torch's AssertionError at the first batch."""
     with pytest.raises(solar.ConfigError, match="device='cuda', but torch sees no CUDA device"):
         solar.H5Dataset(raw_path, device="cuda")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_plain_file_truncated_while_read_raises_instead_of_giving_zeros(tmp_path, workers):
+    """HDF5 reads rows past the end of a file as zeros. A plain file (no stored checksums)
+    truncated while a loader read it gave zeros for every row past the cut, silently (a
+    fault-injection audit: 1000 of 2000 samples, with and without workers)."""
+    path = str(tmp_path / "plain.h5")
+    with h5py.File(path, "w") as f:
+        f["x"] = np.ones((2000, 64), np.float32)
+    ds = solar.H5Dataset(path, backend="hdf5")
+    assert float(ds[1999][0].sum()) == 64.0
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(solar.StorageError, match=r"plain\.h5: the file shrank .* would read as zeros"):
+        ds[1999]
+    with pytest.raises(solar.StorageError, match="shrank"):
+        for (x,) in solar.DataLoader(ds, batch_size=100, num_workers=workers):
+            assert float(x.sum()) == x.numel()  # never zeros
+    ds.close()

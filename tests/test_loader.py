@@ -575,3 +575,22 @@ def test_an_empty_dataset_yields_no_batches(tmp_path):
     with pytest.raises(IndexError, match="out of range for 0 samples \\(the dataset is empty\\)"):
         ds[0]
     ds.close()
+
+
+def test_a_random_split_of_an_h5dataset_says_solar_is_off_for_it(h5path):
+    """PtychoNN's script splits its dataset with random_split: a Subset hides the storage-backed
+    dataset, so the loader runs as torch's (correct, no buffer). It said nothing; now it warns
+    once, naming the file and what to pass instead. Plain datasets stay silent."""
+    import warnings
+
+    ds = solar.H5Dataset(h5path)
+    train, _ = tud.random_split(ds, [0.75, 0.25], generator=torch.Generator().manual_seed(0))
+    for wrapped in (train, tud.ConcatDataset([tud.Subset(ds, range(8)), train])):
+        with pytest.warns(UserWarning, match=r"Subset|ConcatDataset.*runs as torch's would.*Pass the H5Dataset itself"):
+            loader = solar.DataLoader(wrapped, batch_size=4)
+        assert loader.solar_sampler is None and len(list(loader)) == -(-len(wrapped) // 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        solar.DataLoader(tud.TensorDataset(torch.zeros(8)), batch_size=4)
+        assert solar.DataLoader(ds, batch_size=4).solar_sampler is not None
+    ds.close()

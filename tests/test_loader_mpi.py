@@ -266,3 +266,52 @@ def test_a_scripts_own_mpi4py_collectives_never_pair_with_the_loaders(comm, shar
         faulthandler.cancel_dump_traceback_later()
     assert steps == 2 * 96 // (4 * comm.size)
     ds.close()
+
+
+@pytest.mark.mpi
+def test_torch_workers_over_parallel_hdf5_leave_the_inherited_handles_alone(comm, shared_tmp, capfd):
+    """A plain torch DataLoader with workers over an H5Dataset under mpirun: each forked worker
+    reopened the file serially and dropped the parallel handle it inherited, and h5py printed
+    "Can't decrement id ref count" tracebacks as the workers exited (8 per run, results right)."""
+    path = os.path.join(shared_tmp, "workers.h5")
+    write_ptycho_h5(path, 64, 8, seed=4, comm=comm, progress=False)
+    comm.Barrier()
+    ds = solar.H5Dataset(path)
+    assert ds.backend.name == "mpi-hdf5"
+    n = sum(len(y) for _, y in tud.DataLoader(ds, batch_size=16, shuffle=True, num_workers=2))
+    assert n == 64
+    err = capfd.readouterr().err
+    assert "decrement" not in err and "Traceback" not in err, err[-2000:]
+    ds.close()
+
+
+@pytest.mark.mpi
+def test_a_loop_only_one_rank_runs_says_why_it_waits(comm, shared_tmp, monkeypatch):
+    """`if rank == 0: validate(loader)` over a DistributedSampler on parallel HDF5 waited for the
+    other ranks forever without a word. Here the others join late (as a slow rank would), so the
+    loop ends, and the waiting rank has said what it waits for and what to do instead."""
+    import time
+    import warnings
+
+    import solar.sampler as ss
+
+    _no_hang()
+    monkeypatch.setattr(ss, "WAIT_WARN_S", 1.0, raising=False)
+    ds, sampler, loader = _ptycho_loader(comm, os.path.join(shared_tmp, "alone.h5"), 5, 6, 0.5)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if comm.rank != 0:
+                time.sleep(3.0)
+            n = sum(len(y) for _, y in loader)
+    finally:
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()
+    assert n == 96 // comm.size
+    said = [str(w.message) for w in caught if "waited" in str(w.message)]
+    if comm.rank == 0:
+        assert said and "every rank must iterate the loader together" in said[0] and "alone.h5" in said[0]
+    else:
+        assert not said
+    ds.close()

@@ -189,6 +189,9 @@ def test_global_order_is_distributed_samplers():
             s = DistributedSampler(range(n), num_replicas=P, rank=r, seed=11, drop_last=dl)
             s.set_epoch(2)
             assert order[r::P].tolist() == list(s)
+        # the order owns exactly its own memory: it is kept for the epoch (a padded order was a
+        # view of a twice-as-long tiled array, 8 bytes per sample more on every rank)
+        assert order.base is None or order.base.nbytes <= order.nbytes + 8 * P
 
 
 @given(st.integers(1, 64), st.integers(1, 9), st.integers(0, 50))
