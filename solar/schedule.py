@@ -157,10 +157,22 @@ def capacity_for_bytes(sizes: np.ndarray, budget: int, world_size: int, batch_si
     if n and sizes.min() == sizes.max():  # raw fields: every sample costs the same
         return int(min(-(-n // world_size), budget // max(1, int(sizes[0]))))
 
+    P, b = world_size, batch_size
+    prefix = np.concatenate([[0], np.cumsum(sizes)])  # int64: exact sums
+
     def fits(c: int) -> bool:
-        m = min(n, world_size * c)
-        per_rank = np.bincount(owner_of(np.arange(m), world_size, batch_size, c), weights=sizes[:m],
-                               minlength=world_size)
+        # per-rank owned bytes from the prefix sums, by owner_of's two parts: O(N/b + P*b) per
+        # capacity tried instead of owner_of over every index (17-36 s at N = 10^7 in an audit)
+        m = min(n, P * c)
+        end1 = min(P * b * (c // b), m)  # b-blocks dealt round-robin: block k -> rank k % P
+        starts = np.arange(0, end1, b)
+        block = prefix[np.minimum(starts + b, end1)] - prefix[starts]
+        per_rank = np.zeros(P, np.int64)
+        if len(starts):
+            per_rank += np.bincount(np.arange(len(starts)) % P, weights=block, minlength=P).astype(np.int64)
+        tail = sizes[end1:m]  # the rest one by one: index end1 + j -> rank j % P
+        if len(tail):
+            per_rank += np.pad(tail, (0, -len(tail) % P)).reshape(-1, P).sum(axis=0)
         return bool(per_rank.max(initial=0) <= budget)
 
     lo, hi = 0, -(-n // world_size)
