@@ -141,6 +141,7 @@ class HDF5Backend(Backend):
                 "file is complete again (write a new file and rename it over the old one)")
 
     def _close(self) -> None:
+        self.__dict__.pop("_fd", None)  # HDF5 closes the descriptor with the file
         f = self.__dict__.pop("_file", None)
         if f is not None:
             f.close()

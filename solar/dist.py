@@ -88,7 +88,7 @@ _COMMS: dict = {}
 _COMMS_LOCK = threading.Lock()
 _EXECUTOR: ThreadPoolExecutor | None = None
 _EXECUTOR_PID: int | None = None
-_EXECUTOR_IDENT: int | None = None
+_EXECUTOR_IDENT: int | None = None  # its thread, noted by the thread itself as it starts
 
 
 def private_comm(comm=None):

@@ -45,6 +45,7 @@ NOTE [ Ingest crash safety ]
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -54,7 +55,7 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -676,12 +677,18 @@ def _finished_by(out: str, fp: str, legacy_fp: str) -> str:
     if got == fp:
         return "done"
     if got == legacy_fp:
-        print(f"solar ingest: {out} was finished by an older solar ingest, which recorded its inputs by size and "
-              "modification time only; they match, so it is reported complete. If an input was rewritten since "
-              "(e.g. copied back with cp -p or rsync -a), rerun with --overwrite; --verify compares every sample "
-              "with the inputs", file=sys.stderr)
+        print(f"solar ingest: {_legacy_note(f'{out} was finished', 'it is reported complete')}", file=sys.stderr)
         return "done"
     return "other"
+
+
+def _legacy_note(subject: str, outcome: str) -> str:
+    """What ``--resume`` says when it accepts a journal or output of a solar ingest that recorded
+    the inputs by size and modification time only (see :func:`_resume_point` for why it does)."""
+    return (f"{subject} by an older solar ingest, which recorded the inputs by size and modification time only "
+            f"(not a sample of their contents); they match, so {outcome}. If an input may have been rewritten "
+            "since (e.g. copied back with cp -p or rsync -a), rerun with --overwrite instead; --verify compares "
+            "every sample with the inputs before the output is created")
 
 
 def _resume_point(rec: dict | None, fp: str, legacy_fp: str, ids: list[list], journal: str,
@@ -707,11 +714,7 @@ def _resume_point(rec: dict | None, fp: str, legacy_fp: str, ids: list[list], jo
         done, kept = int(rec["batches_done"]), dict(rec["data_bytes"])
         if got == fp:
             return done, kept, None
-        return done, kept, (f"{journal} was written by an older solar ingest, which recorded the inputs by size and "
-                            "modification time only (not a sample of their contents); they match, so the run resumes "
-                            f"at batch {done}. If an input may have been rewritten since the crash (e.g. copied back "
-                            "with cp -p or rsync -a), stop and rerun with --overwrite instead, or add --verify, which "
-                            "compares every sample with the inputs before the output is created")
+        return done, kept, _legacy_note(f"{journal} was written", f"the run resumes at batch {done}")
     changed = _changed_inputs(rec.get("inputs"), ids)
     if changed:
         return 0, None, (f"cannot resume {tmp}: {'; '.join(changed)}; starting over, so that the output does not mix "
@@ -808,15 +811,23 @@ def _storage_failure(exc: BaseException, doing: str, path: str | None, need: int
     return storage_error(exc, doing, path, need)
 
 
-def _read_input(plan: Plan, name: str, lo: int, hi: int) -> np.ndarray:
-    """``plan.read``, with a storage failure naming the input (an HDF5 read error does not)."""
+@contextlib.contextmanager
+def _storage_errors(doing: str, path: str | None, need: int = 0) -> Iterator[None]:
+    """Re-raise a storage failure inside the block as :func:`storage_error` (``doing`` names the
+    file); anything else passes unchanged."""
     try:
-        return plan.read(name, lo, hi)
+        yield
     except Exception as exc:
-        failure = _storage_failure(exc, f"reading {_where(plan, lo)}", None)
+        failure = _storage_failure(exc, doing, path, need)
         if failure is None:
             raise
         raise failure from exc
+
+
+def _read_input(plan: Plan, name: str, lo: int, hi: int) -> np.ndarray:
+    """``plan.read``, with a storage failure naming the input (an HDF5 read error does not)."""
+    with _storage_errors(f"reading {_where(plan, lo)}", None):
+        return plan.read(name, lo, hi)
 
 
 def _create_tmp(tmp: str, plan: Plan, kw: dict, need: int):
@@ -826,17 +837,15 @@ def _create_tmp(tmp: str, plan: Plan, kw: dict, need: int):
 
     f = None
     try:
-        f = h5py.File(tmp, "w", **kw)
-        _create(f, plan)
-        f.flush()
+        with _storage_errors(f"creating {tmp}", tmp, need):
+            f = h5py.File(tmp, "w", **kw)
+            _create(f, plan)
+            f.flush()
         return f
-    except Exception as exc:
-        failure = _storage_failure(exc, f"creating {tmp}", tmp, need)
+    except Exception:
         if f is not None:
             _close(f, quiet=True)
-        if failure is None:
-            raise
-        raise failure from exc
+        raise
 
 
 def _close(f, quiet: bool) -> None:

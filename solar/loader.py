@@ -308,9 +308,10 @@ def _wrapped_storage(dataset) -> Any:
     """The storage-backed dataset inside a torch ``Subset`` / ``ConcatDataset`` (``random_split``
     returns Subsets), else None. Such wrappers hide ``fetch_stored``, so SOLAR is silently off
     for them: PtychoNN's training script splits its dataset that way."""
-    if isinstance(dataset, tud.Subset):
-        return dataset.dataset if is_storage_backed(dataset.dataset) else _wrapped_storage(dataset.dataset)
-    if isinstance(dataset, tud.ConcatDataset):
-        return next((d if is_storage_backed(d) else _wrapped_storage(d) for d in dataset.datasets
-                     if is_storage_backed(d) or _wrapped_storage(d) is not None), None)
+    inner = [dataset.dataset] if isinstance(dataset, tud.Subset) else \
+        list(dataset.datasets) if isinstance(dataset, tud.ConcatDataset) else []
+    for d in inner:
+        found = d if is_storage_backed(d) else _wrapped_storage(d)
+        if found is not None:
+            return found
     return None

@@ -11,9 +11,10 @@ every loader shares.
 from __future__ import annotations
 
 import collections
-import threading
 from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from typing import Callable, Iterable, Iterator, TypeVar
+
+from solar.dist import on_mpi_thread
 
 __all__ = ["prefetch"]
 
@@ -32,8 +33,9 @@ def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2, cancel: b
     depends only on how many results the consumer took, which is the same on every rank, while
     how many had *started* depends on timing.
 
-    ``executor``: a shared single-thread executor to run ``fn`` on (not shut down here); then
-    ``fn`` runs there even with ``depth=0`` (submitted and waited for one item at a time).
+    ``executor``: the shared MPI thread (:func:`solar.dist.mpi_executor`) to run ``fn`` on (not
+    shut down here); then ``fn`` runs there even with ``depth=0`` (submitted and waited for one
+    item at a time).
     """
     if depth <= 0 and executor is None:
         for item in items:
@@ -56,10 +58,5 @@ def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2, cancel: b
                 fut.cancel()
         if executor is None:
             pool.shutdown(wait=True)
-        elif not _on_thread_of(executor):  # (a generator collected on that thread cannot wait for it)
+        elif not on_mpi_thread():  # (a generator collected on that thread cannot wait for it)
             wait(pending)
-
-
-def _on_thread_of(executor: Executor) -> bool:
-    threads = getattr(executor, "_threads", ())
-    return any(t.ident == threading.get_ident() for t in threads)

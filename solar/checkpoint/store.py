@@ -13,6 +13,7 @@ and the loader share one implementation of atomic writes and byte budgets.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -69,6 +70,17 @@ def not_writable(root: str, path: str, exc: OSError) -> CheckpointReadOnlyError:
         "another root. Reading works as it is (load, log, show, verify, diff, restore, export)")
 
 
+@contextlib.contextmanager
+def _writes_to(root: str, path: str) -> Iterator[None]:
+    """Re-raise a refused write inside the block as :func:`not_writable` (other errors pass)."""
+    try:
+        yield
+    except OSError as exc:
+        if _is_not_writable(exc):
+            raise not_writable(root, exc.filename or path, exc) from exc
+        raise
+
+
 def open_tier(root: "str | os.PathLike | Tier", *, durable: bool = True, **storage_options) -> Tier:
     """The tier a checkpoint root lives on: a disk tier for local paths, fsspec for URLs.
 
@@ -85,12 +97,8 @@ def open_tier(root: "str | os.PathLike | Tier", *, durable: bool = True, **stora
     if local is not None:
         from solar.cache.disk import DiskTier
 
-        try:
+        with _writes_to(root, local):
             return DiskTier(local, fsync=durable)  # creates the directory if missing
-        except OSError as exc:
-            if _is_not_writable(exc):
-                raise not_writable(root, exc.filename or local, exc) from exc
-            raise
     from solar.cache.fsspec_tier import FsspecTier
 
     return FsspecTier(root, storage_options=storage_options or None)
@@ -193,13 +201,9 @@ class _Lock:
         the code for "a check failed").
         """
         path = os.path.join(local, ".lock")
-        try:
+        with _writes_to(self.store.root, path):
             os.makedirs(local, exist_ok=True)
             return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            if _is_not_writable(exc):
-                raise not_writable(self.store.root, exc.filename or path, exc) from exc
-            raise
 
     def release(self) -> None:
         if self.fd is not None:
