@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from solar.errors import ConfigError, DatasetFormatError, SolarError, StorageError
+from solar.io_backends.npy_format import npy_header
 
 from .base import ArrayInfo, Backend
 from .hdf5 import HDF5Backend
@@ -234,29 +235,6 @@ class _WholeReads:
 
 _SHARD = re.compile(r"^(?P<key>.+)\.(?P<idx>\d+)$")
 _STORE_OPTIONS = ("block_size", "cache_type", "rdcc_nbytes", "storage_options", "cache_options")
-
-
-def npy_header(head: bytes, where: str) -> tuple[tuple[int, ...], np.dtype, int]:
-    """Parse a ``.npy`` header from the first bytes of a file: ``(shape, dtype, data_offset)``."""
-    import io
-
-    from numpy.lib import format as npf
-
-    bio = io.BytesIO(head)
-    try:
-        major, _minor = npf.read_magic(bio)
-        read = npf.read_array_header_1_0 if major == 1 else npf.read_array_header_2_0
-        shape, fortran, dtype = read(bio, max_header_size=1 << 20)
-    except (ValueError, EOFError) as exc:
-        raise DatasetFormatError(f"{where}: not a readable .npy file ({exc})") from exc
-    if fortran and len(shape) > 1:
-        raise DatasetFormatError(f"{where}: Fortran-ordered .npy arrays cannot be read by row ranges; "
-                                 "save it with np.save(path, np.ascontiguousarray(a))")
-    if dtype.hasobject:
-        raise DatasetFormatError(f"{where}: object arrays are not supported (they need pickle)")
-    if len(shape) < 1:
-        raise DatasetFormatError(f"{where}: a 0-d array has no leading sample axis")
-    return tuple(int(s) for s in shape), dtype, bio.tell()
 
 
 @dataclass(frozen=True)

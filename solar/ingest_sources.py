@@ -130,11 +130,17 @@ class Source:
         if self._handle is not None and self._pid == os.getpid():
             return self._handle
         if self.kind == "npz":
+            import zipfile
+
             import fsspec
 
-            with fsspec.open(self.url, "rb", **self.storage_options) as f:
-                with np.load(f, allow_pickle=False) as z:
-                    self._handle = {k: z[k] for k in z.files}
+            from solar.io_backends.npy_format import npy_array
+
+            # the members are read without np.load (its header parser races other threads' ast
+            # use on CPython 3.11; see io_backends/npy_format.py); keys as in np.load(...).files
+            with fsspec.open(self.url, "rb", **self.storage_options) as f, zipfile.ZipFile(f) as z:
+                self._handle = {name.removesuffix(".npy"): npy_array(z.read(name), f"{self.url}:{name}")
+                                for name in z.namelist()}
         else:
             from solar.io_backends import open_backend
 
