@@ -183,7 +183,9 @@ def test_compressed_field_decodes_within_bound_and_buffer_holds_blobs(tmp_path):
     assert len(out) == 5
 
 
-def test_corrupt_sample_raises_with_file_field_and_index(tmp_path):
+@pytest.mark.parametrize("whole", [1 << 20, 0], ids=["whole", "rows"])
+def test_corrupt_sample_raises_with_file_field_and_index(tmp_path, whole, monkeypatch):
+    monkeypatch.setattr(solar.H5Dataset, "WHOLE_CHECKSUMS_BYTES", whole)
     x = np.ones((6, 2, 2), "f4")
     path = str(tmp_path / "bad.h5")
     with h5py.File(path, "w") as f:
@@ -195,6 +197,33 @@ def test_corrupt_sample_raises_with_file_field_and_index(tmp_path):
     with pytest.raises(solar.CorruptDataError, match=r"bad.h5: field 'x' sample 4"):
         ds.__getitems__([3, 4])
     assert torch.equal(solar.H5Dataset(path, fields=["x"], verify=False)[4][0], torch.zeros(2, 2))
+
+
+def test_large_files_read_only_the_checksums_of_the_rows_they_read(tmp_path):
+    """NOTE [ Checksums are read with the rows ]: past ``WHOLE_CHECKSUMS_BYTES`` of checksums a
+    read of two far-apart samples moves their checksums (16 bytes), not 8 bytes per sample of
+    the file; a small file still reads them whole, once."""
+    n = solar.H5Dataset.WHOLE_CHECKSUMS_BYTES // 8 + 10000
+    x = np.arange(n, dtype="f4")[:, None] * np.ones(2, "f4")
+    x[n - 1] = 0  # damaged: its checksum is that of [n-1, n-1]
+    path = str(tmp_path / "big.h5")
+    with h5py.File(path, "w") as f:
+        f["x"] = x
+        f[checksum_key("x")] = np.array([sample_checksum(np.full(2, i, "f4")) for i in range(n)], np.uint64)
+    ds = solar.H5Dataset(path, fields=["x"], io_threads=1)
+    ds.backend.stats.reset()
+    out = ds.__getitems__([3, n - 20000])
+    assert [float(s[0][0]) for s in out] == [3.0, n - 20000.0]
+    assert ds.backend.stats.bytes_read == 2 * 8 + 2 * 8  # two rows of 2 float32, two checksums
+    assert ds._checksums == {}
+    with pytest.raises(solar.CorruptDataError, match=f"sample {n - 1} fails"):
+        ds.__getitems__([n - 1])
+    small = solar.H5Dataset(path, fields=["x"], io_threads=1)
+    small.WHOLE_CHECKSUMS_BYTES = n * 8
+    small.__getitems__([3])
+    assert len(small._checksums["x"]) == n
+    ds.close()
+    small.close()
 
 
 def test_bad_input(raw_path, tmp_path):

@@ -117,17 +117,21 @@ def test_ranks_that_end_an_epoch_differently_keep_identical_plans(comm, shared_t
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("verify", [True, False], ids=["checksum", "codec"])
-def test_a_damaged_sample_on_one_rank_fails_every_rank_instead_of_hanging(comm, shared_tmp, verify):
+@pytest.mark.parametrize("verify, whole", [(True, 1 << 20), (True, 0), (False, 0)],
+                         ids=["checksum", "checksum-rows", "codec"])
+def test_a_damaged_sample_on_one_rank_fails_every_rank_instead_of_hanging(comm, shared_tmp, verify, whole,
+                                                                          monkeypatch):
     """A checksum (or codec) failure on one rank is agreed before the next collective read; before,
-    the other rank waited in that read forever."""
+    the other rank waited in that read forever. ``checksum-rows``: the checksums are read with
+    each pass's rows (a collective read of its own), not whole."""
+    monkeypatch.setattr(solar.H5Dataset, "WHOLE_CHECKSUMS_BYTES", whole)
     import faulthandler
 
     import h5py
 
     from solar.ingest import ingest
 
-    src, path = os.path.join(shared_tmp, "dmg.npy"), os.path.join(shared_tmp, f"dmg-{verify}.h5")
+    src, path = os.path.join(shared_tmp, "dmg.npy"), os.path.join(shared_tmp, f"dmg-{verify}-{whole}.h5")
     if comm.rank == 0:
         np.save(src, np.random.default_rng(3).standard_normal((40, 12, 12)).astype(np.float32))
     comm.Barrier()
@@ -150,6 +154,22 @@ def test_a_damaged_sample_on_one_rank_fails_every_rank_instead_of_hanging(comm, 
     del loader
     ds.close()  # collective; an mpio file still open at MPI_Finalize aborts the job
     comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_checksums_read_with_each_pass_match_under_remapping(comm, shared_tmp, monkeypatch):
+    """Above ``WHOLE_CHECKSUMS_BYTES`` each rank reads only its pass's checksums, in the same
+    collective fetch as the rows (a rank with nothing to read still joins). A wrong row mapping
+    would fail a sample's checksum; reading them whole would fill ``_checksums``."""
+    monkeypatch.setattr(solar.H5Dataset, "WHOLE_CHECKSUMS_BYTES", 0)
+    ds, sampler, loader = _ptycho_loader(comm, os.path.join(shared_tmp, "sumrows.h5"), 7, 3, 0.5)
+    assert ds.backend.collective
+    for e in range(2):
+        sampler.set_epoch(e)
+        assert comm.allreduce(sum(len(x) for x, _ in loader)) == 96
+    assert loader.solar_sampler.current["plan"].hit.sum() > 0  # buffer hits skipped their reads
+    assert ds._checksums == {}
+    ds.close()
 
 
 @pytest.mark.mpi
