@@ -119,6 +119,23 @@ def _wait(req, comm, path: str) -> None:
         time.sleep(0.0005)
 
 
+def _drop_frame_locals(exc: BaseException) -> None:
+    """Clear the locals of the finished frames an error from a fetch passed through.
+
+    Why: fetch code keeps errors in locals (``problem = exc``, then ``backend.agree(problem)``
+    raises it on every rank), so the error's traceback reaches the error again: a reference
+    cycle. torch's worker iterator, whose ``__init__`` or ``__next__`` frame the error passes
+    through next, then lived until the garbage collector broke the cycle, and closed its worker
+    queues from there while their feeder threads closed them too: "Exception in thread
+    QueueFeederThread ... Bad file descriptor" tracebacks after the real error. Without the
+    cycle the iterator goes when the error is handled, and shuts its workers down as torch does.
+    The frames below this one are done; only their locals (for a post-mortem debugger) are lost.
+    """
+    import traceback
+
+    traceback.clear_frames(exc.__traceback__)
+
+
 def _stock_distributed(sampler: Any) -> bool:
     return isinstance(sampler, DistributedSampler) and type(sampler).__iter__ is DistributedSampler.__iter__
 
@@ -318,6 +335,9 @@ class SolarBatchSampler(BatchSampler):
                 for batch in group:
                     handed += 1
                     yield batch
+        except Exception as exc:
+            _drop_frame_locals(exc)
+            raise
         finally:
             passes.close()  # the running read has finished: nothing touches the buffer any more
             if self._token is token:
