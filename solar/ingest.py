@@ -69,6 +69,7 @@ __all__ = ["ingest", "IngestReport", "verify_file"]
 
 JOURNAL_SUFFIX = ".ingest.json"
 TMP_SUFFIX = ".tmp"
+LOCK_SUFFIX = ".ingest.lock"
 DATA_CHUNK = 1 << 20
 FINGERPRINT_PREFIX = "v2-"  # fingerprints that include a content digest of each input
 EXIT_STORAGE = 4  # `solar ingest`'s exit code (and MPI_Abort code) for a storage failure mid-run
@@ -469,6 +470,60 @@ def _redact_options(text: str) -> str:
     return json.dumps({str(k): "<redacted>" for k in keys})
 
 
+class _OutputLock:
+    """Rank 0's lock on ``OUT`` for the whole run: ``OUT.ingest.lock``, held with ``flock``.
+
+    Why: of two runs to one output (a job resubmitted while the first still runs, two shells),
+    the second failed with HDF5's "unable to lock file" on ``OUT.tmp``, or, with
+    ``HDF5_USE_FILE_LOCKING=FALSE`` (which HPC sites set for file systems without locks), wrote
+    the first's ``OUT.tmp`` and journal too. The second run now stops before it writes
+    anything, naming the first. A crashed holder's lock goes with it (the kernel drops
+    ``flock`` locks), so ``--resume`` never has a stale lock to clear; the file stays until
+    the next run ends. Where the file system has no ``flock`` (Lustre mounted without it) or
+    the lock file cannot be made, the run goes on unlocked: the lock guards against a mistake,
+    it is not needed for a correct run.
+    """
+
+    def __init__(self, output: str) -> None:
+        self.path = output + LOCK_SUFFIX
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        import socket
+
+        from solar.fileio import flock_or_holder
+
+        owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _attempt in range(5):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError:
+                return  # e.g. a read-only directory: writing OUT.tmp there reports it
+            try:
+                holder = flock_or_holder(fd, owner)
+            except OSError:
+                os.close(fd)
+                return
+            if holder is not None:
+                raise InputError(f"{self.path[:-len(LOCK_SUFFIX)]} is being written by another solar ingest "
+                                 f"({holder}); wait for it to finish, or write to another -o")
+            try:  # the file locked must still be the one named (a finishing run removes it)
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd = fd
+                return
+            os.close(fd)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)  # while still held: a run waiting on this inode sees it gone
+            os.close(self.fd)
+            self.fd = None
+
+
 def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, abs_error: float | None = None,
            rel_error: float | None = None, resume: bool = False, overwrite: bool = False, verify: bool = False,
            batch_size: int = 256, samples: str = "auto", comm: Any = "auto", progress: bool = True,
@@ -498,21 +553,33 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
     Raises:
         InputError / ConfigError: before anything is written, naming the input.
         CorruptDataError: ``verify`` found a mismatch (the output is then not created).
+        InputError: also when another run is writing ``output`` (``OUT.ingest.lock``).
     """
-    import h5py
-
     comm, parallel = _world(comm)
     t0 = time.perf_counter()
-    plan, err = None, None
+    plan, err, lock = None, None, None
     if comm.rank == 0:
         try:
             plan = _validate(inputs, output, fields, abs_error, rel_error, resume, overwrite, batch_size,
                              samples, storage_options)
+            lock = _OutputLock(plan.output)
+            lock.acquire()
         except (InputError, ConfigError) as exc:
             err = exc
     plan, err = comm.bcast((plan, err), root=0)
     if err is not None:
         raise err
+    try:
+        return _ingest_run(plan, comm, parallel, t0, inputs, resume, overwrite, verify, progress, commit_interval)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _ingest_run(plan, comm, parallel, t0, inputs, resume, overwrite, verify, progress, commit_interval) -> IngestReport:
+    """:func:`ingest` once the plan is agreed (and rank 0 holds the output's lock)."""
+    import h5py
+
     if comm.rank == 0:
         for note in plan.notes:
             print(f"solar ingest: {note}", file=sys.stderr)

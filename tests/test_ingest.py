@@ -862,3 +862,52 @@ def test_many_inputs_do_not_stay_open(tmp_path):
     out = str(tmp_path / "o.h5")
     ingest(paths, out, batch_size=4, verify=True, progress=False)
     np.testing.assert_array_equal(_read_field(out, "x")[:, 0], np.arange(36) // 3)
+
+
+def _batches_done(out):
+    try:
+        with open(out + ".ingest.json") as f:
+            return json.load(f)["batches_done"]
+    except (FileNotFoundError, ValueError):  # not written yet (or being replaced)
+        return 0
+
+
+@pytest.mark.parametrize("hdf5_locking", ["default", "FALSE"])
+def test_a_second_run_to_the_same_output_stops_before_writing(tmp_path, monkeypatch, hdf5_locking):
+    """A second run to one output failed with HDF5's 'unable to lock file' on OUT.tmp, or, with
+    HDF5_USE_FILE_LOCKING=FALSE (as HPC sites set it), wrote the first run's OUT.tmp and journal
+    too. It now stops before writing, naming the first run; a run whose holder died (the kernel
+    dropped its flock) goes ahead and resumes."""
+    import signal
+    import subprocess
+    import sys
+
+    if hdf5_locking != "default":
+        monkeypatch.setenv("HDF5_USE_FILE_LOCKING", hdf5_locking)
+    paths, want = _npy_inputs(tmp_path, sizes=(30, 20))
+    out = str(tmp_path / "o.h5")
+    code = ("import sys; from solar.ingest import ingest; "
+            f"ingest({paths!r}, {out!r}, batch_size=2, progress=False, commit_interval=0)")
+    first = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "SOLAR_INGEST_TEST_DELAY": "0.2"},
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while _batches_done(out) < 2:  # the first run has committed batches
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
+            time.sleep(0.05)
+        with pytest.raises(InputError, match=r"o\.h5 is being written by another solar ingest .*\"pid\": "
+                                             f"{first.pid}.*another -o"):
+            ingest(paths, out, overwrite=True, progress=False)
+        with pytest.raises(InputError, match="being written by another"):
+            ingest(paths, out, resume=True, progress=False)
+        first.send_signal(signal.SIGKILL)  # dies holding the lock
+        first.wait(30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        first.stderr.close()
+    assert os.path.exists(out + ".ingest.lock")  # left behind, but nobody holds it
+    rep = ingest(paths, out, resume=True, progress=False, batch_size=2, commit_interval=0)
+    assert rep.resumed_from_batch > 0  # the dead run's committed batches were kept
+    np.testing.assert_array_equal(_read_field(out, "x"), want)
+    assert not os.path.exists(out + ".ingest.lock")

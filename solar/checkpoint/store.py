@@ -27,6 +27,7 @@ import numpy as np
 
 from solar.cache.base import Tier
 from solar.errors import CheckpointError, CheckpointLockedError, CorruptDataError
+from solar.fileio import flock_or_holder
 
 from .errors import CheckpointReadOnlyError, CheckpointVersionRemovedError
 from .manifest import Manifest, decode, encode
@@ -148,20 +149,12 @@ class _Lock:
         owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
         local = self.store.local_dir
         if local is not None:
-            import fcntl
-
             fd = self._open_local(local)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
+            holder = flock_or_holder(fd, owner)
+            if holder is not None:
                 raise CheckpointLockedError(
                     f"checkpoint root {self.store.root} is locked by another writer ({holder}); close that "
-                    f"CheckpointWriter (or wait for it) before writing or running gc here"
-                ) from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(owner).encode(), 0)
+                    f"CheckpointWriter (or wait for it) before writing or running gc here")
             self.fd = fd
             return
         tier = self.store.tier
