@@ -40,7 +40,8 @@ NOTE [ Ingest crash safety ]
     fsynced before the rename (under MPI the collective flush is an ``MPI_File_sync``) and the
     directory after it. A finished ``OUT`` is only ever replaced with ``--overwrite``: ``--resume``
     reports one with this job's fingerprint (provenance) as already complete and writes nothing,
-    and refuses one written by a different job (or not by ``solar ingest``).
+    and refuses one written by a different job (or not by ``solar ingest``). One run writes an
+    output at a time (``OUT.ingest.lock``, :class:`_OutputLock`).
 """
 
 from __future__ import annotations
