@@ -131,6 +131,30 @@ def test_twin_steps_find_every_pass_that_reads_a_sample_twice(cfg, epoch):
             assert (len(set(flat)) < len(flat)) == (twin[k0:k1 + 1].max() >= k0), (k0, k1)
 
 
+def _twin_steps_by_full_sort(samples, G, num_steps):
+    """The former twin_steps: a stable argsort of the whole epoch."""
+    out = np.full(num_steps, -1, dtype=np.int64)
+    order = np.argsort(samples, kind="stable")
+    same = np.flatnonzero(samples[order][1:] == samples[order][:-1])
+    if len(same):
+        np.maximum.at(out, order[same + 1] // G, order[same] // G)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=120), st.integers(1, 9))
+def test_twin_steps_equal_the_full_sort(samples, G):
+    """twin_steps sorts only the positions of repeated samples (any number of repeats)."""
+    from types import SimpleNamespace
+
+    from solar.schedule import EpochPlan
+
+    a = np.asarray(samples, dtype=np.int32)
+    k = -(-len(a) // G)
+    got = EpochPlan.twin_steps(SimpleNamespace(samples=a, global_batch=G, num_steps=k))
+    assert np.array_equal(got, _twin_steps_by_full_sort(a, G, k))
+
+
 def test_rewind_lets_epochs_cut_short_fill_the_buffer():
     """Every epoch stopped after a quarter of its steps: each quarter adds its reads to the
     buffer, so the hit rate climbs towards the bound P*C/N (before rewinding existed, the
