@@ -594,3 +594,48 @@ def test_a_random_split_of_an_h5dataset_says_solar_is_off_for_it(h5path):
         solar.DataLoader(tud.TensorDataset(torch.zeros(8)), batch_size=4)
         assert solar.DataLoader(ds, batch_size=4).solar_sampler is not None
     ds.close()
+
+
+def test_planning_ahead_gives_the_inline_plans_and_is_taken(h5path, monkeypatch):
+    """NOTE [ Planning ahead ]: the next epoch is planned on a copy of the planner while this one
+    runs. Across epoch changes, an early stop (rewind), a skipped epoch, a loaded state and an
+    epoch run twice, the
+    plans and batches equal those of a loader that plans inline (prefetch=0), and the plan made
+    ahead is taken whenever the next epoch follows from its start (not planned again)."""
+    import threading
+
+    from solar.schedule import Planner
+
+    inline_calls = []
+    real_plan = Planner.plan
+
+    def counting(self, epoch, start=0):
+        if threading.current_thread() is threading.main_thread():
+            inline_calls.append(epoch)
+        return real_plan(self, epoch, start)
+
+    monkeypatch.setattr(Planner, "plan", counting)
+    ahead, inline = (_rank_loaders(h5path, 2, 6, 0.5, prefetch=p)[0] for p in (4, 0))
+    script = [(0, None), (1, None), (2, 3), (3, None), (5, None), (6, "state"), (6, None), (7, None)]
+    state = None
+    for epoch, stop in script:
+        got = []
+        for loader in (ahead, inline):
+            loader.sampler.set_epoch(epoch)
+            if stop == "state":
+                loader.load_state_dict(state)
+            batches = []
+            for k, b in enumerate(loader):
+                batches.append(b)
+                if stop == k:
+                    break
+            if epoch == 5:
+                state = loader.state_dict()  # an epoch end; loaded at epoch 6
+            p = loader.solar_sampler.current["plan"]
+            got.append((batches, p.rank.tobytes(), p.hit.tobytes(), p.keep.tobytes()))
+        assert batches_equal(got[0][0], got[1][0]) and got[0][1:] == got[1][1:], epoch
+    # the prefetching loader planned inline only epoch 0, after the rewind (epoch 3), after the
+    # skipped epoch 4 (5) and for epoch 6 run twice; the inline one every epoch (a state saved
+    # at an epoch's end starts the next epoch from position 0: the plan made ahead applies)
+    assert inline_calls.count(1) == 1 and inline_calls.count(7) == 1
+    assert sorted(inline_calls) == sorted([0, 3, 5, 6] + [e for e, _ in script])
