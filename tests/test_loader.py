@@ -639,3 +639,8 @@ def test_planning_ahead_gives_the_inline_plans_and_is_taken(h5path, monkeypatch)
     # at an epoch's end starts the next epoch from position 0: the plan made ahead applies)
     assert inline_calls.count(1) == 1 and inline_calls.count(7) == 1
     assert sorted(inline_calls) == sorted([0, 3, 5, 6] + [e for e, _ in script])
+    ahead.solar_sampler.plan_ahead = False  # turned off: epoch 8 was planned already, then inline
+    for e in (8, 9, 10):
+        ahead.sampler.set_epoch(e)
+        list(ahead)
+    assert inline_calls[-2:] == [9, 10] and 8 not in inline_calls and ahead.solar_sampler._ahead is None
