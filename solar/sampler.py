@@ -190,12 +190,19 @@ class SolarBatchSampler(BatchSampler):
         self._token: object | None = None  # identifies the newest iteration
         self._capacities: dict[tuple[int, int, int], int] = {}
         self._ahead: tuple | None = None  # (planner it was copied from, epoch, future): NOTE [ Planning ahead ]
+        self._last_epoch: int | None = None  # the epoch the last scheduled iteration planned
         #: plan the next epoch in the background (NOTE [ Planning ahead ]); False saves its memory
         self.plan_ahead = True
         #: what the running (or last) iteration is: mode, epoch, start position, global batch ...
         self.current: dict[str, Any] = {}
         if self.mode == "schedule":
             self.plan_config()  # nonsense (batch larger than the data, bad buffer ...) fails now
+
+    def __getstate__(self) -> dict:
+        # the plan made ahead is a cache holding a Future (a lock): copies and pickles go without it
+        state = self.__dict__.copy()
+        state["_ahead"] = None
+        return state
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -269,7 +276,7 @@ class SolarBatchSampler(BatchSampler):
         """Start the next iteration where ``state`` (from the loader's ``state_dict``) left off."""
         self._resume = state
         if state is not None:
-            self._ahead = None
+            self._drop_ahead()
 
     # -- iteration ------------------------------------------------------------------------------
     def _steps(self, resume: dict | None, P: int, rank: int) -> Iterator[tuple[list[int], Any, Any]]:
@@ -286,7 +293,10 @@ class SolarBatchSampler(BatchSampler):
             plan = self._planned_ahead(epoch, start) or self._planner.plan(epoch, start)
             self.current = {"mode": "schedule", "epoch": epoch, "start": start, "global_batch": plan.global_batch,
                             "world_size": P, "plan": plan}
-            self._plan_ahead(epoch + 1)
+            # the next iteration's epoch: the next one, or this one again where the epoch does not
+            # advance (a loader whose sampler never gets set_epoch, e.g. for validation)
+            last, self._last_epoch = self._last_epoch, epoch
+            self._plan_ahead(epoch if last == epoch else epoch + 1)
             twin = plan.twin_steps()
             for k, (step, (keep, evict)) in enumerate(zip(plan.rank_steps(rank), plan.rank_actions(rank))):
                 yield step.tolist(), keep, evict, (k, int(twin[k]))
@@ -372,8 +382,9 @@ class SolarBatchSampler(BatchSampler):
         Why: an epoch's plan needs the previous plan's residency, so it was made when the
         epoch's iteration started, before its first batch: 1.6 s per epoch at N = 4e6 on this
         machine (more when the cores are busy), on every rank, where torch's loader spends
-        0.15 s on ``randperm``. The next epoch is usually ``epoch + 1`` from its start, with the
-        residency the current plan left, so the plan is made on a copy of the planner on
+        0.15 s on ``randperm``. The next iteration is usually ``epoch + 1`` from its start (or
+        the same epoch again, where the last two iterations had one: a loader never given
+        ``set_epoch``), with the residency the current plan left, so the plan is made on a copy of the planner on
         :func:`_plan_thread` while this epoch trains, and taken at the next iteration if
         nothing changed the planner meanwhile (:meth:`_planned_ahead`). An early stop (rewind),
         a new geometry, a loaded state or another epoch discards it and plans inline, as
@@ -383,7 +394,7 @@ class SolarBatchSampler(BatchSampler):
         bytes per sample (tracemalloc, N = 2e6), on top of the planner's own 9 and the current
         plan's 10; ``loader.solar_sampler.plan_ahead = False`` gives that back.
         """
-        self._ahead = None
+        self._drop_ahead()
         if not self.prefetch or not self.plan_ahead or self._planner is None:
             return
         import copy
@@ -395,15 +406,23 @@ class SolarBatchSampler(BatchSampler):
     def _planned_ahead(self, epoch: int, start: int):
         """The plan made ahead for ``epoch`` (from position 0) if it still applies; it then
         replaces the planner with the copy it was made on. ``None``: plan inline."""
-        ahead, self._ahead = self._ahead, None
+        ahead = self._ahead
         if ahead is None or start != 0 or ahead[0] is not self._planner or ahead[1] != epoch:
+            self._drop_ahead()
             return None
+        self._ahead = None
         try:
             spec, plan = ahead[2].result()
         except Exception:  # noqa: BLE001 - planned inline again, which raises it where it belongs
             return None
         self._planner = spec
         return plan
+
+    def _drop_ahead(self) -> None:
+        """Forget the plan made ahead (cancelled if it has not started: the plan thread is shared)."""
+        if self._ahead is not None:
+            self._ahead[2].cancel()
+            self._ahead = None
 
     def _settle_last_iteration(self) -> None:
         """NOTE [ Early stop ]: before a scheduled iteration, account for how the last one ended.
@@ -454,7 +473,7 @@ class SolarBatchSampler(BatchSampler):
             steps, any_open = -1, True
         if not any_open or steps == -2:
             return
-        self._ahead = None  # planned from where the last plan ended, which no longer holds
+        self._drop_ahead()  # planned from where the last plan ended, which no longer holds
         if steps < 0:
             self._key = None  # start over: new planner and buffer, on every rank alike
             return
