@@ -29,13 +29,14 @@ __all__ = ["npy_array", "npy_header", "parse_literal"]
 
 _MAGIC = b"\x93NUMPY"
 _MAX_HEADER = 1 << 20
-_TOKEN = re.compile(r"""\s*(?:(?P<str>'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")"""
+_TOKEN = re.compile(r"""\s*(?:[uU]?(?P<str>'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")"""
                     r"|(?P<num>[-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)L?"
                     r"|(?P<name>True|False|None)\b"
                     r"|(?P<punct>[()\[\]{},:]))", re.S)
 _ESCAPES = {"\\": "\\", "'": "'", '"': '"', "n": "\n", "t": "\t", "r": "\r", "0": "\0",
             "a": "\a", "b": "\b", "f": "\f", "v": "\v"}
 _CLOSE = {"(": ")", "[": "]", "{": "}"}
+_MAX_DEPTH = 64  # numpy nests a structured dtype a few levels; deeper is not a header
 
 
 def _unescape(body: str) -> str:
@@ -64,7 +65,9 @@ def _unescape(body: str) -> str:
 
 def parse_literal(text: str) -> Any:
     """A Python literal made of str, int, float, bool, None, tuple, list and dict: the subset a
-    ``.npy`` header uses. Raises ``ValueError`` on anything else (no code is ever evaluated)."""
+    ``.npy`` header uses (with Python 2's ``u'...'`` strings and ``3L`` integers, which old
+    headers hold). Raises ``ValueError`` on anything else or nested past 64 levels (no code is
+    ever evaluated)."""
     tokens, pos = [], 0
     text = text.rstrip()
     while pos < len(text):
@@ -73,15 +76,17 @@ def parse_literal(text: str) -> Any:
             raise ValueError(f"unexpected text at offset {pos}: {text[pos:pos + 20]!r}")
         tokens.append((m.lastgroup, m.group(m.lastgroup)))
         pos = m.end()
-    value, end = _value(tokens, 0)
+    value, end = _value(tokens, 0, 0)
     if end != len(tokens):
         raise ValueError(f"trailing text after the literal (token {end} of {len(tokens)})")
     return value
 
 
-def _value(tokens: list, i: int) -> tuple[Any, int]:
+def _value(tokens: list, i: int, depth: int) -> tuple[Any, int]:
     if i >= len(tokens):
         raise ValueError("the literal ends early")
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"the literal nests deeper than {_MAX_DEPTH} levels")
     kind, tok = tokens[i]
     if kind == "str":
         return _unescape(tok[1:-1]), i + 1
@@ -101,11 +106,11 @@ def _value(tokens: list, i: int) -> tuple[Any, int]:
             break
         if items and not trailing_comma:
             raise ValueError(f"expected ',' or {close!r}, found {tokens[i][1]!r}")
-        item, i = _value(tokens, i)
+        item, i = _value(tokens, i, depth + 1)
         if tok == "{":
             if i >= len(tokens) or tokens[i][1] != ":":
                 raise ValueError("expected ':' in a dict")
-            val, i = _value(tokens, i + 1)
+            val, i = _value(tokens, i + 1, depth + 1)
             item = (item, val)
         items.append(item)
         trailing_comma = i < len(tokens) and tokens[i][1] == ","

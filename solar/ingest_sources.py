@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from solar.errors import InputError
+from solar.errors import DatasetFormatError, InputError
 from solar.layout import name_matches
 
 __all__ = ["Source", "FieldInfo", "open_sources", "parse_field_args", "input_kind", "digest_ranges"]
@@ -131,6 +131,7 @@ class Source:
             return self._handle
         if self.kind == "npz":
             import zipfile
+            import zlib
 
             import fsspec
 
@@ -138,9 +139,13 @@ class Source:
 
             # the members are read without np.load (its header parser races other threads' ast
             # use on CPython 3.11; see io_backends/npy_format.py); keys as in np.load(...).files
-            with fsspec.open(self.url, "rb", **self.storage_options) as f, zipfile.ZipFile(f) as z:
-                self._handle = {name.removesuffix(".npy"): npy_array(z.read(name), f"{self.url}:{name}")
-                                for name in z.namelist()}
+            try:
+                with fsspec.open(self.url, "rb", **self.storage_options) as f, zipfile.ZipFile(f) as z:
+                    self._handle = {name.removesuffix(".npy"): npy_array(z.read(name), f"{self.url}:{name}")
+                                    for name in z.namelist()}
+            except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+                raise DatasetFormatError(f"{self.url}: not a readable .npz archive ({type(exc).__name__}: {exc}); "
+                                         "check the file (np.savez writes one)") from exc
         else:
             from solar.io_backends import open_backend
 

@@ -174,3 +174,25 @@ def test_npz_ingest_reads_compressed_and_fortran_members(tmp_path):
     with h5py.File(tmp_path / "o.h5") as f:
         np.testing.assert_array_equal(f["x"][:], x)
         np.testing.assert_array_equal(f["y"][:], np.arange(5))
+
+
+def test_python2_strings_and_deep_nesting():
+    """Old (Python 2) headers wrote u'...' names and 3L sizes; a header nested past 64 levels is a
+    DatasetFormatError naming the file, not a RecursionError."""
+    assert parse_literal("{u'descr': [(u'x', '<f4')], 'shape': (3L,)}") == {"descr": [("x", "<f4")], "shape": (3,)}
+    text = "{'descr': " + "[" * 5000 + "]" * 5000 + ", 'fortran_order': False, 'shape': (1,), }"
+    head = b"\x93NUMPY\x02\x00" + len(text).to_bytes(4, "little") + text.encode()
+    with pytest.raises(DatasetFormatError, match="deep.npy: not a readable .npy file .*deeper than 64"):
+        npy_header(head, "deep.npy")
+
+
+@pytest.mark.parametrize("content", [b"not a zip at all", None], ids=["garbage", "truncated"])
+def test_a_bad_npz_input_is_an_input_error_naming_it(tmp_path, content):
+    from solar.errors import InputError
+    from solar.ingest import ingest
+
+    path = tmp_path / "a.npz"
+    np.savez(path, x=np.arange(4000.0))
+    path.write_bytes(content if content is not None else path.read_bytes()[:-200])
+    with pytest.raises(InputError, match=r"a\.npz: .*not a readable \.npz archive"):
+        ingest([str(path)], str(tmp_path / "o.h5"), progress=False)
