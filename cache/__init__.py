@@ -15,6 +15,7 @@ __all__ = ["Tier", "TierStats", "TierFullError", "MemoryTier", "registry", "get_
 registry: Registry[type[Tier]] = Registry("cache tier", entry_point_group="solar.caches")
 registry.register("memory", MemoryTier)
 registry.register("disk", "solar.cache.disk:DiskTier")
+registry.register("spill", "solar.cache.spill:SpillTier")
 registry.register("fsspec", "solar.cache.fsspec_tier:FsspecTier", hint="pip install fsspec (and s3fs for s3:// URLs)")
 
 

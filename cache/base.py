@@ -62,6 +62,16 @@ class Tier(ABC):
     def get(self, key: Hashable) -> Any | None:
         """The value under ``key`` or ``None``; counts a hit or a miss."""
 
+    def _counted(self, value: Any | None) -> Any | None:
+        """Count a ``get``'s hit (with its bytes) or miss; return ``value``."""
+        if value is None:
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        n = getattr(value, "nbytes", None)
+        self.stats.bytes_out += int(n) if n is not None else len(value)
+        return value
+
     @abstractmethod
     def put(self, key: Hashable, value: Any) -> bool:
         """Store ``value`` (bytes-like); return False (and store nothing) if it does not fit."""

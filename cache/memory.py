@@ -30,13 +30,7 @@ class MemoryTier(Tier):
         self._used = 0
 
     def get(self, key: Hashable) -> Any | None:
-        value = self._data.get(key)
-        if value is None:
-            self.stats.misses += 1
-            return None
-        self.stats.hits += 1
-        self.stats.bytes_out += _nbytes(value)
-        return value
+        return self._counted(self._data.get(key))
 
     def put(self, key: Hashable, value: Any) -> bool:
         n = _nbytes(value)

@@ -95,6 +95,9 @@ class DataLoader(tud.DataLoader):
             Default ``"1GiB"`` per rank (never more than the rank's share of the dataset).
         prefetch: steps read together in one coalesced pass on the background I/O thread, one
             pass ahead of the training loop (default 8, capped at 256 MB; 0 = each step inline).
+        spill: ``(directory, size)`` on node-local disk (``("/local/nvme/solar", "100GiB")``):
+            the buffer keeps ``buffer=`` bytes in memory and up to ``size`` more in files there,
+            and the schedule plans for both (``buffer=`` must then be bytes). Default ``None``.
         distributed: when True and no sampler is given, shard with a ``DistributedSampler`` whose
             rank and world size come from ``solar.dist.get_dist_info()`` (torch.distributed, then
             mpi4py under mpirun, then ``RANK``/``WORLD_SIZE``, else 1), ``shuffle`` and ``seed``;
@@ -107,7 +110,7 @@ class DataLoader(tud.DataLoader):
                  drop_last: bool = False, timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
                  generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True, buffer: Any = "1GiB", prefetch: int = 8,
-                 distributed: bool = False, seed: int = 0) -> None:
+                 spill: Any = None, distributed: bool = False, seed: int = 0) -> None:
         self._auto_epoch = False
         if distributed:
             if sampler is not None or batch_sampler is not None:
@@ -130,14 +133,14 @@ class DataLoader(tud.DataLoader):
         if self.batch_sampler is not None and is_storage_backed(dataset) and \
                 self._dataset_kind == tud.dataloader._DatasetKind.Map:
             self.solar_sampler = SolarBatchSampler(self.batch_sampler, dataset, buffer=buffer, prefetch=prefetch,
-                                                   shared=num_workers > 0)
+                                                   shared=num_workers > 0, spill=spill)
             # torch forbids re-assigning batch_sampler after __init__ (its __setattr__ guard); this
             # one replacement happens inside __init__ by design.
             object.__setattr__(self, "batch_sampler", self.solar_sampler)
         else:
-            from solar.sampler import parse_buffer
+            from solar.sampler import parse_buffer, parse_spill
 
-            parse_buffer(buffer)  # bad options fail here too, not only on storage-backed datasets
+            parse_spill(spill, parse_buffer(buffer))  # bad options fail here too, not only on storage-backed datasets
             inner = _wrapped_storage(dataset)
             if inner is not None:
                 import warnings

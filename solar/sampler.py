@@ -31,6 +31,7 @@ NOTE [ Buffer and workers ]
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -90,6 +91,42 @@ def parse_buffer(value: Any) -> BufferSpec:
             return BufferSpec(nbytes=int(float(m.group(1)) * _UNITS[m.group(2).lower()]))
     raise ConfigError(f"buffer={value!r} is not understood; use samples per rank (int), bytes per rank "
                       "('2GiB', '500MB') or a fraction of the dataset (0.5)")
+
+
+@dataclass(frozen=True)
+class SpillSpec:
+    """A parsed ``spill=`` option: a directory on node-local disk and a byte budget per rank."""
+
+    directory: str
+    nbytes: int
+
+
+def parse_spill(value: Any, buffer: BufferSpec) -> SpillSpec | None:
+    """``None``, ``(directory, size)`` or ``{"dir": ..., "size": ...}`` with ``size`` as in
+    ``buffer=`` (``"100GiB"`` or bytes): the rank buffer spills to files there (NOTE in
+    ``cache/spill.py``). It extends a byte budget, so ``buffer=`` must be bytes too."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        value = (value.get("dir"), value.get("size"))
+    if not (isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], (str, os.PathLike))):
+        raise ConfigError(f"spill={value!r}: pass (directory, size) on node-local disk, e.g. "
+                          "spill=('/local/nvme/solar', '100GiB')")
+    size = value[1]
+    try:
+        nbytes = parse_buffer(size).nbytes if isinstance(size, str) else size
+    except ConfigError:
+        nbytes = None
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+        raise ConfigError(f"spill size {size!r} is not a byte size; use bytes (int) or a string like '100GiB'")
+    if buffer.nbytes is None:
+        raise ConfigError("spill= extends the buffer's byte budget onto disk, so give buffer= in bytes too "
+                          f"(e.g. buffer='4GiB'), not {'samples' if buffer.samples is not None else 'a fraction'}")
+    directory = os.fspath(value[0])
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+        raise ConfigError(f"spill directory {directory} is not a writable directory; create it on node-local "
+                          "disk (e.g. /local/nvme/$USER) or pass spill=None")
+    return SpillSpec(directory, int(nbytes))
 
 
 #: Seconds an iteration waits for the other ranks to start it before saying why it may never end.
@@ -162,13 +199,14 @@ class SolarBatchSampler(BatchSampler):
         inner: the batch sampler torch built (or the user's ``batch_sampler``).
         dataset: a storage-backed dataset (``H5Dataset``).
         buffer: see :func:`parse_buffer`.
+        spill: see :func:`parse_spill`.
         prefetch: steps read together in one pass on the background thread, one pass ahead of
             the consumer (0: read each step inline when it is asked for).
         shared: allocate loaded batches in shared memory (``num_workers > 0``).
     """
 
     def __init__(self, inner: Any, dataset: Any, *, buffer: Any = "1GiB", prefetch: int = 8,
-                 shared: bool = False) -> None:
+                 shared: bool = False, spill: Any = None) -> None:
         # No BatchSampler.__init__: its checks already ran on `inner` (or it is a user object).
         self.inner = inner
         self.sampler = getattr(inner, "sampler", None)
@@ -176,6 +214,7 @@ class SolarBatchSampler(BatchSampler):
         self.drop_last = getattr(inner, "drop_last", False)
         self.dataset = dataset
         self.buffer_spec = parse_buffer(buffer)
+        self.spill_spec = parse_spill(spill, self.buffer_spec)
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"prefetch={prefetch!r}: pass the number of steps to load ahead (>= 0)")
         self.prefetch = prefetch
@@ -243,7 +282,8 @@ class SolarBatchSampler(BatchSampler):
             return int(spec.fraction * n // world_size)
         key = (n, world_size, batch_size)
         if key not in self._capacities:
-            self._capacities[key] = capacity_for_bytes(self.dataset.sample_nbytes(), spec.nbytes, world_size, batch_size)
+            budget = spec.nbytes + (self.spill_spec.nbytes if self.spill_spec else 0)
+            self._capacities[key] = capacity_for_bytes(self.dataset.sample_nbytes(), budget, world_size, batch_size)
         return self._capacities[key]
 
     def plan_config(self) -> PlanConfig:
@@ -268,7 +308,15 @@ class SolarBatchSampler(BatchSampler):
             self._key = key
             self._capacity = cfg.capacity if cfg else self.capacity(1, b)
             self._planner = Planner(cfg) if cfg else None
-            self.buffer = MemoryTier(self.buffer_spec.nbytes)
+            if self.spill_spec is not None:
+                from solar.cache.spill import SpillTier
+
+                # a fresh directory per buffer; an older iteration may still read the old one,
+                # whose files go when it is garbage collected
+                self.buffer = SpillTier.on_disk(self.spill_spec.directory, self.buffer_spec.nbytes,
+                                                self.spill_spec.nbytes)
+            else:
+                self.buffer = MemoryTier(self.buffer_spec.nbytes)
         return P, rank
 
     # -- resume ---------------------------------------------------------------------------------

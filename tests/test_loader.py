@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -677,3 +679,48 @@ def test_a_loader_whose_epoch_never_advances_takes_its_plan_made_ahead(h5path, m
     assert all(r == [b[0].sum().item() for b in ref] for r in runs[1:])
     assert copy.deepcopy(loader.solar_sampler)._ahead is None
     assert pickle.loads(pickle.dumps(loader.solar_sampler))._ahead is None
+
+
+def test_spill_to_local_disk_extends_the_buffer(h5path, tmp_path):
+    """spill=(dir, size): the buffer keeps what fits its memory budget and the rest in files
+    under dir, the schedule plans for both, and batches stay torch's. 96 samples of 768 B: 24 KB
+    of memory alone keeps 31 samples (hits 31 of 96 per epoch); with 60 KB of disk, every one."""
+    import gc
+
+    spill_dir = tmp_path / "nvme"
+    spill_dir.mkdir()
+    ds = solar.H5Dataset(h5path)
+    ref_s = tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=4)
+    ref = tud.DataLoader(ds, batch_size=10, sampler=ref_s)
+    hits = {}
+    for name, spill in (("memory", None), ("spill", (str(spill_dir), "60KB"))):
+        d = solar.H5Dataset(h5path)
+        s = tud.DistributedSampler(d, num_replicas=1, rank=0, seed=4)
+        loader = solar.DataLoader(d, batch_size=10, sampler=s, buffer="24KB", spill=spill)
+        for e in range(3):
+            ref_s.set_epoch(e)
+            s.set_epoch(e)
+            assert batches_equal(list(ref), list(loader))
+        hits[name] = d.stats.hits
+        if spill:
+            buf = loader.solar_sampler.buffer
+            assert buf.first.nbytes <= 24_000 and buf.second.nbytes > 0  # both parts hold samples
+            files = [f for _, _, fs in os.walk(spill_dir) for f in fs]
+            assert len(files) == len(buf._spilled) > 0
+            del buf
+        del loader, s, d
+    assert hits == {"memory": 2 * 31, "spill": 2 * 96}
+    gc.collect()
+    assert os.listdir(spill_dir) == []  # the buffer's directory went with it
+
+
+def test_spill_options_say_what_to_pass(h5path, tmp_path):
+    ds = solar.H5Dataset(h5path)
+    with pytest.raises(solar.ConfigError, match="give buffer= in bytes too"):
+        solar.DataLoader(ds, batch_size=4, buffer=0.5, spill=(str(tmp_path), "1GB"))
+    with pytest.raises(solar.ConfigError, match="not a writable directory"):
+        solar.DataLoader(ds, batch_size=4, buffer="1MB", spill=(str(tmp_path / "missing"), "1GB"))
+    with pytest.raises(solar.ConfigError, match=r"pass \(directory, size\)"):
+        solar.DataLoader(ds, batch_size=4, buffer="1MB", spill=str(tmp_path))
+    with pytest.raises(solar.ConfigError, match="not a byte size"):
+        solar.DataLoader(ds, batch_size=4, buffer="1MB", spill=(str(tmp_path), "lots"))

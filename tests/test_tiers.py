@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 
+import numpy as np
 import pytest
 
 from servers import moto_s3_server
@@ -119,3 +120,34 @@ def test_write_atomic_fsyncs_the_file_its_directory_and_every_directory_it_creat
     synced.clear()
     disk.write_atomic(str(tmp_path / "chunks" / "ab" / "abce"), b"y")
     assert str(tmp_path / "chunks") not in synced  # nothing new created: only the file and its dir
+
+
+def test_spill_tier_keeps_arrays_and_cleans_up_only_in_its_own_process(tmp_path):
+    """Arrays spilled to disk come back with their dtype and shape; the tier's directory is
+    removed when it is collected, but not by a forked child that exits (a DataLoader worker)."""
+    import gc
+
+    from solar.cache.spill import SpillTier
+
+    tier = SpillTier.on_disk(str(tmp_path), 100, 10_000)
+    small, big = np.arange(3, dtype=">i2"), np.linspace(0, 1, 60).reshape(3, 4, 5).astype(np.float32)
+    assert tier.put(("x", 1), small) and tier.put(("x", 2), big)
+    assert ("x", 1) in tier.first and ("x", 2) not in tier.first  # 480 B: spilled
+    got = tier.get(("x", 2))
+    assert got.dtype == big.dtype and got.shape == big.shape and np.array_equal(got, big)
+    assert tier.put(("x", 2), small) and ("x", 2) in tier.first and tier.second.nbytes == 0  # moved back
+    assert tier.put(("x", 3), big) and tier.nbytes == 2 * small.nbytes + big.nbytes
+    root = tier.second.root
+    pid = os.fork()
+    if pid == 0:  # a child that runs its exit hooks (weakref finalizers among them), then ends
+        import atexit
+
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.path.isdir(root) and tier.get(("x", 3)) is not None
+    del tier, got
+    gc.collect()
+    assert not os.path.exists(root)

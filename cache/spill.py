@@ -1,0 +1,190 @@
+"""A memory tier that spills to a node-local disk tier: the loader's rank buffer past RAM.
+
+Why: a rank buffer's hit-rate bound is ``min(1, P * C / N)``; RAM caps ``C``, but HPC nodes
+often carry a local NVMe drive with ten times the room and, read locally, far more bandwidth per
+rank than the shared parallel file system (NoPFS stages samples on both). With ``spill=`` the
+schedule plans one capacity for RAM and disk together; values go to RAM while it has room and to
+the disk after, and a hit from either saves a read from shared storage.
+
+The tier keeps its own index of what it spilled (key -> file number, dtype and shape), so keys
+may be any hashable (the loader uses ``(field, sample)``) and NumPy arrays come back as arrays
+of their dtype and shape (read-only views of the file's bytes); other values come back as
+``bytes``. Its files live in a fresh directory under the given one, removed when the tier is
+garbage collected or the process exits (never by a forked child).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import threading
+import uuid
+import weakref
+from typing import Any, Hashable, Iterator
+
+import numpy as np
+
+from .base import Tier
+from .memory import MemoryTier, _nbytes
+
+__all__ = ["SpillTier"]
+
+
+def _remove_dir(path: str, pid: int) -> None:
+    if os.getpid() == pid:  # a forked worker exiting must not take its parent's files
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class SpillTier(Tier):
+    """``first`` (memory) while it has room, then ``second`` (a disk tier), under one budget.
+
+    Args:
+        first: the fast tier (usually a :class:`MemoryTier` with a byte budget).
+        second: the tier values spill to (usually a ``DiskTier`` with ``fsync=False``: a cache
+            needs atomic files, not durable ones).
+        capacity_bytes: budget of the two together; default the sum of theirs (``None`` if
+            either is unbounded).
+    """
+
+    name = "spill"
+    exclusive_create = True  # put_new checks and stores under the tier's lock
+
+    def __init__(self, first: Tier, second: Tier, capacity_bytes: int | None = None) -> None:
+        if capacity_bytes is None and first.capacity_bytes is not None and second.capacity_bytes is not None:
+            capacity_bytes = first.capacity_bytes + second.capacity_bytes
+        super().__init__(capacity_bytes)
+        self.first, self.second = first, second
+        self._spilled: dict[Hashable, tuple[int, str | None, tuple | None, int]] = {}
+        self._names = itertools.count()
+        self._used_second = 0
+        self._lock = threading.RLock()
+
+    @classmethod
+    def on_disk(cls, directory: str, memory_bytes: int | None, disk_bytes: int | None) -> "SpillTier":
+        """A :class:`MemoryTier` of ``memory_bytes`` spilling to files in a fresh directory under
+        ``directory`` (created; removed with the tier)."""
+        from .disk import DiskTier
+
+        root = os.path.join(os.fspath(directory), f"solar-spill-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        tier = cls(MemoryTier(memory_bytes), DiskTier(root, disk_bytes, fsync=False))
+        tier._finalizer = weakref.finalize(tier, _remove_dir, root, os.getpid())
+        return tier
+
+    @classmethod
+    def example(cls, scratch_dir: str, capacity_bytes: int | None = None) -> "SpillTier":
+        # half the budget in memory (64 B when unbounded), so the suite's values land on both sides
+        memory = 64 if capacity_bytes is None else capacity_bytes // 2
+        tier = cls.on_disk(scratch_dir, memory, capacity_bytes)
+        tier.capacity_bytes = capacity_bytes
+        return tier
+
+    # -- the index of spilled values ---------------------------------------------------------------
+    def _spill(self, key: Hashable, value: Any) -> bool:
+        arr = value if isinstance(value, np.ndarray) else None
+        data = np.ascontiguousarray(arr).view(np.uint8).reshape(-1) if arr is not None else value
+        name = next(self._names)
+        if not self.second.put(name, data):
+            return False
+        meta = (arr.dtype.str, arr.shape) if arr is not None else (None, None)
+        self._spilled[key] = (name, *meta, _nbytes(data))
+        self._used_second += _nbytes(data)
+        return True
+
+    def _load(self, key: Hashable) -> Any | None:
+        """A spilled value, as the array (dtype, shape) it was when put, or bytes."""
+        entry = self._spilled.get(key)
+        value = None if entry is None else self.second.get(entry[0])
+        if value is not None and entry[1] is not None:
+            value = np.frombuffer(value, np.dtype(entry[1])).reshape(entry[2])
+        return value
+
+    def _unspill(self, key: Hashable) -> bool:
+        entry = self._spilled.pop(key, None)
+        if entry is None:
+            return False
+        self.second.delete(entry[0])
+        self._used_second -= entry[3]
+        return True
+
+    # -- Tier -------------------------------------------------------------------------------------
+    def get(self, key: Hashable) -> Any | None:
+        with self._lock:
+            value = self.first.get(key) if key in self.first else self._load(key)
+        return self._counted(value)
+
+    def put(self, key: Hashable, value: Any) -> bool:
+        n = _nbytes(value)
+        with self._lock:
+            old = self._size(key)
+            if self.capacity_bytes is not None and self.nbytes - old + n > self.capacity_bytes:
+                self.stats.rejected += 1
+                return False
+            saved = self._take(key)
+            if self.first.put(key, value) or self._spill(key, value):
+                self.stats.bytes_in += n
+                return True
+            if saved is not None:  # neither part had room: the old value stays
+                self._restore(key, saved)
+            self.stats.rejected += 1
+            return False
+
+    def put_new(self, key: Hashable, value: Any) -> bool:
+        with self._lock:
+            if key in self:
+                return False
+            return self.put(key, value)
+
+    def delete(self, key: Hashable) -> bool:
+        with self._lock:
+            return self.first.delete(key) | self._unspill(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.first or key in self._spilled
+
+    def keys(self) -> Iterator[Hashable]:
+        with self._lock:
+            return iter(list(self.first.keys()) + list(self._spilled))
+
+    @property
+    def nbytes(self) -> int:
+        return self.first.nbytes + self._used_second
+
+    def close(self) -> None:
+        with self._lock:
+            self.first.clear()
+            for key in list(self._spilled):
+                self._unspill(key)
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+
+    # -- overwrites -------------------------------------------------------------------------------
+    def _peek(self, key: Hashable) -> Any:
+        """``first``'s value for ``key`` without counting a hit (a MemoryTier's dict) where it can."""
+        data = getattr(self.first, "_data", None)
+        return data.get(key) if isinstance(data, dict) else self.first.get(key)
+
+    def _size(self, key: Hashable) -> int:
+        if key in self.first:
+            value = self._peek(key)
+            return _nbytes(value) if value is not None else 0
+        entry = self._spilled.get(key)
+        return entry[3] if entry is not None else 0
+
+    def _take(self, key: Hashable) -> Any:
+        """Remove ``key``'s current value, returning it (to put back if the new one fits nowhere)."""
+        if key in self.first:
+            value = self._peek(key)
+            self.first.delete(key)
+            return ("first", value)
+        if key not in self._spilled:
+            return None
+        value = self._load(key)
+        self._unspill(key)
+        return ("second", value)
+
+    def _restore(self, key: Hashable, saved: tuple) -> None:
+        where, value = saved
+        if value is not None and not (where == "first" and self.first.put(key, value)):
+            self._spill(key, value)
