@@ -173,6 +173,34 @@ def test_checksums_read_with_each_pass_match_under_remapping(comm, shared_tmp, m
 
 
 @pytest.mark.mpi
+def test_a_buffer_spilled_to_local_disk_hits_under_collective_reads(comm, shared_tmp):
+    """spill= on every rank (each its own directory) with parallel HDF5: 8 KB of memory plus 40 KB
+    of disk serve the same batches and the same hits as 48 KB of memory alone (the schedule plans
+    one capacity; disk hits are read on the MPI thread with the collective passes)."""
+    path = os.path.join(shared_tmp, "spill.h5")
+    write_ptycho_h5(path, 96, 8, seed=2, comm=comm, progress=False)
+    comm.Barrier()
+    local = os.path.join(shared_tmp, f"nvme{comm.rank}")
+    os.makedirs(local)
+    runs = []
+    for kw in ({"buffer": "48KB"}, {"buffer": "8KB", "spill": (local, "40KB")}):
+        ds = solar.H5Dataset(path)
+        assert ds.backend.collective
+        sampler = tud.DistributedSampler(ds, num_replicas=comm.size, rank=comm.rank, seed=3)
+        loader = solar.DataLoader(ds, batch_size=4, sampler=sampler, **kw)
+        batches = []
+        for e in range(3):
+            sampler.set_epoch(e)
+            batches += [x.numpy().tobytes() for x, _ in loader]
+        runs.append((batches, ds.stats.hits, loader.solar_sampler.buffer.nbytes))
+        if "spill" in kw:
+            assert loader.solar_sampler.buffer.second.nbytes > 0  # part of it on disk
+        del loader
+        ds.close()
+    assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1] > 0 and runs[0][2] == runs[1][2]
+
+
+@pytest.mark.mpi
 def test_resuming_a_one_rank_state_on_every_rank_gives_each_a_batch_in_the_last_step(comm, shared_tmp):
     """A state saved by a 1-rank job of 7 per batch after one step (position 7) resumed on this
     world with 4 per rank: 89 positions left, whose last step (1 on 2 ranks, 5 on 3) is evened out
