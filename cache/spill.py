@@ -59,6 +59,7 @@ class SpillTier(Tier):
         self._names = itertools.count()
         self._used_second = 0
         self._lock = threading.RLock()
+        self._warned = False
 
     @classmethod
     def on_disk(cls, directory: str, memory_bytes: int | None, disk_bytes: int | None) -> "SpillTier":
@@ -84,7 +85,18 @@ class SpillTier(Tier):
         arr = value if isinstance(value, np.ndarray) else None
         data = np.ascontiguousarray(arr).view(np.uint8).reshape(-1) if arr is not None else value
         name = next(self._names)
-        if not self.second.put(name, data):
+        try:
+            stored = self.second.put(name, data)
+        except OSError as exc:  # the disk filled up or went away: a cache keeps less, it does not fail
+            if not self._warned:
+                import warnings
+
+                warnings.warn(f"solar: the buffer's spill directory {getattr(self.second, 'root', self.second)} "
+                              f"refused a write ({exc}); samples that do not fit in memory are read again instead "
+                              "(free space there, or pass a smaller spill size)", RuntimeWarning, stacklevel=2)
+                self._warned = True
+            return False
+        if not stored:
             return False
         meta = (arr.dtype.str, arr.shape) if arr is not None else (None, None)
         self._spilled[key] = (name, *meta, _nbytes(data))

@@ -151,3 +151,19 @@ def test_spill_tier_keeps_arrays_and_cleans_up_only_in_its_own_process(tmp_path)
     del tier, got
     gc.collect()
     assert not os.path.exists(root)
+
+
+def test_spill_tier_that_cannot_write_keeps_less_and_says_so(tmp_path):
+    """A full (here: removed) spill directory is a smaller cache, not a failed read pass."""
+    import shutil
+
+    from solar.cache.spill import SpillTier
+
+    tier = SpillTier.on_disk(str(tmp_path), 10, 10_000)
+    shutil.rmtree(tier.second.root)
+    with open(tier.second.root, "w"):  # a file where its directory was: every write fails (as root too)
+        pass
+    with pytest.warns(RuntimeWarning, match="spill directory .* refused a write"):
+        assert tier.put("a", b"x" * 100) is False
+    assert tier.put("b", b"y" * 100) is False and "a" not in tier and tier.nbytes == 0
+    assert tier.put("c", b"z" * 5) is True  # memory still works
