@@ -10,14 +10,22 @@ The tier keeps its own index of what it spilled (key -> file number, dtype and s
 may be any hashable (the loader uses ``(field, sample)``) and NumPy arrays come back as arrays
 of their dtype and shape (read-only views of the file's bytes); other values come back as
 ``bytes``. Its files live in a fresh directory under the given one, removed when the tier is
-garbage collected or the process exits (never by a forked child).
+garbage collected or the process exits (never by a forked child); a job killed before that
+(SIGKILL at its time limit) leaves its directory, which the next tier made on the same host
+removes (the directory names the host and the process, and that process is gone).
+
+One budget covers both parts (the schedule plans one capacity): a value goes to memory while the
+memory tier has room and the total allows it, else to disk while the total allows it, charged
+there at whole file-system blocks (each value is one file; small values cost a block each).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
+import socket
 import threading
 import uuid
 import weakref
@@ -25,7 +33,7 @@ from typing import Any, Hashable, Iterator
 
 import numpy as np
 
-from .base import Tier
+from .base import Tier, TierFullError
 from .memory import MemoryTier, _nbytes
 
 __all__ = ["SpillTier"]
@@ -34,6 +42,35 @@ __all__ = ["SpillTier"]
 def _remove_dir(path: str, pid: int) -> None:
     if os.getpid() == pid:  # a forked worker exiting must not take its parent's files
         shutil.rmtree(path, ignore_errors=True)
+
+
+_DIR = re.compile(r"^solar-spill-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def remove_stale(directory: str) -> list[str]:
+    """Remove the spill directories under ``directory`` that processes of this host left when
+    they were killed (their process is gone); returns their paths."""
+    host, gone = socket.gethostname(), []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return gone
+    for name in names:
+        m = _DIR.match(name)
+        if m and m["host"] == host and not _alive(int(m["pid"])):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+            gone.append(os.path.join(directory, name))
+    return gone
 
 
 class SpillTier(Tier):
@@ -50,25 +87,32 @@ class SpillTier(Tier):
     name = "spill"
     exclusive_create = True  # put_new checks and stores under the tier's lock
 
-    def __init__(self, first: Tier, second: Tier, capacity_bytes: int | None = None) -> None:
-        if capacity_bytes is None and first.capacity_bytes is not None and second.capacity_bytes is not None:
-            capacity_bytes = first.capacity_bytes + second.capacity_bytes
+    def __init__(self, first: Tier, second: Tier, capacity_bytes: int | None = None, *, block: int = 1) -> None:
         super().__init__(capacity_bytes)
         self.first, self.second = first, second
-        self._spilled: dict[Hashable, tuple[int, str | None, tuple | None, int]] = {}
+        self.block = max(1, int(block))
+        self._spilled: dict[Hashable, tuple[int, np.dtype | None, tuple | None, int]] = {}
         self._names = itertools.count()
-        self._used_second = 0
+        self._used_second = 0  # charged: whole blocks per value
         self._lock = threading.RLock()
         self._warned = False
 
     @classmethod
-    def on_disk(cls, directory: str, memory_bytes: int | None, disk_bytes: int | None) -> "SpillTier":
-        """A :class:`MemoryTier` of ``memory_bytes`` spilling to files in a fresh directory under
-        ``directory`` (created; removed with the tier)."""
+    def on_disk(cls, directory: str, memory_bytes: int | None, disk_bytes: int | None,
+                block: int | None = None) -> "SpillTier":
+        """A :class:`MemoryTier` of ``memory_bytes`` spilling up to ``disk_bytes`` more (charged in
+        blocks of ``block``, default the file system's) to files in a fresh directory under
+        ``directory``, removed with the tier; stale directories of killed processes go first."""
         from .disk import DiskTier
 
-        root = os.path.join(os.fspath(directory), f"solar-spill-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        tier = cls(MemoryTier(memory_bytes), DiskTier(root, disk_bytes, fsync=False))
+        directory = os.path.abspath(os.fspath(directory))
+        remove_stale(directory)
+        root = os.path.join(directory, f"solar-spill-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        second = DiskTier(root, None, fsync=False)  # the budget is the SpillTier's, over both parts
+        if block is None:
+            block = os.statvfs(root).f_bsize
+        total = None if memory_bytes is None or disk_bytes is None else memory_bytes + disk_bytes
+        tier = cls(MemoryTier(memory_bytes), second, total, block=block)
         tier._finalizer = weakref.finalize(tier, _remove_dir, root, os.getpid())
         return tier
 
@@ -76,18 +120,27 @@ class SpillTier(Tier):
     def example(cls, scratch_dir: str, capacity_bytes: int | None = None) -> "SpillTier":
         # half the budget in memory (64 B when unbounded), so the suite's values land on both sides
         memory = 64 if capacity_bytes is None else capacity_bytes // 2
-        tier = cls.on_disk(scratch_dir, memory, capacity_bytes)
+        tier = cls.on_disk(scratch_dir, memory, None, block=1)
         tier.capacity_bytes = capacity_bytes
         return tier
+
+    def charge(self, nbytes: int) -> int:
+        """What a value of ``nbytes`` costs on the disk part: whole blocks."""
+        return -(-nbytes // self.block) * self.block
+
+    def _room(self, nbytes: int) -> bool:
+        return self.capacity_bytes is None or self.nbytes + nbytes <= self.capacity_bytes
 
     # -- the index of spilled values ---------------------------------------------------------------
     def _spill(self, key: Hashable, value: Any) -> bool:
         arr = value if isinstance(value, np.ndarray) else None
         data = np.ascontiguousarray(arr).view(np.uint8).reshape(-1) if arr is not None else value
         name = next(self._names)
+        if not self._room(self.charge(_nbytes(data))):
+            return False
         try:
             stored = self.second.put(name, data)
-        except OSError as exc:  # the disk filled up or went away: a cache keeps less, it does not fail
+        except (OSError, TierFullError) as exc:  # disk full or gone: a cache keeps less, it does not fail
             if not self._warned:
                 import warnings
 
@@ -98,9 +151,9 @@ class SpillTier(Tier):
             return False
         if not stored:
             return False
-        meta = (arr.dtype.str, arr.shape) if arr is not None else (None, None)
-        self._spilled[key] = (name, *meta, _nbytes(data))
-        self._used_second += _nbytes(data)
+        meta = (arr.dtype, arr.shape) if arr is not None else (None, None)
+        self._spilled[key] = (name, *meta, self.charge(_nbytes(data)))
+        self._used_second += self.charge(_nbytes(data))
         return True
 
     def _load(self, key: Hashable) -> Any | None:
@@ -108,7 +161,7 @@ class SpillTier(Tier):
         entry = self._spilled.get(key)
         value = None if entry is None else self.second.get(entry[0])
         if value is not None and entry[1] is not None:
-            value = np.frombuffer(value, np.dtype(entry[1])).reshape(entry[2])
+            value = np.frombuffer(value, entry[1]).reshape(entry[2])
         return value
 
     def _unspill(self, key: Hashable) -> bool:
@@ -128,12 +181,8 @@ class SpillTier(Tier):
     def put(self, key: Hashable, value: Any) -> bool:
         n = _nbytes(value)
         with self._lock:
-            old = self._size(key)
-            if self.capacity_bytes is not None and self.nbytes - old + n > self.capacity_bytes:
-                self.stats.rejected += 1
-                return False
             saved = self._take(key)
-            if self.first.put(key, value) or self._spill(key, value):
+            if (self._room(n) and self.first.put(key, value)) or self._spill(key, value):
                 self.stats.bytes_in += n
                 return True
             if saved is not None:  # neither part had room: the old value stays
@@ -176,13 +225,6 @@ class SpillTier(Tier):
         """``first``'s value for ``key`` without counting a hit (a MemoryTier's dict) where it can."""
         data = getattr(self.first, "_data", None)
         return data.get(key) if isinstance(data, dict) else self.first.get(key)
-
-    def _size(self, key: Hashable) -> int:
-        if key in self.first:
-            value = self._peek(key)
-            return _nbytes(value) if value is not None else 0
-        entry = self._spilled.get(key)
-        return entry[3] if entry is not None else 0
 
     def _take(self, key: Hashable) -> Any:
         """Remove ``key``'s current value, returning it (to put back if the new one fits nowhere)."""

@@ -222,14 +222,16 @@ class H5Dataset(Dataset):
             off = self._offsets[spec.name] = self.backend.read_all(spec.offsets_key).astype(np.int64)
         return off
 
-    def sample_nbytes(self) -> np.ndarray:
-        """Stored bytes of every sample (all fields): what one buffer entry costs."""
+    def sample_nbytes(self, block: int = 1) -> np.ndarray:
+        """Stored bytes of every sample (all fields): what one buffer entry costs; with ``block``,
+        each field rounded up to whole blocks (what it costs as one file on disk)."""
         total = np.zeros(self.num_samples, dtype=np.int64)
         for s in self.specs:
             if s.kind == "raw":
-                total += int(np.prod(s.sample_shape, dtype=np.int64)) * s.dtype.itemsize
+                size = int(np.prod(s.sample_shape, dtype=np.int64)) * s.dtype.itemsize
+                total += -(-size // block) * block
             else:
-                total += np.diff(self._offsets_of(s))
+                total += -(-np.diff(self._offsets_of(s)) // block) * block
         return total
 
     # -- reading ------------------------------------------------------------------------------

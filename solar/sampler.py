@@ -107,22 +107,24 @@ def parse_spill(value: Any, buffer: BufferSpec) -> SpillSpec | None:
     ``cache/spill.py``). It extends a byte budget, so ``buffer=`` must be bytes too."""
     if value is None:
         return None
-    if isinstance(value, dict):
-        value = (value.get("dir"), value.get("size"))
-    if not (isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], (str, os.PathLike))):
+    pair = (value.get("dir"), value.get("size")) if isinstance(value, dict) and set(value) == {"dir", "size"} \
+        else value
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], (str, os.PathLike))):
         raise ConfigError(f"spill={value!r}: pass (directory, size) on node-local disk, e.g. "
-                          "spill=('/local/nvme/solar', '100GiB')")
-    size = value[1]
-    try:
+                          "spill=('/local/nvme/solar', '100GiB') or {'dir': ..., 'size': ...}")
+    size = pair[1]
+    try:  # bytes: a number (1.5e9) or a string with a unit ('100GiB'); never samples, unlike buffer=
         nbytes = parse_buffer(size).nbytes if isinstance(size, str) else size
     except ConfigError:
         nbytes = None
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
-        raise ConfigError(f"spill size {size!r} is not a byte size; use bytes (int) or a string like '100GiB'")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float, np.integer)) or not nbytes >= 1:
+        raise ConfigError(f"spill size {size!r} is not a positive byte size; use bytes (1.5e9) or a string "
+                          "like '100GiB'")
     if buffer.nbytes is None:
         raise ConfigError("spill= extends the buffer's byte budget onto disk, so give buffer= in bytes too "
-                          f"(e.g. buffer='4GiB'), not {'samples' if buffer.samples is not None else 'a fraction'}")
-    directory = os.fspath(value[0])
+                          "(e.g. buffer='4GiB', or buffer='0B' to keep every sample on disk), not "
+                          f"{'samples' if buffer.samples is not None else 'a fraction'}")
+    directory = os.fspath(pair[0])
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
         raise ConfigError(f"spill directory {directory} is not a writable directory; create it on node-local "
                           "disk (e.g. /local/nvme/$USER) or pass spill=None")
@@ -238,9 +240,12 @@ class SolarBatchSampler(BatchSampler):
             self.plan_config()  # nonsense (batch larger than the data, bad buffer ...) fails now
 
     def __getstate__(self) -> dict:
-        # the plan made ahead is a cache holding a Future (a lock): copies and pickles go without it
+        # the plan made ahead is a cache holding a Future (a lock): copies and pickles go without
+        # it; a buffer spilled to disk is a directory of this process: a copy starts over
         state = self.__dict__.copy()
         state["_ahead"] = None
+        if self.spill_spec is not None:
+            state["buffer"], state["_key"], state["_planner"] = None, None, None
         return state
 
     def __len__(self) -> int:
@@ -282,8 +287,13 @@ class SolarBatchSampler(BatchSampler):
             return int(spec.fraction * n // world_size)
         key = (n, world_size, batch_size)
         if key not in self._capacities:
-            budget = spec.nbytes + (self.spill_spec.nbytes if self.spill_spec else 0)
-            self._capacities[key] = capacity_for_bytes(self.dataset.sample_nbytes(), budget, world_size, batch_size)
+            sizes, budget = self.dataset.sample_nbytes(), spec.nbytes
+            if self.spill_spec is not None and len(sizes):
+                # on disk each field of a sample is a file of whole blocks: the spill holds fewer
+                # samples than its bytes / their sizes (cache/spill.py charges the same)
+                on_disk = self.dataset.sample_nbytes(os.statvfs(self.spill_spec.directory).f_bsize)
+                budget += int(self.spill_spec.nbytes * sizes.sum() / max(1, on_disk.sum()))
+            self._capacities[key] = capacity_for_bytes(sizes, budget, world_size, batch_size)
         return self._capacities[key]
 
     def plan_config(self) -> PlanConfig:

@@ -684,7 +684,8 @@ def test_a_loader_whose_epoch_never_advances_takes_its_plan_made_ahead(h5path, m
 def test_spill_to_local_disk_extends_the_buffer(h5path, tmp_path):
     """spill=(dir, size): the buffer keeps what fits its memory budget and the rest in files
     under dir, the schedule plans for both, and batches stay torch's. 96 samples of 768 B: 24 KB
-    of memory alone keeps 31 samples (hits 31 of 96 per epoch); with 60 KB of disk, every one."""
+    of memory alone keeps 31 samples (hits 31 of 96 per epoch); with 800 KB of disk (each field a
+    file of whole blocks: 8 KiB a sample with 4 KiB blocks), every one."""
     import gc
 
     spill_dir = tmp_path / "nvme"
@@ -693,7 +694,7 @@ def test_spill_to_local_disk_extends_the_buffer(h5path, tmp_path):
     ref_s = tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=4)
     ref = tud.DataLoader(ds, batch_size=10, sampler=ref_s)
     hits = {}
-    for name, spill in (("memory", None), ("spill", (str(spill_dir), "60KB"))):
+    for name, spill in (("memory", None), ("spill", (str(spill_dir), "800KB"))):
         d = solar.H5Dataset(h5path)
         s = tud.DistributedSampler(d, num_replicas=1, rank=0, seed=4)
         loader = solar.DataLoader(d, batch_size=10, sampler=s, buffer="24KB", spill=spill)
@@ -708,6 +709,11 @@ def test_spill_to_local_disk_extends_the_buffer(h5path, tmp_path):
             files = [f for _, _, fs in os.walk(spill_dir) for f in fs]
             assert len(files) == len(buf._spilled) > 0
             del buf
+            import copy
+
+            twin = copy.deepcopy(loader.solar_sampler)  # a copy starts over, with no buffer of its own yet
+            assert twin.buffer is None and twin._planner is None
+            del twin
         del loader, s, d
     assert hits == {"memory": 2 * 31, "spill": 2 * 96}
     gc.collect()
@@ -722,5 +728,5 @@ def test_spill_options_say_what_to_pass(h5path, tmp_path):
         solar.DataLoader(ds, batch_size=4, buffer="1MB", spill=(str(tmp_path / "missing"), "1GB"))
     with pytest.raises(solar.ConfigError, match=r"pass \(directory, size\)"):
         solar.DataLoader(ds, batch_size=4, buffer="1MB", spill=str(tmp_path))
-    with pytest.raises(solar.ConfigError, match="not a byte size"):
+    with pytest.raises(solar.ConfigError, match="not a positive byte size"):
         solar.DataLoader(ds, batch_size=4, buffer="1MB", spill=(str(tmp_path), "lots"))

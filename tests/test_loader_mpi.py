@@ -174,16 +174,19 @@ def test_checksums_read_with_each_pass_match_under_remapping(comm, shared_tmp, m
 
 @pytest.mark.mpi
 def test_a_buffer_spilled_to_local_disk_hits_under_collective_reads(comm, shared_tmp):
-    """spill= on every rank (each its own directory) with parallel HDF5: 8 KB of memory plus 40 KB
-    of disk serve the same batches and the same hits as 48 KB of memory alone (the schedule plans
-    one capacity; disk hits are read on the MPI thread with the collective passes)."""
+    """spill= on every rank (each its own directory) with parallel HDF5: 8 KB of memory plus 400 KB
+    of disk serve the same batches and the same hits as the memory those 400 KB stand for (each
+    field a file of whole blocks: 768 B of samples per 2 blocks) plus 8 KB, alone (the schedule
+    plans one capacity; disk hits are read on the MPI thread with the collective passes)."""
     path = os.path.join(shared_tmp, "spill.h5")
     write_ptycho_h5(path, 96, 8, seed=2, comm=comm, progress=False)
     comm.Barrier()
     local = os.path.join(shared_tmp, f"nvme{comm.rank}")
     os.makedirs(local)
+    bs = os.statvfs(local).f_bsize
+    on_disk = -(-256 // bs) * bs + -(-512 // bs) * bs  # fields x (1x8x8 float32) and y (2x8x8)
     runs = []
-    for kw in ({"buffer": "48KB"}, {"buffer": "8KB", "spill": (local, "40KB")}):
+    for kw in ({"buffer": f"{8000 + 400_000 * 768 // on_disk}B"}, {"buffer": "8KB", "spill": (local, "400KB")}):
         ds = solar.H5Dataset(path)
         assert ds.backend.collective
         sampler = tud.DistributedSampler(ds, num_replicas=comm.size, rank=comm.rank, seed=3)
@@ -192,7 +195,7 @@ def test_a_buffer_spilled_to_local_disk_hits_under_collective_reads(comm, shared
         for e in range(3):
             sampler.set_epoch(e)
             batches += [x.numpy().tobytes() for x, _ in loader]
-        runs.append((batches, ds.stats.hits, loader.solar_sampler.buffer.nbytes))
+        runs.append((batches, ds.stats.hits, len(loader.solar_sampler.buffer)))  # the same samples kept
         if "spill" in kw:
             assert loader.solar_sampler.buffer.second.nbytes > 0  # part of it on disk
         del loader

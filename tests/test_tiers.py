@@ -129,7 +129,7 @@ def test_spill_tier_keeps_arrays_and_cleans_up_only_in_its_own_process(tmp_path)
 
     from solar.cache.spill import SpillTier
 
-    tier = SpillTier.on_disk(str(tmp_path), 100, 10_000)
+    tier = SpillTier.on_disk(str(tmp_path), 100, 10_000, block=1)
     small, big = np.arange(3, dtype=">i2"), np.linspace(0, 1, 60).reshape(3, 4, 5).astype(np.float32)
     assert tier.put(("x", 1), small) and tier.put(("x", 2), big)
     assert ("x", 1) in tier.first and ("x", 2) not in tier.first  # 480 B: spilled
@@ -167,3 +167,32 @@ def test_spill_tier_that_cannot_write_keeps_less_and_says_so(tmp_path):
         assert tier.put("a", b"x" * 100) is False
     assert tier.put("b", b"y" * 100) is False and "a" not in tier and tier.nbytes == 0
     assert tier.put("c", b"z" * 5) is True  # memory still works
+
+
+def test_spill_tier_charges_whole_blocks_under_one_budget_and_sweeps_killed_jobs(tmp_path):
+    """Each spilled value is a file: it is charged whole blocks, so a small-row dataset cannot
+    fill the drive past its budget; memory and disk share one budget (a value fits where the
+    total allows, not only where one part has room); a directory left by a killed process of
+    this host is removed by the next tier, one of a live process is not."""
+    import socket
+    import subprocess
+    import sys
+
+    from solar.cache.spill import SpillTier
+
+    tier = SpillTier.on_disk(str(tmp_path), 1000, 3 * 4096, block=4096)
+    assert tier.capacity_bytes == 1000 + 3 * 4096
+    for i in range(10):
+        tier.put(i, np.zeros(300, np.uint8))  # 3 fit in memory, then 3 blocks on disk; the rest refused
+    assert len(tier.first) == 3 and len(tier._spilled) == 3 and tier.nbytes == 900 + 3 * 4096
+    assert tier.put("big", np.zeros(2000, np.uint8)) is False  # no part has room for it
+    host = socket.gethostname()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    stale = tmp_path / f"solar-spill-{host}-{dead}-0123abcd"
+    live = tmp_path / f"solar-spill-{host}-{os.getpid()}-89abcdef"
+    other = tmp_path / f"solar-spill-otherhost-{dead}-0123abcd"
+    for d in (stale, live, other):
+        (d / "x").mkdir(parents=True)
+    SpillTier.on_disk(str(tmp_path), 10, 10)
+    assert not stale.exists() and live.exists() and other.exists()
