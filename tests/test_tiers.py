@@ -196,3 +196,19 @@ def test_spill_tier_charges_whole_blocks_under_one_budget_and_sweeps_killed_jobs
         (d / "x").mkdir(parents=True)
     SpillTier.on_disk(str(tmp_path), 10, 10)
     assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_spill_tier_on_a_full_disk_keeps_less(tmp_path, monkeypatch):
+    """ENOSPC comes out of the disk tier as TierFullError (not an OSError): a smaller cache too."""
+    from solar.cache.base import TierFullError
+    from solar.cache.spill import SpillTier
+
+    tier = SpillTier.on_disk(str(tmp_path), 10, 10_000, block=1)
+
+    def full(key, value):
+        raise TierFullError("no space left on device")
+
+    monkeypatch.setattr(tier.second, "put", full)
+    with pytest.warns(RuntimeWarning, match="refused a write"):
+        assert tier.put("a", b"x" * 100) is False
+    assert "a" not in tier and tier.nbytes == 0
