@@ -348,7 +348,9 @@ class SolarBatchSampler(BatchSampler):
             if resume and resume.get("mode") == "schedule" and resume["epoch"] == epoch:
                 # a state saved with more padding (another world size) may lie past this epoch's end
                 start = min(int(resume["position"]), self._planner.config.epoch_length)
-            plan = self._planned_ahead(epoch, start) or self._planner.plan(epoch, start)
+            plan = self._planned_ahead(epoch, start)
+            if plan is None:
+                plan = self._planner.plan(epoch, start)
             self.current = {"mode": "schedule", "epoch": epoch, "start": start, "global_batch": plan.global_batch,
                             "world_size": P, "plan": plan}
             # the next iteration's epoch: the next one, or this one again where the epoch does not
@@ -442,8 +444,9 @@ class SolarBatchSampler(BatchSampler):
         machine (more when the cores are busy), on every rank, where torch's loader spends
         0.15 s on ``randperm``. The next iteration is usually ``epoch + 1`` from its start (or
         the same epoch again, where the last two iterations had one: a loader never given
-        ``set_epoch``), with the residency the current plan left, so the plan is made on a copy of the planner on
-        :func:`_plan_thread` while this epoch trains, and taken at the next iteration if
+        ``set_epoch``), with the residency the current plan left, so the plan is made on a
+        copy of the planner on :func:`_plan_thread` while this epoch trains, and taken at the
+        next iteration if
         nothing changed the planner meanwhile (:meth:`_planned_ahead`). An early stop (rewind),
         a new geometry, a loaded state or another epoch discards it and plans inline, as
         before: the plans are the same either way (planning is a pure function of the planner's
