@@ -80,8 +80,9 @@ class SpillTier(Tier):
         first: the fast tier (usually a :class:`MemoryTier` with a byte budget).
         second: the tier values spill to (usually a ``DiskTier`` with ``fsync=False``: a cache
             needs atomic files, not durable ones).
-        capacity_bytes: budget of the two together; default the sum of theirs (``None`` if
-            either is unbounded).
+        capacity_bytes: budget of the two together (``None``: unbounded); ``first`` keeps its
+            own budget too, ``second`` should have none (:meth:`on_disk` makes it so).
+        block: disk values are charged whole blocks of this many bytes (the file system's).
     """
 
     name = "spill"
