@@ -177,6 +177,8 @@ class SpillTier(Tier):
     def get(self, key: Hashable) -> Any | None:
         with self._lock:
             value = self.first.get(key) if key in self.first else self._load(key)
+            if value is None and key in self._spilled:  # its file went (removed by hand): forget it
+                self._unspill(key)
         return self._counted(value)
 
     def put(self, key: Hashable, value: Any) -> bool:

@@ -212,3 +212,16 @@ def test_spill_tier_on_a_full_disk_keeps_less(tmp_path, monkeypatch):
     with pytest.warns(RuntimeWarning, match="refused a write"):
         assert tier.put("a", b"x" * 100) is False
     assert "a" not in tier and tier.nbytes == 0
+
+
+def test_spill_tier_forgets_files_removed_behind_its_back(tmp_path):
+    """A spilled file deleted by someone else is a miss, and its bytes leave the budget."""
+    from solar.cache.spill import SpillTier
+
+    tier = SpillTier.on_disk(str(tmp_path), 10, 1000, block=1)
+    assert tier.put("a", b"x" * 900)
+    for _dir, _sub, files in os.walk(tier.second.root):
+        for f in files:
+            os.unlink(os.path.join(_dir, f))
+    assert tier.get("a") is None and "a" not in tier and tier.nbytes == 0
+    assert tier.put("b", b"y" * 900)  # the room is back
