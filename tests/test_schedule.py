@@ -374,3 +374,17 @@ def test_nonsense_configs_raise_value_error(kwargs, match):
     args = {"num_samples": 100, "world_size": 1, "batch_size": 10, "capacity": 10, **kwargs}
     with pytest.raises(ValueError, match=match):
         PlanConfig(**args)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configs, st.integers(0, 2))
+def test_dump_groups_each_step_by_rank_in_position_order(cfg, epoch):
+    """EpochPlan.to_dump (solar plan --dump) sorts each step by rank once; it must give what a
+    mask per rank gave: each rank's (sample, hit) pairs in position order."""
+    plan = Planner(make_config(*cfg)).plan(epoch)
+    want = []
+    for k in range(plan.num_steps):
+        sl = plan.step_slice(k)
+        r, s, h = plan.rank[sl], plan.samples[sl], plan.hit[sl]
+        want.append([[[int(i), bool(x)] for i, x in zip(s[r == q], h[r == q])] for q in range(plan.world_size)])
+    assert plan.to_dump() == {"epoch": epoch, "steps": want}
