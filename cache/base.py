@@ -39,6 +39,12 @@ class TierStats:
         return self.hits / n if n else 0.0
 
 
+def _nbytes(value: Any) -> int:
+    """Bytes of a stored value (an array's ``nbytes``, else its length)."""
+    n = getattr(value, "nbytes", None)
+    return int(n) if n is not None else len(value)
+
+
 class Tier(ABC):
     """A key -> bytes store with an optional byte budget and hit/miss/byte counters.
 
@@ -68,8 +74,7 @@ class Tier(ABC):
             self.stats.misses += 1
             return None
         self.stats.hits += 1
-        n = getattr(value, "nbytes", None)
-        self.stats.bytes_out += int(n) if n is not None else len(value)
+        self.stats.bytes_out += _nbytes(value)
         return value
 
     @abstractmethod

@@ -4,14 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Hashable, Iterator
 
-from .base import Tier
+from .base import Tier, _nbytes
 
 __all__ = ["MemoryTier"]
-
-
-def _nbytes(value: Any) -> int:
-    n = getattr(value, "nbytes", None)
-    return int(n) if n is not None else len(value)
 
 
 class MemoryTier(Tier):

@@ -33,8 +33,8 @@ from typing import Any, Hashable, Iterator
 
 import numpy as np
 
-from .base import Tier, TierFullError
-from .memory import MemoryTier, _nbytes
+from .base import Tier, TierFullError, _nbytes
+from .memory import MemoryTier
 
 __all__ = ["SpillTier"]
 
@@ -136,8 +136,8 @@ class SpillTier(Tier):
     def _spill(self, key: Hashable, value: Any) -> bool:
         arr = value if isinstance(value, np.ndarray) else None
         data = np.ascontiguousarray(arr).view(np.uint8).reshape(-1) if arr is not None else value
-        name = next(self._names)
-        if not self._room(self.charge(_nbytes(data))):
+        name, cost = next(self._names), self.charge(_nbytes(data))
+        if not self._room(cost):
             return False
         try:
             stored = self.second.put(name, data)
@@ -153,8 +153,8 @@ class SpillTier(Tier):
         if not stored:
             return False
         meta = (arr.dtype, arr.shape) if arr is not None else (None, None)
-        self._spilled[key] = (name, *meta, self.charge(_nbytes(data)))
-        self._used_second += self.charge(_nbytes(data))
+        self._spilled[key] = (name, *meta, cost)
+        self._used_second += cost
         return True
 
     def _load(self, key: Hashable) -> Any | None:

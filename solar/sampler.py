@@ -182,7 +182,6 @@ def _plan_thread():
     """The process's one thread for planning ahead (NOTE [ Planning ahead ]); a forked child
     makes its own."""
     global _PLAN_THREAD
-    import os
     from concurrent.futures import ThreadPoolExecutor
 
     if _PLAN_THREAD is None or _PLAN_THREAD[0] != os.getpid():
@@ -446,8 +445,7 @@ class SolarBatchSampler(BatchSampler):
         the same epoch again, where the last two iterations had one: a loader never given
         ``set_epoch``), with the residency the current plan left, so the plan is made on a
         copy of the planner on :func:`_plan_thread` while this epoch trains, and taken at the
-        next iteration if
-        nothing changed the planner meanwhile (:meth:`_planned_ahead`). An early stop (rewind),
+        next iteration if nothing changed the planner meanwhile (:meth:`_planned_ahead`). An early stop (rewind),
         a new geometry, a loaded state or another epoch discards it and plans inline, as
         before: the plans are the same either way (planning is a pure function of the planner's
         state). Only with read-ahead on (``prefetch > 0``) and ``plan_ahead`` (default True).
