@@ -37,6 +37,7 @@ __all__ = [
 _LAZY = {
     "DataLoader": "solar.loader",
     "H5Dataset": "solar.dataset",
+    "StoredSubset": "solar.subset",
     "codec": "solar.codec",
     "checkpoint": "solar.checkpoint",
     "io_backends": "solar.io_backends",

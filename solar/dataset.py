@@ -235,16 +235,18 @@ class H5Dataset(Dataset):
         return total
 
     # -- reading ------------------------------------------------------------------------------
-    def _check_index(self, idx: np.ndarray) -> None:
-        """Reject indices outside ``[-num_samples, num_samples)``; on a collective backend every
-        rank raises if any rank's indices are bad (see NOTE [ Collective request checks ] in
-        ``io_backends/base.py``), so no rank is left waiting in the collective read."""
+    def _check_index(self, idx: np.ndarray, n: int | None = None) -> None:
+        """Reject indices outside ``[-n, n)`` (``n``: ``num_samples``, or the length of a
+        subset's rows); on a collective backend every rank raises if any rank's indices are bad
+        (see NOTE [ Collective request checks ] in ``io_backends/base.py``), so no rank is left
+        waiting in the collective read."""
+        of = "" if n is None else " of a Subset"
+        n = self.num_samples if n is None else n
         problem = None
-        if len(idx) and (idx.min() < -self.num_samples or idx.max() >= self.num_samples):
-            bad = idx[(idx < -self.num_samples) | (idx >= self.num_samples)][0]
-            valid = (f"valid: -{self.num_samples}..{self.num_samples - 1}" if self.num_samples else
-                     "the dataset is empty")
-            problem = IndexError(f"{self.path}: sample index {int(bad)} out of range for {self.num_samples} "
+        if len(idx) and (idx.min() < -n or idx.max() >= n):
+            bad = idx[(idx < -n) | (idx >= n)][0]
+            valid = f"valid: -{n}..{n - 1}" if n else "the dataset is empty"
+            problem = IndexError(f"{self.path}: sample index {int(bad)}{of} out of range for {n} "
                                  f"samples ({valid}); check the sampler or the indices passed")
         self.backend.agree(problem)
 
@@ -389,7 +391,8 @@ class H5Dataset(Dataset):
                     "damaged: re-create it (solar ingest) or pass verify=False to read it anyway")
 
     def fetch_stored(self, indices: Sequence[int], buffer=None, keep: Callable[[np.ndarray], np.ndarray] | None = None,
-                     shared: bool = False, evict: Sequence[int] | None = None, disjoint: bool = False) -> StoredBatch:
+                     shared: bool = False, evict: Sequence[int] | None = None, disjoint: bool = False,
+                     rows: np.ndarray | None = None) -> StoredBatch:
         """Load the stored bytes of ``indices`` (batch order; repeats allowed).
 
         Hits come from ``buffer`` (a :class:`solar.cache.Tier` keyed by ``(field, index)``);
@@ -400,10 +403,15 @@ class H5Dataset(Dataset):
         promises that no other rank reads any of these samples in this call, which lets a
         collective backend use its collective transfer (NOTE [ Disjoint collective reads ] in
         io_backends/base.py); only the loader's schedule can know that.
+
+        ``rows``: sample ``i`` is the stored row ``rows[i]`` (a ``Subset``'s view, NOTE [ Subsets ]
+        in ``solar/subset.py``): ``indices``, ``keep``, ``evict`` and the buffer's keys are then
+        positions in ``rows``; reads are of the rows, sorted and coalesced as usual.
         """
+        n = self.num_samples if rows is None else len(rows)
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        self._check_index(idx)
-        idx = np.where(idx < 0, idx + self.num_samples, idx)
+        self._check_index(idx, None if rows is None else n)
+        idx = np.where(idx < 0, idx + n, idx)
         uniq, inv = np.unique(idx, return_inverse=True)
         resident = np.zeros(len(uniq), dtype=bool)
         held: dict[int, dict[str, Any]] = {}  # u -> every field's buffered value
@@ -426,10 +434,15 @@ class H5Dataset(Dataset):
         miss = uniq[~resident]
         kept = np.array(keep(miss), dtype=bool) if (keep is not None and buffer is not None and len(miss)) \
             else np.zeros(len(miss), bool)
-        out = StoredBatch(len(idx), hits=int(resident[inv].sum()), indices=idx.tolist())
+        if rows is None:
+            read, at = miss, np.arange(len(miss))
+        else:  # the stored rows to read (a Subset may repeat one), and where each miss's row is
+            read, at = np.unique(rows[miss], return_inverse=True)
+        out = StoredBatch(len(idx), hits=int(resident[inv].sum()),
+                          indices=(idx if rows is None else rows[idx]).tolist())  # the file's sample numbers
         mrank = np.full(len(uniq), -1, dtype=np.int64)
-        mrank[~resident] = np.arange(len(miss))
-        datas = {spec.name: self._read_field(spec, miss, disjoint) for spec in self.specs}
+        mrank[~resident] = at
+        datas = {spec.name: self._read_field(spec, read, disjoint) for spec in self.specs}
         if buffer is not None:
             for i in (evict if evict is not None else ()):
                 for spec in self.specs:
@@ -437,7 +450,7 @@ class H5Dataset(Dataset):
             for j in np.flatnonzero(kept).tolist():
                 keys = [(spec.name, int(miss[j])) for spec in self.specs]
                 for n_put, key in enumerate(keys):
-                    if not buffer.put(key, np.array(datas[key[0]][j], copy=True)):
+                    if not buffer.put(key, np.array(datas[key[0]][at[j]], copy=True)):
                         # all fields of a sample or none: a refused field (byte budget) takes
                         # back the ones already put, so no budget is spent on a half sample
                         for k in keys[:n_put]:
@@ -460,7 +473,7 @@ class H5Dataset(Dataset):
 
     def fetch_steps(self, steps: Sequence[Sequence[int]], buffer=None, keep=None, shared: bool = False,
                     evict: Sequence[int] | None = None, decode: bool = False, disjoint: bool = False,
-                    lockstep: bool = True) -> list[StoredBatch]:
+                    lockstep: bool = True, rows: np.ndarray | None = None) -> list[StoredBatch]:
         """:meth:`fetch_stored` for several steps in one pass (one ``read_ranges`` per field for all
         of them, so runs and sieving span steps), split back into one batch per step.
 
@@ -472,17 +485,18 @@ class H5Dataset(Dataset):
         ``DistributedSampler``), so on a collective backend its checks agree across ranks and a
         failure on one rank raises on all. ``False`` (any other sampler: ranks may make different
         passes, or only one rank may iterate) reads and checks on this rank alone, as direct reads
-        (:meth:`fetch_stored`, ``ds[i]``) do.
+        (:meth:`fetch_stored`, ``ds[i]``) do. ``rows``: as in :meth:`fetch_stored`.
         """
         if lockstep or disjoint:  # a disjoint pass is a collective read: every rank makes it
             with _lockstep():  # NOTE [ Collective request checks ]
-                return self._fetch_steps(steps, buffer, keep, shared, evict, decode, disjoint)
-        return self._fetch_steps(steps, buffer, keep, shared, evict, decode, disjoint)
+                return self._fetch_steps(steps, buffer, keep, shared, evict, decode, disjoint, rows)
+        return self._fetch_steps(steps, buffer, keep, shared, evict, decode, disjoint, rows)
 
-    def _fetch_steps(self, steps, buffer, keep, shared, evict, decode, disjoint) -> list[StoredBatch]:
+    def _fetch_steps(self, steps, buffer, keep, shared, evict, decode, disjoint, rows) -> list[StoredBatch]:
         lengths = [len(s) for s in steps]
         flat = [int(i) for s in steps for i in s]
-        whole = self.fetch_stored(flat, buffer=buffer, keep=keep, shared=shared, evict=evict, disjoint=disjoint)
+        whole = self.fetch_stored(flat, buffer=buffer, keep=keep, shared=shared, evict=evict, disjoint=disjoint,
+                                  rows=rows)
         bounds = np.r_[0, np.cumsum(lengths)].tolist()
         if decode:
             problem = None
@@ -562,9 +576,12 @@ class H5Dataset(Dataset):
     # -- Dataset protocol ---------------------------------------------------------------------
     def __getitems__(self, indices: Sequence[int]) -> list:
         """A batch of samples; torch's fetcher calls this once per batch (one coalesced read)."""
+        return self._getitems(indices)
+
+    def _getitems(self, indices: Sequence[int], rows: np.ndarray | None = None) -> list:
         stored = getattr(indices, "stored", None)
         if stored is None:
-            stored = self.fetch_stored(indices)
+            stored = self.fetch_stored(indices, rows=rows)
         tensors = stored.decoded if stored.decoded is not None else self.decode(stored)
         return self._samples(tensors, stored.n)
 

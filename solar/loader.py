@@ -4,7 +4,8 @@ A training script changes one import line. The constructor takes torch's signatu
 defaults and validates through torch (same ``ValueError`` s); SOLAR's own options are
 keyword-only extras. On any dataset that is not storage-backed (anything without
 ``fetch_stored``, e.g. a ``TensorDataset``) or with ``batch_size=None``, the loader *is* torch's
-loader: nothing is replaced. On a storage-backed dataset (:class:`solar.H5Dataset`) the batch
+loader: nothing is replaced. On a storage-backed dataset (:class:`solar.H5Dataset`, or a torch
+``Subset`` of one, as ``random_split`` makes: NOTE [ Subsets ] in ``solar/subset.py``) the batch
 sampler torch built is wrapped by :class:`solar.sampler.SolarBatchSampler` (see its NOTE
 [ Buffer and workers ]); torch's iterators, workers, collation and pinning run unchanged.
 
@@ -112,6 +113,11 @@ class DataLoader(tud.DataLoader):
                  pin_memory_device: str = "", in_order: bool = True, buffer: Any = "1GiB", prefetch: int = 8,
                  spill: Any = None, distributed: bool = False, seed: int = 0) -> None:
         self._auto_epoch = False
+        if isinstance(dataset, tud.Subset) and not is_storage_backed(dataset) and \
+                (batch_size is not None or batch_sampler is not None):
+            from solar.subset import stored_subset
+
+            dataset = stored_subset(dataset) or dataset  # NOTE [ Subsets ] in solar/subset.py
         if distributed:
             if sampler is not None or batch_sampler is not None:
                 raise ConfigError("distributed=True builds the DistributedSampler itself; do not also pass "
@@ -141,7 +147,7 @@ class DataLoader(tud.DataLoader):
             from solar.sampler import parse_buffer, parse_spill
 
             parse_spill(spill, parse_buffer(buffer))  # bad options fail here too, not only on storage-backed datasets
-            inner = _wrapped_storage(dataset)
+            inner = _wrapped_storage(dataset) if self.batch_sampler is not None else None
             if inner is not None:
                 import warnings
 
@@ -149,8 +155,7 @@ class DataLoader(tud.DataLoader):
                     f"solar.DataLoader: the dataset is a {type(dataset).__name__} of {type(inner).__name__} "
                     f"{getattr(inner, 'path', '')!s}; SOLAR's schedule, buffer and read-ahead work on a storage-backed "
                     "dataset passed directly, so this loader runs as torch's would (correct, not faster). "
-                    "Pass the H5Dataset itself: keep the split in separate files, or select samples with a "
-                    "sampler (e.g. SubsetRandomSampler(indices)) instead of random_split/Subset",
+                    "Pass the H5Dataset itself or a Subset of it (random_split), one file per loader",
                     UserWarning, stacklevel=2)
 
     # -- epochs ---------------------------------------------------------------------------------
@@ -308,9 +313,9 @@ class DataLoader(tud.DataLoader):
 
 
 def _wrapped_storage(dataset) -> Any:
-    """The storage-backed dataset inside a torch ``Subset`` / ``ConcatDataset`` (``random_split``
-    returns Subsets), else None. Such wrappers hide ``fetch_stored``, so SOLAR is silently off
-    for them: PtychoNN's training script splits its dataset that way."""
+    """The storage-backed dataset inside a torch ``ConcatDataset`` (or a ``Subset`` the loader
+    cannot drive: NOTE [ Subsets ] in solar/subset.py), else None. Such wrappers hide
+    ``fetch_stored``, so SOLAR would be silently off for them."""
     inner = [dataset.dataset] if isinstance(dataset, tud.Subset) else \
         list(dataset.datasets) if isinstance(dataset, tud.ConcatDataset) else []
     for d in inner:

@@ -579,22 +579,92 @@ def test_an_empty_dataset_yields_no_batches(tmp_path):
     ds.close()
 
 
-def test_a_random_split_of_an_h5dataset_says_solar_is_off_for_it(h5path):
-    """PtychoNN's script splits its dataset with random_split: a Subset hides the storage-backed
-    dataset, so the loader runs as torch's (correct, no buffer). It said nothing; now it warns
-    once, naming the file and what to pass instead. Plain datasets stay silent."""
+def _epochs(loader, n, set_epoch=None):
+    out = []
+    for e in range(n):
+        if set_epoch is not None:
+            set_epoch(e)
+        out.append([tuple(t.clone() for t in b) for b in loader])  # whole epochs: see torch's RandomSampler
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_random_split_is_driven_by_solar_and_gives_torchs_batches(h5path, workers):
+    """NOTE [ Subsets ]: PtychoNN's script splits its dataset with random_split. The loader drives
+    the Subset (schedule, buffer, coalesced read-ahead) instead of running as torch's: the same
+    batches as torch's loader over the same Subset, epoch after epoch, with every sample of the
+    split a hit from the second epoch (buffer=1.0) and fewer storage requests."""
+    import warnings
+
+    ds, ref = solar.H5Dataset(h5path), solar.H5Dataset(h5path)
+    split = [0.75, 0.25]
+    train, val = tud.random_split(ds, split, generator=torch.Generator().manual_seed(0))
+    ref_train, _ = tud.random_split(ref, split, generator=torch.Generator().manual_seed(0))
+    kw = dict(batch_size=8, shuffle=True, num_workers=workers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "runs as torch's would" warning any more
+        loader = solar.DataLoader(train, generator=torch.Generator().manual_seed(3), buffer=1.0, **kw)
+    assert loader.solar_sampler is not None and isinstance(loader.dataset, tud.Subset)
+    assert loader.dataset.dataset is ds and list(loader.dataset.indices) == list(train.indices)
+    torch_loader = tud.DataLoader(ref_train, generator=torch.Generator().manual_seed(3), **kw)
+    got, want = _epochs(loader, 3), _epochs(torch_loader, 3)
+    assert len(got[0]) == len(want[0]) == 9
+    for e, (g, w) in enumerate(zip(got, want)):
+        assert all(torch.equal(a, b) for gb, wb in zip(g, w) for a, b in zip(gb, wb)), f"epoch {e}"
+    assert ds.stats.hits == 2 * len(train)  # epochs 2 and 3: all of the split from the buffer
+    if not workers:  # (torch's workers count their reads in their own processes)
+        assert ds.stats.read_calls < ref.stats.read_calls
+    # the other part of the split, with another loader over the same dataset
+    v = [b for b in solar.DataLoader(val, batch_size=8)]
+    assert torch.equal(torch.cat([b[1] for b in v]), torch.stack([ref[i][1] for i in val.indices]))
+    ds.close()
+    ref.close()
+
+
+def test_nested_subsets_with_repeats_and_negative_indices_read_the_right_rows(h5path):
+    """A Subset of a Subset composes its indices (negative ones count from the end, as in torch);
+    a repeated row is two samples. Every batch equals torch's; errors and batch labels name the
+    file's sample, and a bad position says it is a position in a Subset."""
+    ds, ref = solar.H5Dataset(h5path), solar.H5Dataset(h5path)
+    inner_idx, outer_idx = [5, 90, -1, 7, 7, 40], [1, -1, 3, 4, 0, 2, 5, 1]
+    sub = tud.Subset(tud.Subset(ds, inner_idx), outer_idx)
+    rows = np.arange(96)[inner_idx][outer_idx]
+    loader = solar.DataLoader(sub, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(1),
+                              buffer=4)
+    assert loader.solar_sampler is not None and not loader.dataset.distinct
+    assert loader.dataset.rows.tolist() == rows.tolist()
+    want = tud.DataLoader(tud.Subset(tud.Subset(ref, inner_idx), outer_idx), batch_size=3, shuffle=True,
+                          generator=torch.Generator().manual_seed(1))
+    for g, w in zip(_epochs(loader, 2), _epochs(want, 2)):
+        assert all(torch.equal(a, b) for gb, wb in zip(g, w) for a, b in zip(gb, wb))
+    stored = loader.dataset.fetch_stored([0, 4, -1])
+    assert stored.indices == rows[[0, 4, -1]].tolist()  # what error messages name
+    with pytest.raises(IndexError, match=r"sample index 8 of a Subset out of range for 8 samples"):
+        loader.dataset.fetch_stored([8])
+    with pytest.raises(IndexError, match=r"ptycho.h5: Subset index 6 out of range for the 6 samples .*position 2"):
+        solar.DataLoader(tud.Subset(tud.Subset(ds, inner_idx), [0, 1, 6]), batch_size=2)
+    ds.close()
+    ref.close()
+
+
+def test_a_concat_dataset_of_h5datasets_says_solar_is_off_for_it(h5path):
+    """A ConcatDataset hides its files behind one index space: the loader runs as torch's
+    (correct, no buffer) and warns once, naming the file and what to pass instead. Plain
+    datasets and Subsets stay silent."""
     import warnings
 
     ds = solar.H5Dataset(h5path)
     train, _ = tud.random_split(ds, [0.75, 0.25], generator=torch.Generator().manual_seed(0))
-    for wrapped in (train, tud.ConcatDataset([tud.Subset(ds, range(8)), train])):
-        with pytest.warns(UserWarning, match=r"Subset|ConcatDataset.*runs as torch's would.*Pass the H5Dataset itself"):
-            loader = solar.DataLoader(wrapped, batch_size=4)
-        assert loader.solar_sampler is None and len(list(loader)) == -(-len(wrapped) // 4)
+    wrapped = tud.ConcatDataset([tud.Subset(ds, range(8)), train])
+    with pytest.warns(UserWarning, match=r"ConcatDataset.*runs as torch's would.*Pass the H5Dataset itself"):
+        loader = solar.DataLoader(wrapped, batch_size=4)
+    assert loader.solar_sampler is None and len(list(loader)) == -(-len(wrapped) // 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         solar.DataLoader(tud.TensorDataset(torch.zeros(8)), batch_size=4)
         assert solar.DataLoader(ds, batch_size=4).solar_sampler is not None
+        assert solar.DataLoader(train, batch_size=4).solar_sampler is not None
+        assert solar.DataLoader(train, batch_size=None).dataset is train  # unbatched: torch's loader as is
     ds.close()
 
 

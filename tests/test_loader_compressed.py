@@ -10,6 +10,7 @@ from __future__ import annotations
 import h5py
 import numpy as np
 import pytest
+import torch
 import torch.utils.data as tud
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -134,6 +135,44 @@ def test_without_workers_a_whole_pass_is_decoded_at_once(files, prefetch):
     assert ds.decode_calls == (-(-steps // prefetch) if prefetch else steps)
     np.testing.assert_allclose(got, x[np.concatenate(torch_order(1))], atol=ds.specs[0].abs_error, rtol=0)
     ds.close()
+
+
+def test_a_random_split_of_a_compressed_file_decodes_and_names_the_files_sample(files, tmp_path):
+    """NOTE [ Subsets ]: a random_split of a compressed file is driven like the file (compressed
+    bytes buffered, whole passes decoded): the batches are torch's over the same Subset. A
+    damaged blob is named by the file's sample number, not by its position in the split."""
+    import shutil
+
+    raw, comp = files
+    bad = str(tmp_path / "damaged.h5")
+    shutil.copy(comp, bad)
+    probe = solar.H5Dataset(comp, backend="hdf5")
+    spec = probe.specs[0]
+    start = int(probe._offsets_of(spec)[10])
+    probe.close()
+    with h5py.File(bad, "r+") as f:
+        f[spec.data_key][start] ^= 0xFF  # the first magic byte of sample 10's blob of field x
+    for path in (comp, bad):
+        ds = solar.H5Dataset(path, backend="hdf5", io_threads=1, verify=False)
+        ref = solar.H5Dataset(comp, backend="hdf5", io_threads=1)
+        train, _ = tud.random_split(ds, [0.5, 0.5], generator=torch.Generator().manual_seed(2))
+        ref_train, _ = tud.random_split(ref, [0.5, 0.5], generator=torch.Generator().manual_seed(2))
+        loader = solar.DataLoader(train, batch_size=BATCH, shuffle=True, buffer="1MB",
+                                  generator=torch.Generator().manual_seed(5))
+        assert loader.solar_sampler is not None and ds.compressed
+        torch_loader = tud.DataLoader(ref_train, batch_size=BATCH, shuffle=True,
+                                      generator=torch.Generator().manual_seed(5))
+        if path == comp:
+            for _ in range(2):  # whole epochs of both
+                got, want = list(loader), list(torch_loader)
+                assert len(got) == len(want) and all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
+            assert ds.stats.hits > 0
+        else:
+            assert 10 in train.indices
+            with pytest.raises(solar.CorruptDataError, match=r"sample '10 of .*damaged.h5:x'"):
+                list(loader)
+        ds.close()
+        ref.close()
 
 
 @pytest.mark.slow

@@ -173,6 +173,43 @@ def test_checksums_read_with_each_pass_match_under_remapping(comm, shared_tmp, m
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("repeats", [False, True], ids=["random_split", "repeated-rows"])
+def test_a_random_split_runs_the_schedule_with_collective_reads(comm, shared_tmp, repeats):
+    """NOTE [ Subsets ]: a random_split of a parallel-HDF5 file under mpirun is scheduled like the
+    file itself: every global batch holds DistributedSampler's samples of the split, and the
+    buffers serve exactly the planned hits. A Subset that repeats rows reads without the
+    disjoint (collective-transfer) promise and still gives the right batches."""
+    path = os.path.join(shared_tmp, f"split{int(repeats)}.h5")
+    write_ptycho_h5(path, 120, 8, seed=3, comm=comm, progress=False)
+    comm.Barrier()
+    ds = solar.H5Dataset(path)
+    assert ds.backend.collective
+    if repeats:
+        train = tud.Subset(ds, [i // 2 for i in range(90)])
+    else:
+        train, _ = tud.random_split(ds, [90, 30], generator=torch.Generator().manual_seed(0))
+    rows = np.asarray(train.indices)
+    P, b, n = comm.size, 5, len(train)
+    sampler = tud.DistributedSampler(train, num_replicas=P, rank=comm.rank, seed=9)
+    loader = solar.DataLoader(train, batch_size=b, sampler=sampler, buffer=0.5)
+    assert loader.solar_sampler.mode == "schedule" and loader.dataset.distinct == (not repeats)
+    y_ref = np.stack([solar.synthetic.ptycho_sample(i, 8, 3)[1] for i in range(120)])
+    for e in range(3):
+        sampler.set_epoch(e)
+        mine = [y.numpy() for _, y in loader]
+        everyone = comm.allgather(mine)
+        order = global_order(n, P, 9, e)
+        for k in range(len(mine)):
+            got = np.concatenate([everyone[r][k] for r in range(P)]).reshape(P * b, -1)
+            want = y_ref[rows[order[k * P * b:(k + 1) * P * b]]].reshape(P * b, -1)
+            assert sorted(map(bytes, got)) == sorted(map(bytes, want)), f"epoch {e} step {k}"
+    planned = Planner(PlanConfig(n, P, b, n // 2 // P, seed=9))
+    assert comm.allreduce(ds.stats.hits) == sum(int(planned.plan(e).hit.sum()) for e in range(3)) > 0
+    del loader
+    ds.close()
+
+
+@pytest.mark.mpi
 def test_a_buffer_spilled_to_local_disk_hits_under_collective_reads(comm, shared_tmp):
     """spill= on every rank (each its own directory) with parallel HDF5: 8 KB of memory plus 400 KB
     of disk serve the same batches and the same hits as the memory those 400 KB stand for (each

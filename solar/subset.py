@@ -1,0 +1,109 @@
+"""``StoredSubset``: a torch ``Subset`` of an :class:`~solar.dataset.H5Dataset` that SOLAR can drive.
+
+NOTE [ Subsets ]
+    Training scripts split one file with ``torch.utils.data.random_split`` (PtychoNN's does), or
+    pick samples with ``Subset(ds, indices)``. torch's ``Subset.__getitems__`` hands its dataset a
+    new list of indices, so the stored bytes the loader's read-ahead attached to the batch
+    (:class:`~solar.dataset.StepBatch`) would be lost, and the wrapper hides ``fetch_stored``:
+    the loader ran as torch's, without schedule, buffer or read-ahead.
+
+    ``solar.DataLoader`` therefore replaces such a ``Subset`` (nested ones too) by a
+    ``StoredSubset`` over the same ``dataset`` and ``indices``; ``loader.dataset`` is that
+    object. Its samples are the file's stored rows ``rows[i]`` (the indices composed through
+    every level), and everything the loader plans with is a position ``i`` in the subset: the
+    schedule, the buffer's keys, ``keep`` and ``evict``. Only the read maps positions to rows
+    (:meth:`H5Dataset.fetch_stored` ``rows=``), sorting and coalescing the rows as usual, so a
+    split's reads are as few and as large as the whole file's. Errors name the file's sample.
+
+    A subset that repeats a row has two samples with one row: both may be buffered, and its
+    passes are not promised disjoint to a collective backend (two ranks could read the row in
+    one collective read; NOTE [ Disjoint collective reads ] in ``io_backends/base.py``).
+    ``ConcatDataset`` is not driven (several files behind one index space): the loader warns and
+    runs as torch's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from torch.utils.data import Subset
+
+from solar.dataset import H5Dataset
+
+__all__ = ["StoredSubset", "stored_subset"]
+
+
+class StoredSubset(Subset):
+    """A ``Subset`` (same ``dataset`` and ``indices`` as the one it replaces) whose samples the
+    loader reads through its base :class:`H5Dataset`; see NOTE [ Subsets ]. Build it with
+    :func:`stored_subset`."""
+
+    def __init__(self, dataset: Any, indices: Sequence[int], base: H5Dataset, rows: np.ndarray) -> None:
+        super().__init__(dataset, indices)
+        self.base = base
+        self.rows = rows
+        #: every position a distinct stored row: passes may be collective (disjoint) reads
+        self.distinct = len(np.unique(rows)) == len(rows)
+
+    def __repr__(self) -> str:
+        return f"StoredSubset({len(self.rows)} of {self.base!r})"
+
+    # -- what the loader drives (the storage-backed protocol of H5Dataset) ----------------------
+    def fetch_stored(self, indices: Sequence[int], **kw) -> Any:
+        return self.base.fetch_stored(indices, rows=self.rows, **kw)
+
+    def fetch_steps(self, steps: Sequence[Sequence[int]], **kw) -> list:
+        kw["disjoint"] = bool(kw.get("disjoint", False)) and self.distinct
+        return self.base.fetch_steps(steps, rows=self.rows, **kw)
+
+    def sample_nbytes(self, block: int = 1) -> np.ndarray:
+        return self.base.sample_nbytes(block)[self.rows]
+
+    def decode(self, stored) -> dict:
+        return self.base.decode(stored)
+
+    def __getitems__(self, indices: Sequence[int]) -> list:
+        return self.base._getitems(indices, self.rows)
+
+    def __getattr__(self, name: str) -> Any:
+        # backend, path, specs, compressed, fields, device, stats, ... are the base dataset's
+        if name in ("base", "rows", "distinct", "dataset", "indices") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+
+def stored_subset(dataset: Any) -> StoredSubset | None:
+    """``dataset`` as a :class:`StoredSubset` when it is a torch ``Subset`` (maybe of ``Subset`` s)
+    of an :class:`H5Dataset` with integer indices; else None (the loader then runs as torch's).
+
+    Raises:
+        IndexError: an index out of range for the dataset it selects from (torch would raise it
+            at the first batch that reaches it), naming the index and the file.
+    """
+    chain = []
+    d = dataset
+    while isinstance(d, Subset) and not isinstance(d, StoredSubset):
+        chain.append(d.indices)
+        d = d.dataset
+    if isinstance(d, StoredSubset):
+        base, rows = d.base, d.rows
+    elif isinstance(d, H5Dataset) and chain:
+        base, rows = d, np.arange(len(d), dtype=np.int64)
+    else:
+        return None
+    for indices in reversed(chain):
+        sel = np.asarray(indices)
+        if sel.size == 0:
+            sel = sel.astype(np.int64)
+        if sel.ndim != 1 or sel.dtype.kind not in "iu":
+            return None
+        sel = sel.astype(np.int64)
+        bad = (sel < -len(rows)) | (sel >= len(rows))
+        if bad.any():
+            raise IndexError(
+                f"{base.path}: Subset index {int(sel[bad][0])} out of range for the {len(rows)} samples it "
+                f"selects from (at position {int(np.flatnonzero(bad)[0])} of its indices); check the "
+                "indices given to Subset")
+        rows = rows[sel]
+    return StoredSubset(dataset.dataset, dataset.indices, base, rows)
