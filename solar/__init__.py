@@ -38,6 +38,7 @@ _LAZY = {
     "DataLoader": "solar.loader",
     "H5Dataset": "solar.dataset",
     "StoredSubset": "solar.subset",
+    "StoredConcat": "solar.concat",
     "codec": "solar.codec",
     "checkpoint": "solar.checkpoint",
     "io_backends": "solar.io_backends",

@@ -91,6 +91,21 @@ class StoredBatch:
     indices: list[int] = field(default_factory=list)  # for error messages
     decoded: dict[str, torch.Tensor] | None = None  # already decoded (fetch_steps(decode=True))
 
+    def part(self, a: int, b: int, decoded: dict[str, torch.Tensor] | None = None) -> "StoredBatch":
+        """Samples ``[a, b)`` (views): of the stored fields, or of ``decoded`` (this batch's
+        decoded tensors), which the part then carries instead of stored bytes."""
+        out = StoredBatch(b - a, indices=self.indices[a:b])
+        if decoded is not None:
+            out.decoded = {name: t[a:b] for name, t in decoded.items()}
+            return out
+        for name, val in self.fields.items():
+            if isinstance(val, tuple):
+                blobs, off = val
+                out.fields[name] = (blobs[int(off[a]):int(off[b])], off[a:b + 1] - off[a])
+            else:
+                out.fields[name] = val[a:b]
+        return out
+
 
 class StepBatch(list):
     """A rank's batch of sample indices carrying its already-loaded :class:`StoredBatch`.
@@ -100,6 +115,25 @@ class StepBatch(list):
     """
 
     stored: StoredBatch | None = None
+
+
+@dataclass
+class _Pending:
+    """One fetch between its phases (:meth:`H5Dataset.fetch_stored`): the batch being built,
+    its indices and unique samples (``inv``), the buffer's hits (``held``), the misses, which of
+    them to keep, the stored rows to ``read`` and each miss's place in them (``at``; ``mrank``
+    per unique sample, -1 for a hit), and the read data once loaded."""
+
+    out: StoredBatch
+    idx: np.ndarray
+    inv: np.ndarray
+    held: dict
+    miss: np.ndarray
+    kept: np.ndarray
+    read: np.ndarray
+    at: np.ndarray
+    mrank: np.ndarray
+    datas: dict = field(default_factory=dict)
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
@@ -392,7 +426,7 @@ class H5Dataset(Dataset):
 
     def fetch_stored(self, indices: Sequence[int], buffer=None, keep: Callable[[np.ndarray], np.ndarray] | None = None,
                      shared: bool = False, evict: Sequence[int] | None = None, disjoint: bool = False,
-                     rows: np.ndarray | None = None) -> StoredBatch:
+                     rows=None) -> StoredBatch:
         """Load the stored bytes of ``indices`` (batch order; repeats allowed).
 
         Hits come from ``buffer`` (a :class:`solar.cache.Tier` keyed by ``(field, index)``);
@@ -405,9 +439,21 @@ class H5Dataset(Dataset):
         io_backends/base.py); only the loader's schedule can know that.
 
         ``rows``: sample ``i`` is the stored row ``rows[i]`` (a ``Subset``'s view, NOTE [ Subsets ]
-        in ``solar/subset.py``): ``indices``, ``keep``, ``evict`` and the buffer's keys are then
-        positions in ``rows``; reads are of the rows, sorted and coalesced as usual.
+        in ``solar/subset.py``; anything with ``len`` and integer-array indexing): ``indices``,
+        ``keep``, ``evict`` and the buffer's keys are then positions in ``rows``; reads are of
+        the rows, sorted and coalesced as usual.
+
+        The work is four phases (:meth:`_gather`, :meth:`_load`, :meth:`_evict`, :meth:`_finish`)
+        so that a pass over several files (NOTE [ Several files ] in ``solar/concat.py``) takes
+        every file's hits before any eviction and evicts before any put, as one file does.
         """
+        pending = self._gather(indices, buffer, keep, rows)
+        self._load(pending, disjoint)
+        self._evict(buffer, evict)
+        return self._finish(pending, buffer, shared)
+
+    def _gather(self, indices: Sequence[int], buffer, keep, rows) -> "_Pending":
+        """Check ``indices``, take the buffer's hits, and decide which misses to keep."""
         n = self.num_samples if rows is None else len(rows)
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         self._check_index(idx, None if rows is None else n)
@@ -437,31 +483,43 @@ class H5Dataset(Dataset):
         if rows is None:
             read, at = miss, np.arange(len(miss))
         else:  # the stored rows to read (a Subset may repeat one), and where each miss's row is
-            read, at = np.unique(rows[miss], return_inverse=True)
-        out = StoredBatch(len(idx), hits=int(resident[inv].sum()),
-                          indices=(idx if rows is None else rows[idx]).tolist())  # the file's sample numbers
+            read, at = np.unique(np.asarray(rows[miss], dtype=np.int64), return_inverse=True)
+        out = StoredBatch(len(idx), hits=int(resident[inv].sum()),  # indices: the file's sample numbers
+                          indices=(idx if rows is None else np.asarray(rows[idx], dtype=np.int64)).tolist())
         mrank = np.full(len(uniq), -1, dtype=np.int64)
         mrank[~resident] = at
-        datas = {spec.name: self._read_field(spec, read, disjoint) for spec in self.specs}
+        return _Pending(out, idx, inv, held, miss, kept, read, at, mrank)
+
+    def _load(self, pending: "_Pending", disjoint: bool) -> None:
+        """Read the pending misses' rows: one ``read_ranges`` per field, in field order."""
+        pending.datas = {spec.name: self._read_field(spec, pending.read, disjoint) for spec in self.specs}
+
+    def _evict(self, buffer, evict: Sequence[int] | None) -> None:
         if buffer is not None:
             for i in (evict if evict is not None else ()):
                 for spec in self.specs:
                     buffer.delete((spec.name, int(i)))
+
+    def _finish(self, pending: "_Pending", buffer, shared: bool) -> StoredBatch:
+        """Put the kept misses in ``buffer`` and lay the batch out in batch order."""
+        p, datas, kept = pending, pending.datas, pending.kept
+        if buffer is not None:
             for j in np.flatnonzero(kept).tolist():
-                keys = [(spec.name, int(miss[j])) for spec in self.specs]
+                keys = [(spec.name, int(p.miss[j])) for spec in self.specs]
                 for n_put, key in enumerate(keys):
-                    if not buffer.put(key, np.array(datas[key[0]][at[j]], copy=True)):
+                    if not buffer.put(key, np.array(datas[key[0]][p.at[j]], copy=True)):
                         # all fields of a sample or none: a refused field (byte budget) takes
                         # back the ones already put, so no budget is spent on a half sample
                         for k in keys[:n_put]:
                             buffer.delete(k)
                         kept[j] = False
                         break
+        out = p.out
         for spec in self.specs:
-            hits = {u: vals[spec.name] for u, vals in held.items()}
-            out.fields[spec.name] = self._assemble(spec, datas[spec.name], hits, mrank, inv, shared)
+            hits = {u: vals[spec.name] for u, vals in p.held.items()}
+            out.fields[spec.name] = self._assemble(spec, datas[spec.name], hits, p.mrank, p.inv, shared)
         self.stats.hits += out.hits
-        self.stats.misses += len(idx) - out.hits
+        self.stats.misses += len(p.idx) - out.hits
         self.stats.kept += int(kept.sum())
         self.stats.steps += 1
         return out
@@ -505,20 +563,8 @@ class H5Dataset(Dataset):
             except CorruptDataError as exc:  # one rank's damaged blob stops every rank (collective reads)
                 problem = exc
             self.backend.agree(problem)
-            return [StoredBatch(b - a, indices=whole.indices[a:b],
-                                decoded={name: t[a:b] for name, t in tensors.items()})
-                    for a, b in zip(bounds[:-1], bounds[1:])]
-        out = []
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            part = StoredBatch(b - a, indices=whole.indices[a:b])
-            for name, val in whole.fields.items():
-                if isinstance(val, tuple):
-                    blobs, off = val
-                    part.fields[name] = (blobs[int(off[a]):int(off[b])], off[a:b + 1] - off[a])
-                else:
-                    part.fields[name] = val[a:b]
-            out.append(part)
-        return out
+            return [whole.part(a, b, tensors) for a, b in zip(bounds[:-1], bounds[1:])]
+        return [whole.part(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def _assemble(self, spec: FieldSpec, data, hits: dict, mrank: np.ndarray, inv: np.ndarray, shared: bool):
         """Lay read rows (``data``, sorted-miss order) and buffer hits out in batch order."""

@@ -113,11 +113,13 @@ class DataLoader(tud.DataLoader):
                  pin_memory_device: str = "", in_order: bool = True, buffer: Any = "1GiB", prefetch: int = 8,
                  spill: Any = None, distributed: bool = False, seed: int = 0) -> None:
         self._auto_epoch = False
-        if isinstance(dataset, tud.Subset) and not is_storage_backed(dataset) and \
+        if isinstance(dataset, (tud.Subset, tud.ConcatDataset)) and not is_storage_backed(dataset) and \
                 (batch_size is not None or batch_sampler is not None):
+            from solar.concat import stored_concat
             from solar.subset import stored_subset
 
-            dataset = stored_subset(dataset) or dataset  # NOTE [ Subsets ] in solar/subset.py
+            # NOTE [ Subsets ] in solar/subset.py, NOTE [ Several files ] in solar/concat.py
+            dataset = (stored_subset(dataset) if isinstance(dataset, tud.Subset) else stored_concat(dataset)) or dataset
         if distributed:
             if sampler is not None or batch_sampler is not None:
                 raise ConfigError("distributed=True builds the DistributedSampler itself; do not also pass "
@@ -155,7 +157,8 @@ class DataLoader(tud.DataLoader):
                     f"solar.DataLoader: the dataset is a {type(dataset).__name__} of {type(inner).__name__} "
                     f"{getattr(inner, 'path', '')!s}; SOLAR's schedule, buffer and read-ahead work on a storage-backed "
                     "dataset passed directly, so this loader runs as torch's would (correct, not faster). "
-                    "Pass the H5Dataset itself or a Subset of it (random_split), one file per loader",
+                    "Pass H5Datasets, Subsets (random_split) or ConcatDatasets of them whose files have the "
+                    "same fields and are all read through parallel HDF5 or none",
                     UserWarning, stacklevel=2)
 
     # -- epochs ---------------------------------------------------------------------------------
@@ -313,9 +316,9 @@ class DataLoader(tud.DataLoader):
 
 
 def _wrapped_storage(dataset) -> Any:
-    """The storage-backed dataset inside a torch ``ConcatDataset`` (or a ``Subset`` the loader
-    cannot drive: NOTE [ Subsets ] in solar/subset.py), else None. Such wrappers hide
-    ``fetch_stored``, so SOLAR would be silently off for them."""
+    """The storage-backed dataset inside a torch ``Subset`` / ``ConcatDataset`` the loader cannot
+    drive (NOTE [ Subsets ] in solar/subset.py, NOTE [ Several files ] in solar/concat.py), else
+    None. Such wrappers hide ``fetch_stored``, so SOLAR would be silently off for them."""
     inner = [dataset.dataset] if isinstance(dataset, tud.Subset) else \
         list(dataset.datasets) if isinstance(dataset, tud.ConcatDataset) else []
     for d in inner:

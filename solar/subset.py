@@ -18,8 +18,9 @@ NOTE [ Subsets ]
     A subset that repeats a row has two samples with one row: both may be buffered, and its
     passes are not promised disjoint to a collective backend (two ranks could read the row in
     one collective read; NOTE [ Disjoint collective reads ] in ``io_backends/base.py``).
-    ``ConcatDataset`` is not driven (several files behind one index space): the loader warns and
-    runs as torch's.
+    A ``ConcatDataset`` of several files is driven too (NOTE [ Several files ] in
+    ``solar/concat.py``), and so is a ``Subset`` of one: its rows are positions in the
+    concatenation.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
-from torch.utils.data import Subset
+from torch.utils.data import ConcatDataset, Subset
 
 from solar.dataset import H5Dataset
 
@@ -39,12 +40,12 @@ class StoredSubset(Subset):
     loader reads through its base :class:`H5Dataset`; see NOTE [ Subsets ]. Build it with
     :func:`stored_subset`."""
 
-    def __init__(self, dataset: Any, indices: Sequence[int], base: H5Dataset, rows: np.ndarray) -> None:
+    def __init__(self, dataset: Any, indices: Sequence[int], base: Any, rows: np.ndarray) -> None:
         super().__init__(dataset, indices)
-        self.base = base
+        self.base = base  # an H5Dataset, or a StoredConcat (a split of several files)
         self.rows = rows
         #: every position a distinct stored row: passes may be collective (disjoint) reads
-        self.distinct = len(np.unique(rows)) == len(rows)
+        self.distinct = len(np.unique(rows)) == len(rows) and getattr(base, "distinct", True)
 
     def __repr__(self) -> str:
         return f"StoredSubset({len(self.rows)} of {self.base!r})"
@@ -75,7 +76,8 @@ class StoredSubset(Subset):
 
 def stored_subset(dataset: Any) -> StoredSubset | None:
     """``dataset`` as a :class:`StoredSubset` when it is a torch ``Subset`` (maybe of ``Subset`` s)
-    of an :class:`H5Dataset` with integer indices; else None (the loader then runs as torch's).
+    of an :class:`H5Dataset` (or of a ``ConcatDataset`` of them, NOTE [ Several files ] in
+    ``solar/concat.py``) with integer indices; else None (the loader then runs as torch's).
 
     Raises:
         IndexError: an index out of range for the dataset it selects from (torch would raise it
@@ -90,6 +92,13 @@ def stored_subset(dataset: Any) -> StoredSubset | None:
         base, rows = d.base, d.rows
     elif isinstance(d, H5Dataset) and chain:
         base, rows = d, np.arange(len(d), dtype=np.int64)
+    elif isinstance(d, ConcatDataset) and chain:
+        from solar.concat import StoredConcat, stored_concat
+
+        base = d if isinstance(d, StoredConcat) else stored_concat(d)
+        if base is None:
+            return None
+        rows = np.arange(len(base), dtype=np.int64)
     else:
         return None
     for indices in reversed(chain):

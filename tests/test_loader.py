@@ -647,24 +647,22 @@ def test_nested_subsets_with_repeats_and_negative_indices_read_the_right_rows(h5
     ref.close()
 
 
-def test_a_concat_dataset_of_h5datasets_says_solar_is_off_for_it(h5path):
-    """A ConcatDataset hides its files behind one index space: the loader runs as torch's
-    (correct, no buffer) and warns once, naming the file and what to pass instead. Plain
-    datasets and Subsets stay silent."""
+def test_plain_datasets_subsets_and_concatenations_stay_silent(h5path):
+    """The "runs as torch's would" warning is for wrappers the loader cannot drive
+    (tests/test_concat.py); datasets it drives, and datasets that are not storage-backed, get
+    none. Unbatched (batch_size=None), the loader is torch's and keeps the dataset as given."""
     import warnings
 
     ds = solar.H5Dataset(h5path)
     train, _ = tud.random_split(ds, [0.75, 0.25], generator=torch.Generator().manual_seed(0))
-    wrapped = tud.ConcatDataset([tud.Subset(ds, range(8)), train])
-    with pytest.warns(UserWarning, match=r"ConcatDataset.*runs as torch's would.*Pass the H5Dataset itself"):
-        loader = solar.DataLoader(wrapped, batch_size=4)
-    assert loader.solar_sampler is None and len(list(loader)) == -(-len(wrapped) // 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        solar.DataLoader(tud.TensorDataset(torch.zeros(8)), batch_size=4)
+        assert solar.DataLoader(tud.TensorDataset(torch.zeros(8)), batch_size=4).solar_sampler is None
         assert solar.DataLoader(ds, batch_size=4).solar_sampler is not None
         assert solar.DataLoader(train, batch_size=4).solar_sampler is not None
-        assert solar.DataLoader(train, batch_size=None).dataset is train  # unbatched: torch's loader as is
+        both = tud.ConcatDataset([tud.Subset(ds, range(8)), train])
+        assert solar.DataLoader(both, batch_size=4).solar_sampler is not None
+        assert solar.DataLoader(train, batch_size=None).dataset is train
     ds.close()
 
 

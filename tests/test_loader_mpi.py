@@ -210,6 +210,51 @@ def test_a_random_split_runs_the_schedule_with_collective_reads(comm, shared_tmp
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("split", [False, True], ids=["concat", "split-of-concat"])
+def test_several_files_run_one_schedule_with_collective_reads(comm, shared_tmp, split):
+    """NOTE [ Several files ]: a ConcatDataset of three parallel-HDF5 files (one a Subset), or a
+    random_split of it, is one schedule: every global batch holds DistributedSampler's samples,
+    each file is read collectively in every pass (also by ranks with nothing to read there),
+    and the buffers serve exactly the planned hits (every file's hits are taken before the
+    pass evicts)."""
+    sizes = (50, 34, 46)
+    paths = [os.path.join(shared_tmp, f"part{int(split)}{i}.h5") for i in range(3)]
+    for i, (p, n) in enumerate(zip(paths, sizes)):
+        write_ptycho_h5(p, n, 8, seed=20 + i, comm=comm, progress=False)
+    comm.Barrier()
+    dss = [solar.H5Dataset(p) for p in paths]
+    assert all(d.backend.collective for d in dss)
+    members = [dss[0], tud.Subset(dss[1], list(range(4, 34))), dss[2]]  # 50 + 30 + 46 = 126
+    ys = [np.stack([solar.synthetic.ptycho_sample(i, 8, 20 + k)[1] for i in range(n)]) for k, n in enumerate(sizes)]
+    y_all = np.concatenate([ys[0], ys[1][4:34], ys[2]])
+    data = tud.ConcatDataset(members)
+    pick = np.arange(126)
+    if split:
+        data, _ = tud.random_split(data, [120, 6], generator=torch.Generator().manual_seed(1))
+        pick = np.asarray(data.indices)
+    P, b, n = comm.size, 5, len(data)
+    sampler = tud.DistributedSampler(data, num_replicas=P, rank=comm.rank, seed=4)
+    loader = solar.DataLoader(data, batch_size=b, sampler=sampler, buffer=0.5)
+    assert loader.solar_sampler.mode == "schedule"
+    for e in range(3):
+        sampler.set_epoch(e)
+        mine = [y.numpy() for _, y in loader]
+        everyone = comm.allgather(mine)
+        order = global_order(n, P, 4, e)
+        steps = min(len(m) for m in everyone)
+        for k in range(steps):
+            got = np.concatenate([everyone[r][k] for r in range(P)]).reshape(-1, 128)
+            want = y_all[pick[order[k * P * b:(k + 1) * P * b]]].reshape(-1, 128)
+            assert sorted(map(bytes, got)) == sorted(map(bytes, want)), f"epoch {e} step {k}"
+    hits = comm.allreduce(sum(d.stats.hits for d in dss))
+    planned = Planner(PlanConfig(n, P, b, n // 2 // P, seed=4))
+    assert hits == sum(int(planned.plan(e).hit.sum()) for e in range(3)) > 0
+    del loader
+    for d in dss:
+        d.close()
+
+
+@pytest.mark.mpi
 def test_a_buffer_spilled_to_local_disk_hits_under_collective_reads(comm, shared_tmp):
     """spill= on every rank (each its own directory) with parallel HDF5: 8 KB of memory plus 400 KB
     of disk serve the same batches and the same hits as the memory those 400 KB stand for (each

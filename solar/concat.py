@@ -1,0 +1,242 @@
+"""``StoredConcat``: a torch ``ConcatDataset`` of H5Datasets (several files) that SOLAR can drive.
+
+NOTE [ Several files ]
+    Data sets that arrive as shards (one file per run, per year, per 10^4 samples) are joined in
+    training scripts with ``ConcatDataset([H5Dataset(f) for f in files])``, maybe split again with
+    ``random_split``. ``solar.DataLoader`` replaces such a ``ConcatDataset`` by a ``StoredConcat``
+    over the same ``datasets`` (``loader.dataset`` is that object), so the schedule, the buffer and
+    the read-ahead span all files: one index space of ``sum(len)`` samples, planned as one.
+
+    A pass (the steps the read-ahead loads together) is split by file: each file reads its own
+    samples with its own coalesced ``read_ranges`` per field, the files always in the same order
+    (so every rank makes the same collective calls, even for a file it reads nothing from:
+    NOTE [ Collective-safe reads ] in ``solar/dataset.py``). The buffer's keys stay the positions
+    in the concatenation. A pass runs in the four phases of one file's fetch, across all files:
+    every file's hits are taken, then every file is read, then the pass's evictions leave the
+    buffer, then the kept misses are put (so a hit is never evicted before it is taken, and a put
+    never waits on an eviction of a later file). Each file decodes and transforms its own samples
+    (its ``device``, ``transform``, errors naming its path), placed back in batch order.
+
+    Every file must have the same field names; all of them must be read collectively or none
+    (one parallel-HDF5 file beside an http URL would put the ranks out of step), else the loader
+    warns and runs as torch's. A concatenation that holds one stored row twice (two Subsets of
+    one file that overlap) does not promise disjoint reads to a collective backend (NOTE
+    [ Subsets ] in ``solar/subset.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import ConcatDataset, Subset
+
+from solar.dataset import H5Dataset, StoredBatch
+from solar.errors import CorruptDataError
+
+__all__ = ["StoredConcat", "stored_concat"]
+
+
+class _Rows:
+    """Positions -> one file's stored rows, ``local[outer[p] - offset]`` (``outer``: a Subset of
+    the concatenation; ``local``: the file's own Subset), in the form ``H5Dataset.fetch_stored``
+    takes as ``rows=`` (``len`` and integer-array indexing), without an O(N) array per file."""
+
+    def __init__(self, n: int, offset: int, outer=None, local: np.ndarray | None = None) -> None:
+        self.n, self.offset, self.outer, self.local = n, offset, outer, local
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, idx) -> np.ndarray:
+        p = np.asarray(idx, dtype=np.int64)
+        if self.outer is not None:
+            p = np.asarray(self.outer[p], dtype=np.int64)
+        p = p - self.offset
+        return p if self.local is None else self.local[p]
+
+
+class _ConcatStored:
+    """One step's stored data over several files: ``parts`` of ``(file, slots, StoredBatch)``,
+    ``slots`` being the places in the batch of that file's samples. Pickles (shared-memory
+    tensors inside) to a worker like a :class:`~solar.dataset.StoredBatch`."""
+
+    def __init__(self, n: int, parts: list[tuple[int, np.ndarray, StoredBatch]]) -> None:
+        self.n = n
+        self.parts = parts
+        self.hits = sum(st.hits for _, _, st in parts)
+
+
+class StoredConcat(ConcatDataset):
+    """A ``ConcatDataset`` (same ``datasets`` as the one it replaces) whose files the loader
+    reads as one index space; see NOTE [ Several files ]. Build it with :func:`stored_concat`."""
+
+    def __init__(self, datasets: Sequence[Any], parts: list[tuple[H5Dataset, np.ndarray | None]]) -> None:
+        super().__init__(datasets)
+        self.parts = parts  # per part: its file's dataset and the part's rows (None: all); nested
+        # ConcatDatasets are flattened, so parts and members may differ, their total never
+        self.bounds = np.r_[0, np.cumsum([len(ds) if r is None else len(r) for ds, r in parts])].astype(np.int64)
+        self.distinct = _distinct(parts)
+
+    def __repr__(self) -> str:
+        return f"StoredConcat({len(self)} samples in {len(self.parts)} parts of {self.path})"
+
+    # -- what the loader reads of it ------------------------------------------------------------
+    @property
+    def backend(self):
+        return self.parts[0][0].backend
+
+    @property
+    def path(self) -> str:
+        paths = list(dict.fromkeys(ds.path for ds, _ in self.parts))
+        return paths[0] if len(paths) == 1 else f"{paths[0]} and {len(paths) - 1} more files"
+
+    @property
+    def specs(self):
+        return self.parts[0][0].specs
+
+    @property
+    def compressed(self) -> bool:
+        return any(ds.compressed for ds, _ in self.parts)
+
+    def sample_nbytes(self, block: int = 1) -> np.ndarray:
+        return np.concatenate([ds.sample_nbytes(block) if rows is None else ds.sample_nbytes(block)[rows]
+                               for ds, rows in self.parts] or [np.zeros(0, np.int64)])
+
+    def fetch_stored(self, indices: Sequence[int], buffer=None, keep=None, shared: bool = False,
+                     evict: Sequence[int] | None = None, disjoint: bool = False, rows=None) -> _ConcatStored:
+        return self.fetch_steps([indices], buffer=buffer, keep=keep, shared=shared, evict=evict,
+                                disjoint=disjoint, lockstep=False, rows=rows)[0]
+
+    def fetch_steps(self, steps: Sequence[Sequence[int]], buffer=None, keep=None, shared: bool = False,
+                    evict: Sequence[int] | None = None, decode: bool = False, disjoint: bool = False,
+                    lockstep: bool = True, rows=None) -> list:
+        """:meth:`H5Dataset.fetch_steps` over the files (NOTE [ Several files ]); ``rows``: as
+        there (a ``Subset`` of this concatenation)."""
+        from solar.io_backends.base import lockstep as _lockstep
+
+        n = len(self) if rows is None else len(rows)
+        lengths = [len(s) for s in steps]
+        flat = np.fromiter((int(i) for s in steps for i in s), np.int64, sum(lengths))
+        disjoint = disjoint and self.distinct
+        with _lockstep() if (lockstep or disjoint) else _nothing():
+            bad = (flat < -n) | (flat >= n)
+            self.backend.agree(None if not bad.any() else IndexError(  # every rank raises, or none
+                f"{self.path}: sample index {int(flat[bad][0])} out of range for {n} samples "
+                f"({f'valid: -{n}..{n - 1}' if n else 'the dataset is empty'}); check the sampler or the "
+                "indices passed"))
+            flat = np.where(flat < 0, flat + n, flat)
+            where = flat if rows is None else np.asarray(rows[flat], dtype=np.int64)
+            member = np.searchsorted(self.bounds, where, side="right") - 1
+            by_member = np.argsort(member, kind="stable")  # each part's places in the pass, in order
+            cut = np.searchsorted(member[by_member], np.arange(len(self.parts) + 1))
+            places = [by_member[cut[k]:cut[k + 1]] for k in range(len(self.parts))]
+            # a collective backend reads every file in every pass (each rank makes every call);
+            # others skip the files the pass has nothing of
+            busy = [k for k, at in enumerate(places) if len(at) or self.backend.collective]
+            pending = {}
+            for k in busy:  # 1. every file's hits (the same order on every rank)
+                ds, local = self.parts[k]
+                pending[k] = ds._gather(flat[places[k]], buffer, keep, _Rows(n, int(self.bounds[k]), rows, local))
+            for k in busy:  # 2. every file's reads
+                self.parts[k][0]._load(pending[k], disjoint)
+            self.parts[0][0]._evict(buffer, evict)  # 3. the pass's evictions (keys: positions)
+            whole = {k: self.parts[k][0]._finish(pending[k], buffer, shared) for k in busy}  # 4. puts
+            decoded: dict = {}
+            if decode:  # each file's pass at once (one decode_batch per field), as one file's is
+                problem = None
+                try:
+                    decoded = {k: self.parts[k][0].decode(w) for k, w in whole.items() if w.n}
+                except CorruptDataError as exc:  # one rank's damaged blob stops every rank
+                    problem = exc
+                self.backend.agree(problem)
+        edges = np.r_[0, np.cumsum(lengths)]
+        out: list = [[] for _ in steps]
+        for k, at in enumerate(places):
+            # steps are ranges of the pass, so each step's samples of part k are a range of `at`
+            step_cut = np.searchsorted(at, edges)
+            for s in np.flatnonzero(np.diff(step_cut)).tolist():
+                a, b = int(step_cut[s]), int(step_cut[s + 1])
+                out[s].append((k, at[a:b] - edges[s], whole[k].part(a, b, decoded.get(k))))
+        return [_ConcatStored(length, parts) for length, parts in zip(lengths, out)]
+
+    # -- the Dataset protocol ---------------------------------------------------------------------
+    def __getitems__(self, indices: Sequence[int]) -> list:
+        return self._getitems(indices)
+
+    def _getitems(self, indices: Sequence[int], rows=None) -> list:
+        stored = getattr(indices, "stored", None)
+        if stored is None:
+            stored = self.fetch_stored(indices, rows=rows)
+        samples: list = [None] * stored.n
+        for k, slots, part in stored.parts:
+            ds = self.parts[k][0]
+            tensors = part.decoded if part.decoded is not None else ds.decode(part)
+            for j, sample in zip(slots.tolist(), ds._samples(tensors, part.n)):
+                samples[j] = sample
+        return samples
+
+    def decode(self, stored: _ConcatStored) -> dict[str, torch.Tensor]:
+        """Every file's part decoded and placed in batch order: ``{field: (n, *shape)}``."""
+        out: dict[str, torch.Tensor] = {}
+        for k, slots, part in stored.parts:
+            tensors = part.decoded if part.decoded is not None else self.parts[k][0].decode(part)
+            for name, t in tensors.items():
+                if name not in out:
+                    out[name] = torch.empty((stored.n, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                out[name][torch.from_numpy(slots)] = t
+        return out
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _distinct(parts: list[tuple[H5Dataset, np.ndarray | None]]) -> bool:
+    """No stored row of any file twice in the concatenation."""
+    by_file: dict[int, list[np.ndarray]] = {}
+    for ds, rows in parts:
+        by_file.setdefault(id(ds), []).append(np.arange(len(ds)) if rows is None else rows)
+    for rows in by_file.values():
+        r = np.concatenate(rows)
+        if len(np.unique(r)) != len(r):
+            return False
+    return True
+
+
+def stored_concat(dataset: Any) -> StoredConcat | None:
+    """``dataset`` as a :class:`StoredConcat` when it is a ``ConcatDataset`` whose members are
+    H5Datasets, Subsets of them or ConcatDatasets of those, with one set of field names and all
+    read collectively or none; else None (the loader then runs as torch's, with a warning)."""
+    from solar.subset import StoredSubset, stored_subset
+
+    if not isinstance(dataset, ConcatDataset):
+        return None
+    parts: list[tuple[H5Dataset, np.ndarray | None]] = []
+    for d in dataset.datasets:
+        if isinstance(d, H5Dataset):
+            parts.append((d, None))
+            continue
+        if isinstance(d, Subset) and not isinstance(d, StoredSubset):
+            d = stored_subset(d)
+        if isinstance(d, StoredSubset) and isinstance(d.base, H5Dataset):
+            parts.append((d.base, d.rows))
+        elif isinstance(d, ConcatDataset):
+            inner = d if isinstance(d, StoredConcat) else stored_concat(d)
+            if inner is None:
+                return None
+            parts += inner.parts
+        else:
+            return None
+    if not parts:
+        return None
+    names = {tuple(s.name for s in ds.specs) for ds, _ in parts}
+    collective = {bool(ds.backend.collective) for ds, _ in parts}
+    if len(names) != 1 or len(collective) != 1:
+        return None
+    return StoredConcat(dataset.datasets, parts)

@@ -1,0 +1,146 @@
+"""Several files in one loader: a ``ConcatDataset`` of H5Datasets, of Subsets of them, and a
+``random_split`` of one (NOTE [ Several files ] in solar/concat.py; MPI: test_loader_mpi.py)."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import h5py
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+
+import solar
+from solar.ingest import ingest
+from solar.synthetic import write_ptycho_h5
+
+SIZES = (40, 25, 31)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shards")
+    paths = []
+    for i, n in enumerate(SIZES):
+        paths.append(str(d / f"shard{i}.h5"))
+        write_ptycho_h5(paths[-1], n, 8, seed=10 + i, progress=False)
+    return paths
+
+
+def _open(paths, **kw):
+    return [solar.H5Dataset(p, **kw) for p in paths]
+
+
+def _same_epochs(loader, torch_loader, epochs):
+    for e in range(epochs):  # whole epochs of both (torch's RandomSampler draws at its end)
+        got, want = list(loader), list(torch_loader)
+        assert len(got) == len(want) > 0, f"epoch {e}"
+        for g, w in zip(got, want):
+            g, w = (g, w) if isinstance(g, (list, tuple)) else ((g,), (w,))
+            assert all(torch.equal(a, b) for a, b in zip(g, w)), f"epoch {e}"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_concat_dataset_of_files_is_one_schedule_with_torchs_batches(shards, workers):
+    """Three files of different sizes joined with ConcatDataset: torch's batches, epoch after
+    epoch; every sample a hit from the second epoch (buffer=1.0), and each file read in a few
+    coalesced requests per pass instead of one per batch."""
+    dss, refs = _open(shards), _open(shards)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = solar.DataLoader(tud.ConcatDataset(dss), batch_size=8, shuffle=True, buffer=1.0,
+                                  num_workers=workers, generator=torch.Generator().manual_seed(3))
+    assert isinstance(loader.dataset, solar.StoredConcat) and loader.solar_sampler is not None
+    assert loader.dataset.datasets == dss and len(loader.dataset) == sum(SIZES) and loader.dataset.distinct
+    torch_loader = tud.DataLoader(tud.ConcatDataset(refs), batch_size=8, shuffle=True, num_workers=workers,
+                                  generator=torch.Generator().manual_seed(3))
+    _same_epochs(loader, torch_loader, 3)
+    assert [d.stats.hits for d in dss] == [2 * n for n in SIZES]
+    if not workers:  # (torch's workers count their reads in their own processes)
+        assert sum(d.stats.read_calls for d in dss) < sum(r.stats.read_calls for r in refs) / 10
+    for d in dss + refs:
+        d.close()
+
+
+def test_mixed_members_overlaps_transforms_and_a_split_of_the_whole(shards):
+    """Members that are files, Subsets (repeating a row, overlapping another member) and a nested
+    ConcatDataset, each file with its own transform; then a random_split of that concatenation.
+    Each gives torch's batches; the overlap makes the reads non-disjoint."""
+    def build(dss):
+        a, b, c = dss
+        return tud.ConcatDataset([a, tud.Subset(b, [3, 3, -1, 0, 7]),
+                                  tud.ConcatDataset([c, tud.Subset(a, list(range(5, 15)))])])
+
+    dss, refs = _open(shards), _open(shards)
+    for i, (d, r) in enumerate(zip(dss, refs)):
+        d.transform = r.transform = (lambda s, i=i: (s[0] + 100 * i, s[1]))
+    cat, ref = build(dss), build(refs)
+    loader = solar.DataLoader(cat, batch_size=6, shuffle=True, buffer=0.5, generator=torch.Generator().manual_seed(1))
+    assert loader.solar_sampler is not None and not loader.dataset.distinct and len(loader.dataset.parts) == 4
+    _same_epochs(loader, tud.DataLoader(ref, batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(1)), 2)
+    split = [0.7, 0.3]
+    tr, _ = tud.random_split(cat, split, generator=torch.Generator().manual_seed(5))
+    rtr, _ = tud.random_split(ref, split, generator=torch.Generator().manual_seed(5))
+    loader = solar.DataLoader(tr, batch_size=5, shuffle=True, buffer=1.0, generator=torch.Generator().manual_seed(2))
+    assert isinstance(loader.dataset, solar.StoredSubset) and isinstance(loader.dataset.base, solar.StoredConcat)
+    _same_epochs(loader, tud.DataLoader(rtr, batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(2)), 2)
+    for d in dss + refs:
+        d.close()
+
+
+def test_a_compressed_and_a_raw_file_decode_each_their_own_and_errors_name_the_file(shards, tmp_path):
+    """A compressed shard beside a raw one: each file's part of a pass is decoded by its own
+    dataset (whole passes at once without workers). A damaged blob in the compressed shard is
+    named by that file and its sample number."""
+    comp = str(tmp_path / "comp.h5")
+    ingest([shards[1]], comp, rel_error=1e-2, comm=None, progress=False)
+    dss, refs = _open([shards[0], comp]), _open([shards[0], comp])
+    loader = solar.DataLoader(tud.ConcatDataset(dss), batch_size=8, shuffle=True, buffer=0.5,
+                              generator=torch.Generator().manual_seed(4))
+    assert loader.dataset.compressed and loader.solar_sampler._decode_ahead
+    torch_loader = tud.DataLoader(tud.ConcatDataset(refs), batch_size=8, shuffle=True,
+                                  generator=torch.Generator().manual_seed(4))
+    _same_epochs(loader, torch_loader, 2)
+    bad = str(tmp_path / "damaged.h5")
+    shutil.copy(comp, bad)
+    spec = dss[1].specs[0]
+    start = int(dss[1]._offsets_of(spec)[7])
+    with h5py.File(bad, "r+") as f:
+        f[spec.data_key][start] ^= 0xFF  # the magic of sample 7's blob of field x
+    damaged = solar.H5Dataset(bad, verify=False)
+    loader = solar.DataLoader(tud.ConcatDataset([dss[0], damaged]), batch_size=8, shuffle=True)
+    with pytest.raises(solar.CorruptDataError, match=r"sample '7 of .*damaged.h5:x'"):
+        list(loader)
+    for d in dss + refs + [damaged]:
+        d.close()
+
+
+def test_concatenations_the_loader_cannot_drive_warn_and_run_as_torchs(shards, tmp_path):
+    """Files with different field names (or a member that is not a file) cannot share one pass:
+    the loader warns, naming a file, and runs as torch's; the batches are still right."""
+    other = str(tmp_path / "other.h5")
+    with h5py.File(other, "w") as f:
+        f["z"] = np.arange(12, dtype=np.float32).reshape(6, 2)
+    a, o = solar.H5Dataset(shards[0], "x"), solar.H5Dataset(other)
+    for cat in (tud.ConcatDataset([a, o]), tud.ConcatDataset([a, tud.TensorDataset(torch.zeros(4, 1, 8, 8)).tensors[0]])):
+        with pytest.warns(UserWarning, match=r"ConcatDataset of H5Dataset .*shard0.h5.*runs as torch's would"):
+            loader = solar.DataLoader(cat, batch_size=4)
+        assert loader.solar_sampler is None and loader.dataset is cat
+        assert len(list(loader)) == -(-len(cat) // 4)
+    a.close()
+    o.close()
+
+
+def test_an_index_past_the_end_is_refused_naming_the_files(shards):
+    """Read outside the loader (torch's fetcher calls __getitems__ with plain indices), a
+    negative index counts from the end of the concatenation; one past it names the files."""
+    dss = _open(shards)
+    loader = solar.DataLoader(tud.ConcatDataset(dss), batch_size=4)
+    with pytest.raises(IndexError, match=r"shard0.h5 and 2 more files: sample index 96 out of range for 96"):
+        loader.dataset.fetch_stored([0, 96])
+    last, first = loader.dataset.__getitems__([-1, 0])
+    assert torch.equal(last[1], dss[2][30][1]) and torch.equal(first[0], dss[0][0][0])
+    for d in dss:
+        d.close()
