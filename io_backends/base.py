@@ -280,7 +280,7 @@ class Backend(ABC):
         self.stats.bytes_read += total * info.row_nbytes
         return out
 
-    def agree(self, problem: Exception | None) -> None:
+    def agree(self, problem: Exception | None, where: str | None = None) -> None:
         """Raise ``problem`` -- on a collective backend, on every rank if any rank has one.
 
         A check guarding a collective call must not fail on one rank alone: the others would
@@ -288,6 +288,8 @@ class Backend(ABC):
         backends raise ``problem`` (if any) at once and make no MPI call; collective ones make
         one small ``allreduce`` over :attr:`comm`, so every rank must call this at the same point;
         that is, only inside :func:`lockstep` (elsewhere ``problem`` is raised on this rank alone).
+
+        ``where`` names what the other ranks' error is about (default: this backend's URL).
 
         Raises:
             IndexError / CorruptDataError / ValueError: ``problem`` on the rank that has it; on
@@ -313,8 +315,21 @@ class Backend(ABC):
         if failed == 0:
             cls = {"index": IndexError, "corrupt": CorruptDataError, "storage": StorageError}.get(kind, ValueError)
             what = {"corrupt": "found corrupt data", "storage": "failed to read"}.get(kind, "rejected its read request")
-            raise cls(f"{self.url}: rank {rank} of {comm.size} {what} ({why}); every rank stops here instead "
-                      f"of waiting in the next collective read: see rank {rank}'s error")
+            raise cls(f"{where or self.url}: rank {rank} of {comm.size} {what} ({why}); every rank stops here "
+                      f"instead of waiting in the next collective read: see rank {rank}'s error")
+
+    def union(self, mask: np.ndarray) -> np.ndarray:
+        """``mask`` (bool) OR-ed over every rank: on a collective backend inside :func:`lockstep`
+        (one small ``allreduce`` over :attr:`comm`, so every rank must call it at the same point,
+        as :meth:`agree`); elsewhere ``mask`` itself. Lets ranks skip together what none needs."""
+        mask = np.ascontiguousarray(mask, dtype=bool)
+        if not (self.collective and _LOCKSTEP.get()):
+            return mask
+        from mpi4py import MPI
+
+        out = np.empty(mask.shape, np.uint8)
+        self.comm.Allreduce(mask.astype(np.uint8), out, op=MPI.MAX)
+        return out.astype(bool)
 
     @abstractmethod
     def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:

@@ -306,7 +306,7 @@ class H5Dataset(Dataset):
         brk = np.flatnonzero(gap > self.sieve_bytes) + 1
         return np.stack([runs[np.r_[0, brk], 0], runs[np.r_[brk - 1, len(runs) - 1], 1]], axis=1)
 
-    def _read(self, key: str, ranges: np.ndarray, disjoint: bool = False) -> np.ndarray:
+    def _read(self, key: str, ranges: np.ndarray, disjoint: bool = False, split: bool = True) -> np.ndarray:
         """One logical ``read_ranges`` per field and fetch; split over ``io_threads`` concurrent
         requests when the backend is not collective (each thread reads its share of the ranges
         straight into its slice of the output).
@@ -314,11 +314,12 @@ class H5Dataset(Dataset):
         The shares are equal in rows (bytes), cutting a range in two where needed: a sieved pass
         is often one long range, which one request stream would read at one reader's bandwidth.
         Pieces stay at least ``SPLIT_BYTES`` long unless the ranges are already that many.
+        ``split=False`` reads in this thread (a caller that reads several files at once).
         """
         lengths = ranges[:, 1] - ranges[:, 0]
         starts = np.r_[0, np.cumsum(lengths)]
         total = int(starts[-1])
-        if self.io_threads <= 1 or self.backend.collective or total <= 1:
+        if self.io_threads <= 1 or self.backend.collective or total <= 1 or not split:
             return self.backend.read_ranges(key, ranges, disjoint=disjoint)
         info = self.backend.info(key)
         row_bytes = int(np.prod(info.row_shape, dtype=np.int64)) * info.dtype.itemsize
@@ -354,9 +355,10 @@ class H5Dataset(Dataset):
                     self.backend.stats.absorb(clone.stats)
         return out
 
-    def _read_field(self, spec: FieldSpec, rows: np.ndarray, disjoint: bool = False) -> list[np.ndarray] | np.ndarray:
+    def _read_field(self, spec: FieldSpec, rows: np.ndarray, disjoint: bool = False,
+                    split: bool = True) -> list[np.ndarray] | np.ndarray:
         """Read sorted unique ``rows`` of one field with one ``read_ranges`` call (maybe empty).
-        ``disjoint``: see :meth:`fetch_stored`.
+        ``disjoint``: see :meth:`fetch_stored`; ``split``: see :meth:`_read`.
 
         Returns the rows (raw: an array in ``rows`` order; codec: a list of blobs).
         """
@@ -368,7 +370,7 @@ class H5Dataset(Dataset):
             want = np.stack([off[runs[:, 0]], off[runs[:, 1]]], axis=1) if len(runs) else runs
         problem = None
         try:
-            buf = self._read(spec.data_key, want, disjoint)
+            buf = self._read(spec.data_key, want, disjoint, split)
         except (OSError, CorruptDataError) as exc:  # e.g. a damaged chunk on one rank: every rank
             problem = exc                           # raises (in lockstep), none waits in the next call
         self.backend.agree(problem)
@@ -392,7 +394,7 @@ class H5Dataset(Dataset):
             # next collective read
             problem = None
             try:
-                self._verify(spec, rows, data, runs, disjoint)
+                self._verify(spec, rows, data, runs, disjoint, split)
             except (OSError, CorruptDataError) as exc:
                 problem = exc
             self.backend.agree(problem)
@@ -400,7 +402,8 @@ class H5Dataset(Dataset):
             data = data.astype(data.dtype.newbyteorder("="))
         return data
 
-    def _verify(self, spec: FieldSpec, rows: np.ndarray, data, runs: np.ndarray, disjoint: bool) -> None:
+    def _verify(self, spec: FieldSpec, rows: np.ndarray, data, runs: np.ndarray, disjoint: bool,
+                split: bool = True) -> None:
         """Check ``data`` (the stored rows of ``rows``, read through ``runs``) against the file's checksums.
 
         NOTE [ Checksums are read with the rows ]: a file of up to ``WHOLE_CHECKSUMS_BYTES``
@@ -417,7 +420,7 @@ class H5Dataset(Dataset):
         sums = self._checksums.get(spec.name)
         if sums is None and self.num_samples * 8 <= self.WHOLE_CHECKSUMS_BYTES:
             sums = self._checksums[spec.name] = self.backend.read_all(key)
-        sums = sums[rows] if sums is not None else _picked(self._read(key, runs, disjoint), runs, rows)
+        sums = sums[rows] if sums is not None else _picked(self._read(key, runs, disjoint, split), runs, rows)
         for j, i in enumerate(rows.tolist()):
             if sample_checksum(data[j]) != int(sums[j]):
                 raise CorruptDataError(
@@ -452,11 +455,13 @@ class H5Dataset(Dataset):
         self._evict(buffer, evict)
         return self._finish(pending, buffer, shared)
 
-    def _gather(self, indices: Sequence[int], buffer, keep, rows) -> "_Pending":
-        """Check ``indices``, take the buffer's hits, and decide which misses to keep."""
+    def _gather(self, indices: Sequence[int], buffer, keep, rows, checked: bool = False) -> "_Pending":
+        """Check ``indices`` (unless the caller has, on every rank: ``checked``), take the
+        buffer's hits, and decide which misses to keep."""
         n = self.num_samples if rows is None else len(rows)
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        self._check_index(idx, None if rows is None else n)
+        if not checked:
+            self._check_index(idx, None if rows is None else n)
         idx = np.where(idx < 0, idx + n, idx)
         uniq, inv = np.unique(idx, return_inverse=True)
         resident = np.zeros(len(uniq), dtype=bool)
@@ -490,9 +495,10 @@ class H5Dataset(Dataset):
         mrank[~resident] = at
         return _Pending(out, idx, inv, held, miss, kept, read, at, mrank)
 
-    def _load(self, pending: "_Pending", disjoint: bool) -> None:
-        """Read the pending misses' rows: one ``read_ranges`` per field, in field order."""
-        pending.datas = {spec.name: self._read_field(spec, pending.read, disjoint) for spec in self.specs}
+    def _load(self, pending: "_Pending", disjoint: bool, split: bool = True) -> None:
+        """Read the pending misses' rows: one ``read_ranges`` per field, in field order
+        (``split=False``: in this thread, see :meth:`_read`)."""
+        pending.datas = {spec.name: self._read_field(spec, pending.read, disjoint, split) for spec in self.specs}
 
     def _evict(self, buffer, evict: Sequence[int] | None) -> None:
         if buffer is not None:
@@ -556,15 +562,37 @@ class H5Dataset(Dataset):
         whole = self.fetch_stored(flat, buffer=buffer, keep=keep, shared=shared, evict=evict, disjoint=disjoint,
                                   rows=rows)
         bounds = np.r_[0, np.cumsum(lengths)].tolist()
+        problem = tensors = None
+        try:
+            tensors = self._ready(whole, decode)
+        except CorruptDataError as exc:  # one rank's damaged blob stops every rank (collective reads)
+            problem = exc
+        self.backend.agree(problem)
+        return [whole.part(a, b, tensors) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def _ready(self, whole: StoredBatch, decode: bool) -> dict[str, torch.Tensor] | None:
+        """A pass made ready on the prefetch thread: decoded (``decode=True``; returns the
+        tensors), or else, on a collective backend, its codec blobs verified (headers and
+        checksums, :func:`solar.codec.verify`; returns None).
+
+        NOTE [ Damaged blobs stop every rank ]: the caller agrees on the raised
+        ``CorruptDataError`` across ranks (``backend.agree``), so a damaged blob stops every rank
+        at the same pass. Batches decoded in DataLoader workers would raise on one rank alone,
+        after its prefetch thread had moved on, and the other ranks would wait forever in the
+        next pass's collective calls; so blobs bound for workers are verified here first (xxh3
+        of compressed bytes, far cheaper than decoding them)."""
         if decode:
-            problem = None
-            try:
-                tensors = self.decode(whole)
-            except CorruptDataError as exc:  # one rank's damaged blob stops every rank (collective reads)
-                problem = exc
-            self.backend.agree(problem)
-            return [whole.part(a, b, tensors) for a, b in zip(bounds[:-1], bounds[1:])]
-        return [whole.part(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+            return self.decode(whole)
+        if self.backend.collective and self.compressed:
+            from solar.codec import verify
+
+            for spec in self.specs:
+                if spec.kind == "codec":
+                    flat, off = whole.fields[spec.name]
+                    fa, oa = flat.numpy(), off.numpy().tolist()
+                    for i, a, b in zip(whole.indices, oa[:-1], oa[1:]):
+                        verify(fa[a:b], name=f"{i} of {self.path}:{spec.name}")
+        return None
 
     def _assemble(self, spec: FieldSpec, data, hits: dict, mrank: np.ndarray, inv: np.ndarray, shared: bool):
         """Lay read rows (``data``, sorted-miss order) and buffer hits out in batch order."""

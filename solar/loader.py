@@ -119,7 +119,8 @@ class DataLoader(tud.DataLoader):
             from solar.subset import stored_subset
 
             # NOTE [ Subsets ] in solar/subset.py, NOTE [ Several files ] in solar/concat.py
-            dataset = (stored_subset(dataset) if isinstance(dataset, tud.Subset) else stored_concat(dataset)) or dataset
+            view = stored_subset(dataset) if isinstance(dataset, tud.Subset) else stored_concat(dataset)
+            dataset = dataset if view is None else view  # (an empty view is falsy: compare with None)
         if distributed:
             if sampler is not None or batch_sampler is not None:
                 raise ConfigError("distributed=True builds the DistributedSampler itself; do not also pass "
@@ -155,10 +156,12 @@ class DataLoader(tud.DataLoader):
 
                 warnings.warn(
                     f"solar.DataLoader: the dataset is a {type(dataset).__name__} of {type(inner).__name__} "
-                    f"{getattr(inner, 'path', '')!s}; SOLAR's schedule, buffer and read-ahead work on a storage-backed "
-                    "dataset passed directly, so this loader runs as torch's would (correct, not faster). "
-                    "Pass H5Datasets, Subsets (random_split) or ConcatDatasets of them whose files have the "
-                    "same fields and are all read through parallel HDF5 or none",
+                    f"{getattr(inner, 'path', '')!s} that SOLAR's schedule, buffer and read-ahead cannot drive, so "
+                    "this loader runs as torch's would (correct, not faster). They drive an H5Dataset, a Subset "
+                    "of one (random_split), a ConcatDataset of H5Datasets and such Subsets, and a Subset of "
+                    "that ConcatDataset: torch's own classes, not subclasses, over H5Datasets whose items are "
+                    "made by H5Dataset itself, with the same field names in every file, all read through "
+                    "parallel HDF5 or none",
                     UserWarning, stacklevel=2)
 
     # -- epochs ---------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from torch.utils.data import ConcatDataset, Subset
 
 from solar.dataset import H5Dataset
 
-__all__ = ["StoredSubset", "stored_subset"]
+__all__ = ["StoredSubset", "stored_subset", "drivable"]
 
 
 class StoredSubset(Subset):
@@ -68,16 +68,30 @@ class StoredSubset(Subset):
         return self.base._getitems(indices, self.rows)
 
     def __getattr__(self, name: str) -> Any:
-        # backend, path, specs, compressed, fields, device, stats, ... are the base dataset's
+        # backend, path, specs, compressed, fields, stats, close, ... are the base dataset's (an
+        # H5Dataset's or a StoredConcat's)
         if name in ("base", "rows", "distinct", "dataset", "indices") or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.base, name)
 
 
+def drivable(ds: Any) -> bool:
+    """An :class:`H5Dataset` whose items are made by H5Dataset's own methods. The wrappers read
+    and build samples through those (and through ``decode``/``transform``, which a subclass may
+    change); a subclass that makes its items otherwise is left to torch, as torch would run it."""
+    t = type(ds)
+    return isinstance(ds, H5Dataset) and all(getattr(t, m) is getattr(H5Dataset, m) for m in _ITEM_METHODS)
+
+
+_ITEM_METHODS = ("__getitem__", "__getitems__", "_getitems", "_samples")
+
+
 def stored_subset(dataset: Any) -> StoredSubset | None:
     """``dataset`` as a :class:`StoredSubset` when it is a torch ``Subset`` (maybe of ``Subset`` s)
     of an :class:`H5Dataset` (or of a ``ConcatDataset`` of them, NOTE [ Several files ] in
-    ``solar/concat.py``) with integer indices; else None (the loader then runs as torch's).
+    ``solar/concat.py``) with integer indices; else None (the loader then runs as torch's). Only
+    torch's own classes are replaced, not subclasses (they may make their items otherwise), and
+    only datasets that are :func:`drivable`.
 
     Raises:
         IndexError: an index out of range for the dataset it selects from (torch would raise it
@@ -85,14 +99,14 @@ def stored_subset(dataset: Any) -> StoredSubset | None:
     """
     chain = []
     d = dataset
-    while isinstance(d, Subset) and not isinstance(d, StoredSubset):
+    while type(d) is Subset:  # torch's own: a subclass may make its items otherwise
         chain.append(d.indices)
         d = d.dataset
     if isinstance(d, StoredSubset):
         base, rows = d.base, d.rows
-    elif isinstance(d, H5Dataset) and chain:
+    elif drivable(d) and chain:
         base, rows = d, np.arange(len(d), dtype=np.int64)
-    elif isinstance(d, ConcatDataset) and chain:
+    elif type(d) is ConcatDataset and chain:
         from solar.concat import StoredConcat, stored_concat
 
         base = d if isinstance(d, StoredConcat) else stored_concat(d)

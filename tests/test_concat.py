@@ -144,3 +144,82 @@ def test_an_index_past_the_end_is_refused_naming_the_files(shards):
     assert torch.equal(last[1], dss[2][30][1]) and torch.equal(first[0], dss[0][0][0])
     for d in dss:
         d.close()
+
+
+def test_subclasses_that_make_their_own_items_run_as_torchs(shards):
+    """A ConcatDataset subclass that tags each sample with its shard, a Subset subclass with its
+    own __getitems__, and an H5Dataset subclass with its own __getitems__ inside a Subset: the
+    loader cannot know how they make items, so it leaves them to torch (same batches as torch,
+    with the warning) instead of replacing them and losing the change."""
+
+    class Tagged(tud.ConcatDataset):
+        def __getitem__(self, i):
+            return (*super().__getitem__(i), int(np.searchsorted(self.cumulative_sizes, i, side="right")))
+
+    class Doubled(tud.Subset):
+        def __getitems__(self, indices):
+            return [(2 * x, y) for x, y in super().__getitems__(indices)]
+
+    class WithIndex(solar.H5Dataset):
+        def __getitems__(self, indices):
+            return [(*s, i) for s, i in zip(super().__getitems__(indices), indices)]
+
+    def cases(paths):
+        return [Tagged(_open(paths)), Doubled(solar.H5Dataset(paths[0]), [3, 1, 2]),
+                tud.Subset(WithIndex(paths[1]), [0, 4, 5])]
+
+    for mine, ref in zip(cases(shards), cases(shards)):
+        with pytest.warns(UserWarning, match="cannot drive.*not subclasses"):
+            loader = solar.DataLoader(mine, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0))
+        assert loader.solar_sampler is None and loader.dataset is mine
+        _same_epochs(loader, tud.DataLoader(ref, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0)), 1)
+
+
+def test_an_empty_split_is_driven_and_the_concatenation_answers_for_its_files(shards):
+    """An empty part of a split (falsy: len 0) is still driven, with no warning. A StoredConcat
+    gives its files' field names, summed counters, its length as num_samples, and closes them."""
+    dss = _open(shards)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: "Length of split at index 1 is 0"
+        train, empty = tud.random_split(dss[0], [1.0, 0.0], generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = solar.DataLoader(empty, batch_size=4)
+    assert isinstance(loader.dataset, solar.StoredSubset) and list(loader) == []
+    loader = solar.DataLoader(tud.ConcatDataset(dss), batch_size=8)
+    cat = loader.dataset
+    assert sum(len(b[0]) for b in loader) == sum(SIZES)
+    assert cat.fields == ("x", "y") and cat.num_samples == sum(SIZES)
+    assert cat.stats.misses == sum(SIZES) == sum(d.stats.misses for d in dss)
+    assert all(d.backend._pid is not None for d in dss)  # open
+    cat.close()
+    assert all(d.backend._pid is None for d in dss)
+
+
+def test_a_pass_over_many_files_reads_them_side_by_side_without_a_pool_each(tmp_path):
+    """Each file's share of a pass is small: the files are read side by side, each in one
+    thread, instead of giving every file its own pool of io_threads request threads (100 files
+    made about 400 threads)."""
+    import threading
+
+    paths = []
+    for i in range(24):  # 16 samples of 48 KiB each
+        paths.append(str(tmp_path / f"f{i}.h5"))
+        write_ptycho_h5(paths[-1], 16, 64, seed=i, progress=False)
+    dss, refs = _open(paths, io_threads=4), _open(paths)
+    loader = solar.DataLoader(tud.ConcatDataset(dss), batch_size=64, shuffle=True, buffer=0,
+                              generator=torch.Generator().manual_seed(0))
+    torch_loader = tud.DataLoader(tud.ConcatDataset(refs), batch_size=64, shuffle=True,
+                                  generator=torch.Generator().manual_seed(0))
+    before, most = threading.active_count(), 0
+    for _ in range(2):
+        got = []
+        for b in loader:
+            most = max(most, threading.active_count())
+            got.append(b)
+        want = list(torch_loader)
+        assert len(got) == len(want) and all(torch.equal(x, y) for g, w in zip(got, want) for x, y in zip(g, w))
+    assert most - before <= 4 + 2  # one pool of io_threads (and the loader's own threads)
+    assert all(d.__dict__.get("_pool") is None for d in dss)
+    for d in dss + refs:
+        d.close()

@@ -29,7 +29,7 @@ from .base import Codec, Parsed, get_codec, registry
 from .header import Header, payload_of, read_header
 from .quantize import resolve_bound
 
-__all__ = ["encode", "decode", "decode_batch", "header_info", "HeaderInfo", "Codec", "registry", "get_codec"]
+__all__ = ["encode", "decode", "decode_batch", "verify", "header_info", "HeaderInfo", "Codec", "registry", "get_codec"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,15 @@ def header_info(blob) -> HeaderInfo:
     blob = _as_blob(blob, "codec blob")
     h: Header = read_header(blob)
     return HeaderInfo(h.descriptor, h.codec, h.version, h.dtype, h.shape, h.abs_error, h.nbytes, h.blob_len)
+
+
+def verify(blob, *, name: Any = None) -> None:
+    """Check ``blob`` without decoding it: magic, header and payload checksums, sizes, and a codec
+    (and version) this solar knows; xxh3 at memory speed: what a damaged or foreign blob fails first.
+
+    Raises :class:`CorruptDataError` naming ``name`` (e.g. a sample) when given."""
+    p = _parse(blob, f"sample {name!r}" if name is not None else "codec blob")
+    _codec_for(p).check_version(p)
 
 
 def _codec_for(p: Parsed) -> Codec:
