@@ -245,14 +245,12 @@ class _nothing:
 
 def _distinct(parts: list[tuple[H5Dataset, np.ndarray | None]]) -> bool:
     """No stored row of any file twice in the concatenation."""
-    by_file: dict[int, list[np.ndarray]] = {}
+    from solar.subset import distinct_rows
+
+    by_file: dict[int, tuple[H5Dataset, list]] = {}
     for ds, rows in parts:
-        by_file.setdefault(id(ds), []).append(np.arange(len(ds)) if rows is None else rows)
-    for rows in by_file.values():
-        r = np.concatenate(rows)
-        if len(np.unique(r)) != len(r):
-            return False
-    return True
+        by_file.setdefault(id(ds), (ds, []))[1].append(np.arange(len(ds)) if rows is None else rows)
+    return all(distinct_rows(np.concatenate(rows), len(ds)) for ds, rows in by_file.values())
 
 
 def stored_concat(dataset: Any) -> StoredConcat | None:

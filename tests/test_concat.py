@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import solar
 from solar.ingest import ingest
@@ -223,3 +225,15 @@ def test_a_pass_over_many_files_reads_them_side_by_side_without_a_pool_each(tmp_
     assert all(d.__dict__.get("_pool") is None for d in dss)
     for d in dss + refs:
         d.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 50).flatmap(lambda n: st.tuples(st.just(n), st.lists(st.integers(0, max(n - 1, 0)), max_size=60)
+                                                       if n else st.just([]))))
+def test_distinct_rows_agrees_with_a_sort(case):
+    """The O(n) bitmap check that tells whether a split's passes may be disjoint collective reads."""
+    from solar.subset import distinct_rows
+
+    n, rows = case
+    rows = np.asarray(rows, dtype=np.int64)
+    assert distinct_rows(rows, n) == (len(np.unique(rows)) == len(rows))
