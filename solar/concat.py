@@ -45,12 +45,15 @@ __all__ = ["StoredConcat", "stored_concat"]
 
 
 class _Rows:
-    """Positions -> one file's stored rows, ``local[outer[p] - offset]`` (``outer``: a Subset of
-    the concatenation; ``local``: the file's own Subset), in the form ``H5Dataset.fetch_stored``
-    takes as ``rows=`` (``len`` and integer-array indexing), without an O(N) array per file."""
+    """Positions -> one file's stored rows, ``local[perm[outer[p]] - offset]`` (``outer``: a
+    Subset of the concatenation; ``perm``: its positions in part order, see
+    :class:`StoredConcat`; ``local``: the file's own Subset; each optional), in the form
+    ``H5Dataset.fetch_stored`` takes as ``rows=`` (``len`` and integer-array indexing), without
+    an O(N) array per file."""
 
-    def __init__(self, n: int, offset: int, outer=None, local: np.ndarray | None = None) -> None:
-        self.n, self.offset, self.outer, self.local = n, offset, outer, local
+    def __init__(self, n: int, offset: int, outer=None, local: np.ndarray | None = None,
+                 perm: np.ndarray | None = None) -> None:
+        self.n, self.offset, self.outer, self.local, self.perm = n, offset, outer, local, perm
 
     def __len__(self) -> int:
         return self.n
@@ -59,6 +62,8 @@ class _Rows:
         p = np.asarray(idx, dtype=np.int64)
         if self.outer is not None:
             p = np.asarray(self.outer[p], dtype=np.int64)
+        if self.perm is not None:
+            p = self.perm[p]
         p = p - self.offset
         return p if self.local is None else self.local[p]
 
@@ -78,12 +83,19 @@ class StoredConcat(ConcatDataset):
     """A ``ConcatDataset`` (same ``datasets`` as the one it replaces) whose files the loader
     reads as one index space; see NOTE [ Several files ]. Build it with :func:`stored_concat`."""
 
-    def __init__(self, datasets: Sequence[Any], parts: list[tuple[H5Dataset, np.ndarray | None]]) -> None:
+    def __init__(self, datasets: Sequence[Any], parts: list[tuple[H5Dataset, np.ndarray | None]],
+                 perm: np.ndarray | None = None) -> None:
+        from solar.subset import distinct_rows
+
         super().__init__(datasets)
         self.parts = parts  # per part: its file's dataset and the part's rows (None: all); nested
-        # ConcatDatasets are flattened, so parts and members may differ, their total never
+        # ConcatDatasets are flattened, so parts and members may differ
         self.bounds = np.r_[0, np.cumsum([len(ds) if r is None else len(r) for ds, r in parts])].astype(np.int64)
-        self.distinct = _distinct(parts)
+        # A member that is a Subset of a ConcatDataset interleaves files: its positions cannot be
+        # one run of a part. Then every part of its concatenation joins the parts, and ``perm``
+        # maps each position of this concatenation to its place in the parts (None: the same).
+        self.perm = perm
+        self.distinct = _distinct(parts) and (perm is None or distinct_rows(perm, int(self.bounds[-1])))
 
     def __repr__(self) -> str:
         return f"StoredConcat({len(self)} samples in {len(self.parts)} parts of {self.path})"
@@ -107,8 +119,9 @@ class StoredConcat(ConcatDataset):
         return any(ds.compressed for ds, _ in self.parts)
 
     def sample_nbytes(self, block: int = 1) -> np.ndarray:
-        return np.concatenate([ds.sample_nbytes(block) if rows is None else ds.sample_nbytes(block)[rows]
-                               for ds, rows in self.parts] or [np.zeros(0, np.int64)])
+        sizes = np.concatenate([ds.sample_nbytes(block) if rows is None else ds.sample_nbytes(block)[rows]
+                                for ds, rows in self.parts] or [np.zeros(0, np.int64)])
+        return sizes if self.perm is None else sizes[self.perm]
 
     def fetch_stored(self, indices: Sequence[int], buffer=None, keep=None, shared: bool = False,
                      evict: Sequence[int] | None = None, disjoint: bool = False, rows=None) -> _ConcatStored:
@@ -134,6 +147,8 @@ class StoredConcat(ConcatDataset):
                 "indices passed"), where=self.path)
             flat = np.where(flat < 0, flat + n, flat)
             where = flat if rows is None else np.asarray(rows[flat], dtype=np.int64)
+            if self.perm is not None:
+                where = self.perm[where]
             member = np.searchsorted(self.bounds, where, side="right") - 1
             by_member = np.argsort(member, kind="stable")  # each part's places in the pass, in order
             cut = np.searchsorted(member[by_member], np.arange(len(self.parts) + 1))
@@ -144,7 +159,8 @@ class StoredConcat(ConcatDataset):
             pending = {}
             for k in busy:  # 1. every file's hits (the same order on every rank)
                 ds, local = self.parts[k]
-                pending[k] = ds._gather(flat[places[k]], buffer, keep, _Rows(n, int(self.bounds[k]), rows, local),
+                pending[k] = ds._gather(flat[places[k]], buffer, keep,
+                                        _Rows(n, int(self.bounds[k]), rows, local, self.perm),
                                         checked=True)  # (agreed above; a part's positions map into it)
             self._load(busy, pending, disjoint)  # 2. every file's reads
             self.parts[0][0]._evict(buffer, evict)  # 3. the pass's evictions (keys: positions)
@@ -263,25 +279,35 @@ def stored_concat(dataset: Any) -> StoredConcat | None:
     if type(dataset) is not ConcatDataset:  # torch's own: a subclass may make its items otherwise
         return None
     parts: list[tuple[H5Dataset, np.ndarray | None]] = []
+    places: list[np.ndarray] = []  # per member: where its positions are in the parts
+    size = 0  # of the parts so far
     for d in dataset.datasets:
-        if drivable(d):
-            parts.append((d, None))
-            continue
         if type(d) is Subset:
             d = stored_subset(d)
-        if isinstance(d, StoredSubset) and isinstance(d.base, H5Dataset):
-            parts.append((d.base, d.rows))
-        elif isinstance(d, StoredConcat) or type(d) is ConcatDataset:
-            inner = d if isinstance(d, StoredConcat) else stored_concat(d)
-            if inner is None:
+        if drivable(d) or (isinstance(d, StoredSubset) and isinstance(d.base, H5Dataset)):
+            part = (d, None) if drivable(d) else (d.base, d.rows)
+            n = len(d)
+            parts.append(part)
+        elif isinstance(d, StoredSubset) or isinstance(d, StoredConcat) or type(d) is ConcatDataset:
+            inner = d.base if isinstance(d, StoredSubset) else d if isinstance(d, StoredConcat) else stored_concat(d)
+            if not isinstance(inner, StoredConcat):
                 return None
+            at = np.arange(len(inner), dtype=np.int64) if inner.perm is None else inner.perm
+            if isinstance(d, StoredSubset):  # a Subset of a ConcatDataset: positions in the inner one
+                at = at[d.rows]
+            places.append(size + at)
             parts += inner.parts
-        else:  # (a Subset of a ConcatDataset as a member: its rows interleave files)
+            size += int(inner.bounds[-1])
+            continue
+        else:
             return None
+        places.append(np.arange(size, size + n, dtype=np.int64))
+        size += n
     if not parts:
         return None
     names = {tuple(s.name for s in ds.specs) for ds, _ in parts}
     collective = {bool(ds.backend.collective) for ds, _ in parts}
     if len(names) != 1 or len(collective) != 1:
         return None
-    return StoredConcat(dataset.datasets, parts)
+    perm = np.concatenate(places)
+    return StoredConcat(dataset.datasets, parts, None if np.array_equal(perm, np.arange(size)) else perm)

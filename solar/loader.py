@@ -157,11 +157,10 @@ class DataLoader(tud.DataLoader):
                 warnings.warn(
                     f"solar.DataLoader: the dataset is a {type(dataset).__name__} of {type(inner).__name__} "
                     f"{getattr(inner, 'path', '')!s} that SOLAR's schedule, buffer and read-ahead cannot drive, so "
-                    "this loader runs as torch's would (correct, not faster). They drive an H5Dataset, a Subset "
-                    "of one (random_split), a ConcatDataset of H5Datasets and such Subsets, and a Subset of "
-                    "that ConcatDataset: torch's own classes, not subclasses, over H5Datasets whose items are "
-                    "made by H5Dataset itself, with the same field names in every file, all read through "
-                    "parallel HDF5 or none",
+                    "this loader runs as torch's would (correct, not faster). They drive an H5Dataset, Subsets "
+                    "(random_split) and ConcatDatasets of these, nested in any way: torch's own classes, not "
+                    "subclasses, over H5Datasets whose items are made by H5Dataset itself, with the same field "
+                    "names in every file, all read through parallel HDF5 or none",
                     UserWarning, stacklevel=2)
 
     # -- epochs ---------------------------------------------------------------------------------

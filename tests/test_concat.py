@@ -88,6 +88,15 @@ def test_mixed_members_overlaps_transforms_and_a_split_of_the_whole(shards):
     loader = solar.DataLoader(tr, batch_size=5, shuffle=True, buffer=1.0, generator=torch.Generator().manual_seed(2))
     assert isinstance(loader.dataset, solar.StoredSubset) and isinstance(loader.dataset.base, solar.StoredConcat)
     _same_epochs(loader, tud.DataLoader(rtr, batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(2)), 2)
+    # that split (its rows interleave the files) as a member of another concatenation, twice over
+    mix = tud.ConcatDataset([tr, tud.Subset(dss[1], [2, 0]), tud.ConcatDataset([tud.Subset(tr, [4, 1, 4])])])
+    rmix = tud.ConcatDataset([rtr, tud.Subset(refs[1], [2, 0]), tud.ConcatDataset([tud.Subset(rtr, [4, 1, 4])])])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = solar.DataLoader(mix, batch_size=7, shuffle=True, buffer=0.5, generator=torch.Generator().manual_seed(3))
+    assert isinstance(loader.dataset, solar.StoredConcat) and loader.dataset.perm is not None
+    assert not loader.dataset.distinct  # row 4 of the split twice
+    _same_epochs(loader, tud.DataLoader(rmix, batch_size=7, shuffle=True, generator=torch.Generator().manual_seed(3)), 2)
     for d in dss + refs:
         d.close()
 

@@ -217,7 +217,7 @@ def test_a_random_split_runs_the_schedule_with_collective_reads(comm, shared_tmp
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("split", [False, True], ids=["concat", "split-of-concat"])
+@pytest.mark.parametrize("split", ["", "split", "nested"], ids=["concat", "split-of-concat", "concat-of-split"])
 def test_several_files_run_one_schedule_with_collective_reads(comm, shared_tmp, split):
     """NOTE [ Several files ]: a ConcatDataset of three parallel-HDF5 files (one a Subset), or a
     random_split of it, is one schedule: every global batch holds DistributedSampler's samples,
@@ -225,7 +225,7 @@ def test_several_files_run_one_schedule_with_collective_reads(comm, shared_tmp, 
     and the buffers serve exactly the planned hits (every file's hits are taken before the
     pass evicts)."""
     sizes = (50, 34, 46)
-    paths = [os.path.join(shared_tmp, f"part{int(split)}{i}.h5") for i in range(3)]
+    paths = [os.path.join(shared_tmp, f"part{split}{i}.h5") for i in range(3)]
     for i, (p, n) in enumerate(zip(paths, sizes)):
         write_ptycho_h5(p, n, 8, seed=20 + i, comm=comm, progress=False)
     comm.Barrier()
@@ -236,9 +236,13 @@ def test_several_files_run_one_schedule_with_collective_reads(comm, shared_tmp, 
     y_all = np.concatenate([ys[0], ys[1][4:34], ys[2]])
     data = tud.ConcatDataset(members)
     pick = np.arange(126)
-    if split:
+    if split == "split":
         data, _ = tud.random_split(data, [120, 6], generator=torch.Generator().manual_seed(1))
         pick = np.asarray(data.indices)
+    elif split == "nested":  # a split of files 0-1 (interleaving them) beside file 2
+        inner = np.random.default_rng(2).permutation(80)[:74]
+        data = tud.ConcatDataset([tud.Subset(tud.ConcatDataset(members[:2]), inner.tolist()), members[2]])
+        pick = np.r_[inner, 80 + np.arange(46)]
     P, b, n = comm.size, 5, len(data)
     sampler = tud.DistributedSampler(data, num_replicas=P, rank=comm.rank, seed=4)
     loader = solar.DataLoader(data, batch_size=b, sampler=sampler, buffer=0.5)
