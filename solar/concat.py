@@ -269,35 +269,46 @@ def _distinct(parts: list[tuple[H5Dataset, np.ndarray | None]]) -> bool:
     return all(distinct_rows(np.concatenate(rows), len(ds)) for ds, rows in by_file.values())
 
 
-def stored_concat(dataset: Any) -> StoredConcat | None:
+def stored_concat(dataset: Any, memo: dict | None = None) -> StoredConcat | None:
     """``dataset`` as a :class:`StoredConcat` when it is a ``ConcatDataset`` whose members are
     H5Datasets, Subsets of them or ConcatDatasets of those (torch's own classes, and
     :func:`~solar.subset.drivable` files), with one set of field names and all read collectively
-    or none; else None (the loader then runs as torch's, with a warning)."""
+    or none; else None (the loader then runs as torch's, with a warning).
+
+    ``memo`` (one per build): each ``ConcatDataset`` object is converted once, and members that
+    select from the same one (``ConcatDataset([train, val])`` of one ``random_split``) share its
+    parts instead of adding them again (twice the read calls, and no disjoint reads)."""
     from solar.subset import StoredSubset, drivable, stored_subset
 
     if type(dataset) is not ConcatDataset:  # torch's own: a subclass may make its items otherwise
         return None
+    memo = {} if memo is None else memo
+    if id(dataset) in memo:
+        return memo[id(dataset)][1]
     parts: list[tuple[H5Dataset, np.ndarray | None]] = []
     places: list[np.ndarray] = []  # per member: where its positions are in the parts
+    placed: dict[int, int] = {}  # inner StoredConcat -> where its parts start
     size = 0  # of the parts so far
     for d in dataset.datasets:
         if type(d) is Subset:
-            d = stored_subset(d)
+            d = stored_subset(d, memo)
         if drivable(d) or (isinstance(d, StoredSubset) and isinstance(d.base, H5Dataset)):
             part = (d, None) if drivable(d) else (d.base, d.rows)
             n = len(d)
             parts.append(part)
         elif isinstance(d, StoredSubset) or isinstance(d, StoredConcat) or type(d) is ConcatDataset:
-            inner = d.base if isinstance(d, StoredSubset) else d if isinstance(d, StoredConcat) else stored_concat(d)
+            inner = d.base if isinstance(d, StoredSubset) else d if isinstance(d, StoredConcat) else \
+                stored_concat(d, memo)
             if not isinstance(inner, StoredConcat):
                 return None
             at = np.arange(len(inner), dtype=np.int64) if inner.perm is None else inner.perm
             if isinstance(d, StoredSubset):  # a Subset of a ConcatDataset: positions in the inner one
                 at = at[d.rows]
-            places.append(size + at)
-            parts += inner.parts
-            size += int(inner.bounds[-1])
+            if id(inner) not in placed:
+                placed[id(inner)] = size
+                parts += inner.parts
+                size += int(inner.bounds[-1])
+            places.append(placed[id(inner)] + at)
             continue
         else:
             return None
@@ -310,4 +321,6 @@ def stored_concat(dataset: Any) -> StoredConcat | None:
     if len(names) != 1 or len(collective) != 1:
         return None
     perm = np.concatenate(places)
-    return StoredConcat(dataset.datasets, parts, None if np.array_equal(perm, np.arange(size)) else perm)
+    out = StoredConcat(dataset.datasets, parts, None if np.array_equal(perm, np.arange(size)) else perm)
+    memo[id(dataset)] = (dataset, out)  # (the dataset kept alive: its id stays its own)
+    return out

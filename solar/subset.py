@@ -96,12 +96,12 @@ def drivable(ds: Any) -> bool:
 _ITEM_METHODS = ("__getitem__", "__getitems__", "_getitems", "_samples")
 
 
-def stored_subset(dataset: Any) -> StoredSubset | None:
+def stored_subset(dataset: Any, memo: dict | None = None) -> StoredSubset | None:
     """``dataset`` as a :class:`StoredSubset` when it is a torch ``Subset`` (maybe of ``Subset`` s)
     of an :class:`H5Dataset` (or of a ``ConcatDataset`` of them, NOTE [ Several files ] in
     ``solar/concat.py``) with integer indices; else None (the loader then runs as torch's). Only
     torch's own classes are replaced, not subclasses (they may make their items otherwise), and
-    only datasets that are :func:`drivable`.
+    only datasets that are :func:`drivable`. ``memo``: see :func:`solar.concat.stored_concat`.
 
     Raises:
         IndexError: an index out of range for the dataset it selects from (torch would raise it
@@ -116,10 +116,10 @@ def stored_subset(dataset: Any) -> StoredSubset | None:
         base, rows = d.base, d.rows
     elif drivable(d) and chain:
         base, rows = d, np.arange(len(d), dtype=np.int64)
-    elif type(d) is ConcatDataset and chain:
+    elif isinstance(d, ConcatDataset) and chain:
         from solar.concat import StoredConcat, stored_concat
 
-        base = d if isinstance(d, StoredConcat) else stored_concat(d)
+        base = d if isinstance(d, StoredConcat) else stored_concat(d, memo)
         if base is None:
             return None
         rows = np.arange(len(base), dtype=np.int64)

@@ -246,3 +246,32 @@ def test_distinct_rows_agrees_with_a_sort(case):
     n, rows = case
     rows = np.asarray(rows, dtype=np.int64)
     assert distinct_rows(rows, n) == (len(np.unique(rows)) == len(rows))
+
+
+def test_splits_of_one_concatenation_share_its_files_and_a_stored_one_splits_again(shards):
+    """ConcatDataset([train, val]) of one random_split of a concatenation: both members select
+    from the same files, which are parts once (not once per member: twice the read calls, and
+    no disjoint collective reads), and no row repeats. A split of the loader's own StoredConcat
+    is driven too."""
+    dss, refs = _open(shards), _open(shards)
+
+    def build(files):
+        whole = tud.ConcatDataset(files)
+        train, val = tud.random_split(whole, [0.7, 0.3], generator=torch.Generator().manual_seed(4))
+        return tud.ConcatDataset([val, train])
+
+    loader = solar.DataLoader(build(dss), batch_size=8, shuffle=True, buffer=0.5,
+                              generator=torch.Generator().manual_seed(6))
+    cat = loader.dataset
+    assert isinstance(cat, solar.StoredConcat) and len(cat.parts) == len(shards) and cat.distinct
+    _same_epochs(loader, tud.DataLoader(build(refs), batch_size=8, shuffle=True,
+                                        generator=torch.Generator().manual_seed(6)), 2)
+    part, _ = tud.random_split(cat, [0.5, 0.5], generator=torch.Generator().manual_seed(7))
+    rpart, _ = tud.random_split(build(refs), [0.5, 0.5], generator=torch.Generator().manual_seed(7))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = solar.DataLoader(part, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(8))
+    assert isinstance(again.dataset, solar.StoredSubset) and again.dataset.base is cat
+    _same_epochs(again, tud.DataLoader(rpart, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(8)), 1)
+    for d in dss + refs:
+        d.close()
