@@ -32,6 +32,7 @@ NOTE [ Several files ]
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import numpy as np
@@ -139,7 +140,7 @@ class StoredConcat(ConcatDataset):
         lengths = [len(s) for s in steps]
         flat = np.fromiter((int(i) for s in steps for i in s), np.int64, sum(lengths))
         disjoint = disjoint and self.distinct
-        with _lockstep() if (lockstep or disjoint) else _nothing():
+        with _lockstep() if (lockstep or disjoint) else contextlib.nullcontext():
             bad = (flat < -n) | (flat >= n)
             self.backend.agree(None if not bad.any() else IndexError(  # every rank raises, or none
                 f"{self.path}: sample index {int(flat[bad][0])} out of range for {n} samples "
@@ -249,14 +250,6 @@ class StoredConcat(ConcatDataset):
                     out[name] = torch.empty((stored.n, *t.shape[1:]), dtype=t.dtype, device=t.device)
                 out[name][torch.from_numpy(slots)] = t
         return out
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _distinct(parts: list[tuple[H5Dataset, np.ndarray | None]]) -> bool:

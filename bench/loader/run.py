@@ -120,6 +120,26 @@ def run_epochs(loader, epochs: int, comm=None) -> list[float]:
     return times
 
 
+def steady(times: list[float]) -> float:
+    """Steady-state epoch seconds: the mean over epochs >= 2 (the first fills SOLAR's buffer)."""
+    return float(np.mean(times[1:])) if len(times) > 1 else times[0]
+
+
+def report(title: str, rows: dict[str, dict], ratios: dict[str, float], config: dict, out: str) -> None:
+    """Print a side-by-side table of ``rows`` (steady seconds, hit rate against its bound,
+    storage calls and bytes) and the ``ratios``, and write them with ``config`` as JSON to ``out``
+    (bench/loader/spill.py and split.py)."""
+    print(title)
+    print(f"{'':10s}{'steady s':>10s}{'hit rate':>10s}{'bound':>8s}{'calls':>8s}{'MiB read':>10s}")
+    for side, r in rows.items():
+        hr = f"{r['hit_rate']:.3f}" if "hit_rate" in r else "-"
+        bd = f"{r['bound']:.2f}" if "bound" in r else "-"
+        print(f"{side:10s}{r['steady_s']:10.3f}{hr:>10s}{bd:>8s}{r['calls']:8d}{r['bytes'] / 2**20:10.1f}")
+    print("  ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    write_text_atomic(out, json.dumps({"config": config, "results": rows, "ratios": ratios}, indent=1))
+    print(f"wrote {out}")
+
+
 class TimedH5Dataset(solar.H5Dataset):
     """``H5Dataset`` that adds the seconds spent in per-batch :meth:`decode` to a counter shared
     with DataLoader workers (decode runs where the batch is assembled: a worker or this process)."""
@@ -238,7 +258,6 @@ def main(argv=None) -> int:
             f"abs bounds {', '.join(f'{k} {v:.3g}' for k, v in bounds.items())}")
         with h5py.File(args.data, "r") as f:  # the originals the decoded samples are checked against
             originals = {name: f[name][...].astype(np.float64) for name in bounds}
-    steady = lambda ts: float(np.mean(ts[1:])) if len(ts) > 1 else ts[0]  # noqa: E731
 
     for storage in args.storage:
         def backend(path: str, readers: int, solar_side: bool = False) -> Backend:

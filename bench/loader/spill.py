@@ -24,14 +24,13 @@ memory/spill. Writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from run import run_epochs, throttled  # noqa: E402  (bench/loader/run.py)
+from run import report, run_epochs, steady, throttled  # noqa: E402  (bench/loader/run.py)
 
 
 def main() -> None:
@@ -75,7 +74,7 @@ def main() -> None:
             loader = solar.DataLoader(ds, batch_size=32, buffer=f"{int(a.memory * total)}B", spill=spill,
                                       sampler=tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=0))
         times = run_epochs(loader, a.epochs)
-        row = {"epoch_s": times, "steady_s": sum(times[2:]) / max(1, len(times[2:]))}
+        row = {"epoch_s": times, "steady_s": steady(times)}
         if side == "torch":
             row.update(calls=ds.calls, bytes=ds.bytes)
         else:
@@ -87,20 +86,11 @@ def main() -> None:
         del loader
     os.rmdir(spill_dir)
 
-    print(f"{n} samples, {total / 2**20:.1f} MiB; throttled {a.bandwidth / 1e6:.0f} MB/s, {a.latency * 1e3:.1f} ms/request; "
-          f"buffer {a.memory:.0%} in memory, spill {a.disk:.0%} on local disk")
-    print(f"{'':10s}{'steady s':>10s}{'hit rate':>10s}{'bound':>8s}{'calls':>8s}{'MiB read':>10s}")
-    for side, r in rows.items():
-        hr = f"{r['hit_rate']:.3f}" if "hit_rate" in r else "-"
-        bd = f"{r['bound']:.2f}" if "bound" in r else "-"
-        print(f"{side:10s}{r['steady_s']:10.3f}{hr:>10s}{bd:>8s}{r['calls']:8d}{r['bytes'] / 2**20:10.1f}")
     ratios = {"torch/memory": rows["torch"]["steady_s"] / rows["memory"]["steady_s"],
               "torch/spill": rows["torch"]["steady_s"] / rows["spill"]["steady_s"],
               "memory/spill": rows["memory"]["steady_s"] / rows["spill"]["steady_s"]}
-    print("  ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-    with open(a.out, "w") as fh:
-        json.dump({"config": vars(a), "results": rows, "ratios": ratios}, fh, indent=1)
-    print(f"wrote {a.out}")
+    report(f"{n} samples, {total / 2**20:.1f} MiB; throttled {a.bandwidth / 1e6:.0f} MB/s, {a.latency * 1e3:.1f} "
+           f"ms/request; buffer {a.memory:.0%} in memory, spill {a.disk:.0%} on local disk", rows, ratios, vars(a), a.out)
 
 
 if __name__ == "__main__":

@@ -29,14 +29,13 @@ ratios torch/solar and wrapped/solar. Writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from run import throttled  # noqa: E402  (bench/loader/run.py)
+from run import report, steady, throttled  # noqa: E402  (bench/loader/run.py)
 
 
 def main() -> None:
@@ -95,7 +94,7 @@ def main() -> None:
             for x, _y in vl:
                 seen += len(x)
             times.append(time.perf_counter() - t0)
-        row = {"epoch_s": times, "steady_s": sum(times[1:]) / max(1, len(times[1:])), "samples": seen}
+        row = {"epoch_s": times, "steady_s": steady(times), "samples": seen}
         if side == "torch":
             row.update(calls=sum(m.calls for m in members), bytes=sum(m.bytes for m in members))
         else:
@@ -107,20 +106,13 @@ def main() -> None:
         rows[side] = row
         del tl, vl
 
-    print(f"{a.shards} shards x {per} samples ({a.size}x{a.size}); random_split 0.9/0.1; throttled "
-          f"{a.bandwidth / 1e6:.0f} MB/s, {a.latency * 1e3:.1f} ms/request; solar buffer {a.buffer:.0%} of the training part")
-    print(f"{'':10s}{'steady s':>10s}{'hit rate':>10s}{'bound':>8s}{'calls':>8s}{'MiB read':>10s}")
-    for side, r in rows.items():
-        hr = f"{r['hit_rate']:.3f}" if "hit_rate" in r else "-"
-        bd = f"{r['bound']:.2f}" if "bound" in r else "-"
-        print(f"{side:10s}{r['steady_s']:10.3f}{hr:>10s}{bd:>8s}{r['calls']:8d}{r['bytes'] / 2**20:10.1f}")
+    if len({r["samples"] for r in rows.values()}) != 1:
+        raise SystemExit(f"the sides saw different numbers of samples: { {k: r['samples'] for k, r in rows.items()} }")
     ratios = {"torch/solar": rows["torch"]["steady_s"] / rows["solar"]["steady_s"],
               "wrapped/solar": rows["wrapped"]["steady_s"] / rows["solar"]["steady_s"]}
-    print("  ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-    assert len({r["samples"] for r in rows.values()}) == 1, "the sides saw different numbers of samples"
-    with open(a.out, "w") as fh:
-        json.dump({"config": vars(a), "results": rows, "ratios": ratios}, fh, indent=1)
-    print(f"wrote {a.out}")
+    report(f"{a.shards} shards x {per} samples ({a.size}x{a.size}); random_split 0.9/0.1; throttled "
+           f"{a.bandwidth / 1e6:.0f} MB/s, {a.latency * 1e3:.1f} ms/request; solar buffer {a.buffer:.0%} of the "
+           "training part", rows, ratios, vars(a), a.out)
 
 
 if __name__ == "__main__":
