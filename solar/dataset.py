@@ -588,11 +588,18 @@ class H5Dataset(Dataset):
 
             for spec in self.specs:
                 if spec.kind == "codec":
-                    flat, off = whole.fields[spec.name]
-                    fa, oa = flat.numpy(), off.numpy().tolist()
-                    for i, a, b in zip(whole.indices, oa[:-1], oa[1:]):
-                        verify(fa[a:b], name=f"{i} of {self.path}:{spec.name}")
+                    blobs, names = self._blobs(whole, spec)
+                    for blob, name in zip(blobs, names or [None] * len(blobs)):
+                        verify(blob, name=name)
         return None
+
+    def _blobs(self, stored: StoredBatch, spec: FieldSpec) -> tuple[list[np.ndarray], list[str] | None]:
+        """A codec field's blobs in ``stored`` (views: the codec reads arrays in place) and the
+        names its errors give them (the file's sample number, file and field)."""
+        flat, off = stored.fields[spec.name]
+        fa, oa = flat.numpy(), off.numpy().tolist()
+        names = [f"{i} of {self.path}:{spec.name}" for i in stored.indices] if stored.indices else None
+        return [fa[a:b] for a, b in zip(oa[:-1], oa[1:])], names
 
     def _assemble(self, spec: FieldSpec, data, hits: dict, mrank: np.ndarray, inv: np.ndarray, shared: bool):
         """Lay read rows (``data``, sorted-miss order) and buffer hits out in batch order."""
@@ -630,10 +637,7 @@ class H5Dataset(Dataset):
             else:
                 from solar.codec import decode_batch
 
-                flat, off = val
-                fa, oa = flat.numpy(), off.numpy().tolist()
-                blobs = [fa[a:b] for a, b in zip(oa[:-1], oa[1:])]  # views: the codec reads arrays in place
-                names = [f"{i} of {self.path}:{spec.name}" for i in stored.indices] if stored.indices else None
+                blobs, names = self._blobs(stored, spec)
                 dec = decode_batch(blobs, device=self.device, names=names,
                                                 compile=self.decode_compile) if blobs else torch.empty(
                     (0, *spec.sample_shape), dtype=_torch_dtype(spec.dtype))
