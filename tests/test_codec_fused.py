@@ -112,12 +112,7 @@ def test_compiled_wide_codes_with_escapes(dtype, rel, spike, width, monkeypatch)
     assert torch.equal(bits(got), bits(eager))
 
 
-def test_batches_run_in_fixed_size_chunks(monkeypatch):
-    """A batch of B blobs runs as fixed-size chunks through the static graph and the remainder
-    through the dynamic one (or the static one for a single blob); every chunk gets its own rows'
-    corrections, and the values are the eager decoder's."""
-    rng = np.random.default_rng(7)
-    x = np.cumsum(rng.standard_normal((3, 20, 33)), axis=2)
+def _escaping_blobs(rng, x):
     blobs = []
     for k in range(8):
         y = (x * (k + 1)).astype(np.float32)
@@ -125,15 +120,46 @@ def test_batches_run_in_fixed_size_chunks(monkeypatch):
         y.reshape(-1)[rng.integers(0, y.size, 2)] += 1e6 * eb  # escapes in every chunk
         blobs.append(sc.encode(y, abs_error=eb, codec=FINE))
     assert all(meta(b)[0] == 5 and meta(b)[8] for b in blobs)
-    monkeypatch.setattr(fused, "CHUNK_VALUES", 3 * x.size)  # 3 blobs per chunk
+    return blobs
+
+
+def test_batch_size_seen_first_takes_the_static_graph(monkeypatch):
+    """A batch that fits one call runs whole: through the static graph when its size is the first
+    this signature saw (a training loop's batch size) or 1, through the dynamic graph otherwise
+    (the epoch's last batch), with the eager decoder's values either way."""
+    rng = np.random.default_rng(11)
+    blobs = _escaping_blobs(rng, np.cumsum(rng.standard_normal((3, 20, 33)), axis=2))
+    monkeypatch.setattr(fused, "_static_batch", {})
     calls = []
     get = fused._get
     monkeypatch.setattr(fused, "_get", lambda static: calls.append(static) or get(static))
-    for count, want_calls in ((8, [True, True, False]), (7, [True, True, True]), (2, [False])):
+    for count, want in ((5, True), (3, False), (5, True), (1, True), (8, False)):
         calls.clear()
         eager = sc.decode_batch(blobs[:count], compile=False)
         got = sc.decode_batch(blobs[:count], compile=True)
-        assert calls == want_calls, count  # chunks of 3 (static), then 2 rows (dynamic) or 1 (static)
+        assert calls == [want], count  # one call for the whole batch
+        assert torch.equal(bits(got), bits(eager)), count
+
+
+def test_batches_run_in_fixed_size_chunks(monkeypatch):
+    """A batch larger than a chunk runs as fixed-size chunks through the static graph and the
+    remainder through the dynamic one (or the static one for a single blob); every chunk gets its
+    own rows' corrections, and the values are the eager decoder's."""
+    rng = np.random.default_rng(7)
+    x = np.cumsum(rng.standard_normal((3, 20, 33)), axis=2)
+    blobs = _escaping_blobs(rng, x)
+    monkeypatch.setattr(fused, "CHUNK_VALUES", 3 * x.size)  # 3 blobs per chunk
+    monkeypatch.setattr(fused, "_static_batch", {})
+    calls = []
+    get = fused._get
+    monkeypatch.setattr(fused, "_get", lambda static: calls.append(static) or get(static))
+    for count, want_calls in ((8, [True, True, False]), (7, [True, True, True]), (2, [True]), (3, [False])):
+        calls.clear()
+        eager = sc.decode_batch(blobs[:count], compile=False)
+        got = sc.decode_batch(blobs[:count], compile=True)
+        # chunks of 3 (static), then 2 rows (dynamic) or 1 (static); whole batches of at most 3:
+        # 2 is the first such size (static), 3 another (dynamic)
+        assert calls == want_calls, count
         assert torch.equal(bits(got), bits(eager)), count
 
 

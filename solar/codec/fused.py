@@ -18,10 +18,12 @@ golden blobs. The multiply by ``u`` is the only float op in the graph, so no FMA
 change a rounding; a nonzero offset is added outside it, as a separate op.
 
 Compiling costs seconds per new (sample shape, code kind, dtype) signature (tens of seconds
-with a cold inductor cache). Mini-batches run in fixed-size chunks through a graph specialized
-on the chunk's size (faster kernels) and their remainder through one with a dynamic batch size,
-so a signature compiles up to three variants (chunk, remainder, single blob). The compiled
-code is cached on disk by inductor and in memory here. So
+with a cold inductor cache). A mini-batch runs whole through a graph specialized on its batch
+size (faster kernels) when that is the first batch size the signature saw (a training loop's);
+other sizes (the epoch's last batch) run through one graph with a dynamic batch size, and very
+large batches in fixed-size chunks. So a signature compiles up to three variants (its batch
+size, any other size, a single blob). The compiled code is cached on disk by inductor and in
+memory here. So
 it pays off where one signature repeats, as in a training loop, and is **off by default**:
 ``decode(..., compile=True)``, ``decode_batch(..., compile=True)``, ``H5Dataset(decode_compile=
 True)`` or ``SOLAR_CODEC_COMPILE=1`` turn it on. When compiling fails (no C++ compiler, no
@@ -149,8 +151,15 @@ _VARIANTS = 256
 _compiled: dict[bool, object] = {}
 _failed: str | None = None
 
-#: Blobs per fixed-size chunk: about this many values (1 MiB per int32 intermediate grid).
-CHUNK_VALUES = 1 << 18
+#: Batches of up to this many values run whole; larger ones in chunks of about this many
+#: (8 MiB per int32 intermediate grid). Measured on one CPU thread, 64-256 PtychoNN samples
+#: (0.26-2.1 M values): one call for the whole batch was 8-23% faster than chunks of 2**18
+#: values (the chunks' outputs must be joined, each chunk's corrections selected).
+CHUNK_VALUES = 1 << 21
+#: The batch size that gets the static graph, per signature: the first one seen (in a training
+#: loop, the batch size; the epoch's last, smaller batch then takes the dynamic graph instead of
+#: compiling a static variant of its own).
+_static_batch: dict[tuple, int] = {}
 
 
 def _get(static: bool):
@@ -159,9 +168,10 @@ def _get(static: bool):
     Why two: inductor's CPU kernels for a fixed batch size measured 1.5-1.6x faster than the
     same kernels with a symbolic one (256 samples of 2x64x64: 10-11 ms against 16-17 ms), and
     the loader bench's compiled epochs were 9-25% faster with fixed-size chunks (0.46 against
-    0.51-0.60 s). A mini-batch therefore runs in fixed-size chunks through the static graph (one
-    more compiled variant per signature) and only its remainder through the dynamic one. They are separate functions
-    because dynamo would otherwise serve a fixed-size call from a cached dynamic variant.
+    0.51-0.60 s). A mini-batch of the signature's batch size therefore runs through the static
+    graph (one more compiled variant per signature), other sizes through the dynamic one (see
+    :func:`run`). They are separate functions because dynamo would otherwise serve a fixed-size
+    call from a cached dynamic variant.
     Dynamo's config is per thread and decoding runs in loader prefetch threads too, so the
     recompile limit is raised in the calling thread (the default of 8 variants per function
     would fail the ninth decode signature).
@@ -194,9 +204,11 @@ def run(codes, pos, corr, cubic_rows, step, n, lead, shape, K, reverse, itype, d
     """The compiled graph (arguments of :func:`interp_graph`), or None when compiling is
     impossible here (warned once).
 
-    ``B`` blobs run as ``B // C`` fixed-size chunks of ``C = chunk_rows(n)`` blobs through the
-    static graph and the rest through the dynamic one (a single blob through the static one);
-    each chunk gets the corrections that fall in its rows."""
+    ``B <= C = chunk_rows(n)`` blobs run in one call: through the static graph when ``B`` is
+    the signature's batch size (:data:`_static_batch`) or 1, else through the dynamic one. More
+    run as ``B // C`` fixed-size chunks of ``C`` blobs through the static graph and the rest
+    through the dynamic one (a single blob through the static one); each chunk gets the
+    corrections that fall in its rows."""
     global _failed
     if _failed is not None:
         return None
@@ -220,6 +232,9 @@ def run(codes, pos, corr, cubic_rows, step, n, lead, shape, K, reverse, itype, d
                     mark_dynamic(t, 0)  # the correction count; the dynamic graph's batch size
             return _get(static)(*parts, *args)
 
+        if B <= C:
+            sb = _static_batch.setdefault(args, B)
+            return call(B in (sb, 1), 0, B)
         full = B // C * C
         outs = [call(True, r0, r0 + C) for r0 in range(0, full, C)]
         if full < B:
