@@ -233,6 +233,12 @@ class Backend(ABC):
         """Attributes of the container root (``"/"``) or of one array/group."""
 
     # -- data ------------------------------------------------------------------------------------
+    def serializes_reads(self, key: str) -> bool:
+        """Whether reads of ``key`` hold a process-wide lock for their whole duration, storage wait
+        included, so concurrent requests of one process cannot overlap (h5py's: NOTE [ Reads
+        outside h5py's lock ] in io_backends/hdf5.py). :class:`ThrottledBackend` models it."""
+        return False
+
     def read_ranges(self, key: str, ranges: Sequence[Sequence[int]] | np.ndarray,
                     out: np.ndarray | None = None, *, disjoint: bool = False) -> np.ndarray:
         """Read rows ``[start, stop)`` for each range, concatenated in range order.

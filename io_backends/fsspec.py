@@ -495,6 +495,12 @@ class FsspecBackend(HDF5Backend):
             raise KeyError(f"{self.url}: no array or group {key!r}")
         return dict(self._npy.attrs.get(key, {}))
 
+    def serializes_reads(self, key: str) -> bool:
+        """HDF5 through a file object: every read is an h5py call (its lock held while the file
+        object fetches); ``.npy`` byte ranges: no lock."""
+        self.ensure_open()
+        return self._npy is None
+
     def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
         if self._npy is None:
             # Local files are plain OS files (no fsspec cache): nothing to count but the reads.

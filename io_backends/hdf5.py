@@ -1,4 +1,23 @@
-"""Serial HDF5 through h5py: one ``read_direct`` per contiguous row range, straight into ``out``."""
+"""Serial HDF5: contiguous datasets by ``preadv`` of their bytes, others through h5py; one read
+per contiguous row range, straight into ``out``.
+
+NOTE [ Reads outside h5py's lock ]
+    h5py serializes every call into HDF5 with one process-wide lock ("phil"), held for the whole
+    of an ``H5Dread``, storage wait included (it releases the GIL, not the lock). Threads that read
+    through h5py therefore never overlap their requests: ``io_threads=4`` on a parallel file
+    system buys one request at a time (h5py/h5py#591, #1287). A dataset with no filters, no
+    external storage and a plain numeric type holds its rows as plain bytes in the dtype h5py
+    reports (byte order included): one run at one offset (contiguous layout), or one run per
+    chunk when each chunk holds whole rows (chunks stored at full size, C order; SOLAR's
+    compressed-blob fields are such a 1-D uint8 dataset). Its rows are read here with
+    ``os.preadv`` on the file's own descriptor (the ``sec2`` driver's), straight into ``out``:
+    no HDF5 call but one address lookup per chunk (once), no lock, the GIL released during the
+    syscall, so concurrent requests overlap as they do on any file. Other chunkings, filtered,
+    virtual, external or string datasets, chunks never written (the fill value), other drivers
+    (``core``, ``mpio``, fsspec file objects) and platforms without ``preadv`` read through h5py
+    as before; ``backend_options={"direct_reads": False}`` forces that everywhere. A read past the
+    end of the file (truncated while open) raises instead of returning zeros.
+"""
 
 from __future__ import annotations
 
@@ -90,7 +109,7 @@ class HDF5Backend(Backend):
     name = "hdf5"
 
     def _handle_attrs(self):
-        return ("_file", "_dsets", "_keys", "_broken", "_fd")
+        return ("_file", "_dsets", "_keys", "_broken", "_fd", "_spans")
 
     def _open_file(self):
         import h5py
@@ -105,6 +124,7 @@ class HDF5Backend(Backend):
         except OSError as exc:
             raise OSError(f"{self.url}: cannot open as HDF5 ({exc}); is it an HDF5 file?") from exc
         self._dsets: dict[str, Any] = {}
+        self._spans: dict[str, _Span | None] = {}
         self._keys: list[str] | None = None
         self._pin_size()
 
@@ -142,6 +162,7 @@ class HDF5Backend(Backend):
 
     def _close(self) -> None:
         self.__dict__.pop("_fd", None)  # HDF5 closes the descriptor with the file
+        self.__dict__.pop("_spans", None)
         f = self.__dict__.pop("_file", None)
         if f is not None:
             f.close()
@@ -179,6 +200,130 @@ class HDF5Backend(Backend):
         self.ensure_open()
         return h5_attrs(self._file, key)
 
+    def _span(self, key: str) -> "_Span | None":
+        """Where ``key``'s rows lie in the file when they may be read as plain bytes (NOTE
+        [ Reads outside h5py's lock ]), else None. Looked up once per key and open."""
+        spans = self.__dict__.get("_spans")
+        if spans is None:
+            return None
+        if key not in spans:
+            ok = self.__dict__.get("_fd") is not None and hasattr(os, "preadv") and self.options.get("direct_reads", True)
+            spans[key] = _Span.of(self._dset(key)) if ok else None
+        return spans[key]
+
+    def serializes_reads(self, key: str) -> bool:
+        return self._span(key) is None
+
     def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
-        self.stats.read_calls += read_rows(self._dset(key), self.url, key, ranges, out)
+        span = self._span(key)
+        if span is not None and out.flags.c_contiguous and out.flags.writeable and span.allocated(ranges):
+            self.stats.read_calls += self._pread_rows(key, span, ranges, out)
+            self.stats.extra["direct_reads"] = self.stats.extra.get("direct_reads", 0) + 1
+        else:  # (rows of a chunk never written read as the fill value, through h5py)
+            self.stats.read_calls += read_rows(self._dset(key), self.url, key, ranges, out)
         self._check_size()  # after the read: a cut during it is caught too
+
+    def _pread_rows(self, key: str, span: "_Span", ranges: np.ndarray, out: np.ndarray) -> int:
+        """Rows of each range by ``os.preadv`` into consecutive rows of ``out``; returns the
+        number of ranges read (one storage request each, or one per chunk run they cross)."""
+        fd = self._fd
+        flat = memoryview(out.reshape(-1).view(np.uint8))
+        pos = calls = 0
+        for start, stop in ranges.tolist():
+            if stop == start:
+                continue
+            for at, n in span.pieces(start, stop):
+                got = 0
+                while got < n:
+                    with h5_read_errors(self.url, key, [(start, stop)]):  # EIO and the like name the rows
+                        k = os.preadv(fd, [flat[pos + got:pos + n]], at + got)
+                    if k == 0:  # end of file inside the dataset's bytes
+                        self._check_size()  # it shrank since the open: say so
+                        from solar.errors import StorageError
+
+                        raise StorageError(
+                            f"{self.url}: {key!r} rows {start}-{stop - 1} lie past the end of the file "
+                            f"({os.fstat(fd).st_size} bytes), which is incomplete (a copy still in progress?); "
+                            "recreate the dataset once the file is complete")
+                    got += k
+                pos += n
+            calls += 1
+        return calls
+
+
+class _Span:
+    """Where a dataset's rows lie in its file, when they are plain bytes there: one run
+    (contiguous layout), or one run per chunk of whole rows (chunked, no filters), each chunk
+    stored at full size in C order. Chunk addresses are asked of HDF5 once each, when first read.
+    """
+
+    __slots__ = ("row", "offset", "chunk_rows", "chunk_at", "base", "_d")
+
+    def __init__(self, d, row: int, offset: int | None, chunk_rows: int = 0) -> None:
+        self._d, self.row, self.offset, self.chunk_rows = d, row, offset, chunk_rows
+        self.chunk_at: dict[int, int | None] = {}
+        self.base = 0
+
+    @classmethod
+    def of(cls, d) -> "_Span | None":
+        import h5py
+
+        dcpl = d.id.get_create_plist()
+        dt = d.dtype
+        if not (dcpl.get_nfilters() == 0 and dcpl.get_external_count() == 0 and dt.kind in "iufc"
+                and dt.fields is None and d.id.get_type().get_size() == dt.itemsize and len(d.shape) >= 1):
+            return None
+        row = int(np.prod(d.shape[1:], dtype=np.int64)) * dt.itemsize
+        layout = dcpl.get_layout()
+        if layout == h5py.h5d.CONTIGUOUS:
+            offset = d.id.get_offset()  # None: storage never allocated (rows read as the fill value)
+            if offset is None or d.id.get_storage_size() != d.shape[0] * row:
+                return None
+            return cls(d, row, int(offset))
+        if layout == h5py.h5d.CHUNKED and tuple(d.chunks[1:]) == tuple(d.shape[1:]) and hasattr(d.id, "get_chunk_info_by_coord"):
+            span = cls(d, row, None, int(d.chunks[0]))
+            # chunk addresses count from the end of the user block; get_offset's from the file's start
+            span.base = int(d.file.id.get_create_plist().get_userblock())
+            return span
+        return None
+
+    def _chunk(self, k: int) -> int | None:
+        at = self.chunk_at.get(k, -1)
+        if at == -1:
+            info = self._d.id.get_chunk_info_by_coord((k * self.chunk_rows,) + (0,) * (len(self._d.shape) - 1))
+            at = self.chunk_at[k] = None if info.byte_offset is None else self.base + int(info.byte_offset)
+        return at
+
+    def allocated(self, ranges: np.ndarray) -> bool:
+        """Whether every chunk the ranges touch has storage (contiguous: always)."""
+        if self.offset is not None or not len(ranges):
+            return True
+        C = self.chunk_rows
+        ks = set()
+        for start, stop in ranges.tolist():
+            ks.update(range(start // C, (stop - 1) // C + 1))
+        return all(self._chunk(k) is not None for k in ks)
+
+    def pieces(self, start: int, stop: int):
+        """``(file offset, bytes)`` runs holding rows ``[start, stop)`` in order; runs of chunks
+        that lie back to back in the file are one run."""
+        row = self.row
+        if self.offset is not None:
+            yield self.offset + start * row, (stop - start) * row
+            return
+        C = self.chunk_rows
+        run_at = run_n = None
+        r = start
+        while r < stop:
+            k = r // C
+            end = min(stop, (k + 1) * C)
+            at, n = self._chunk(k) + (r - k * C) * row, (end - r) * row
+            if run_at is not None and run_at + run_n == at:
+                run_n += n
+            else:
+                if run_at is not None:
+                    yield run_at, run_n
+                run_at, run_n = at, n
+            r = end
+        if run_at is not None:
+            yield run_at, run_n

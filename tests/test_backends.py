@@ -511,3 +511,139 @@ def test_unreachable_s3_endpoint_is_named():
                                            r"it .*check storage_options\['client_kwargs'\]\['endpoint_url'\]") as ei:
         FsspecBackend("s3://bucket/c.h5", storage_options=opts).keys()
     assert isinstance(ei.value, OSError) and type(ei.value.__cause__).__name__ == "EndpointConnectionError"
+
+
+# -- NOTE [ Reads outside h5py's lock ] ---------------------------------------------------------
+def _layouts(path):
+    """A file with one dataset per layout case: (name, array, read directly?)."""
+    rng = np.random.default_rng(3)
+    cases = [
+        ("f32", rng.standard_normal((40, 3, 5)).astype(np.float32), True),
+        ("f64_big_endian", rng.standard_normal((40, 2)).astype(">f8"), True),
+        ("i16", rng.integers(-300, 300, (40,)).astype(np.int16), True),
+        ("c64", (rng.standard_normal((40, 4)) + 1j).astype(np.complex64), True),
+        ("chunked_rows", rng.standard_normal((40, 6)).astype(np.float32), True),
+        ("chunked_columns", rng.standard_normal((40, 6)).astype(np.float32), False),
+        ("gzip", rng.standard_normal((40, 6)).astype(np.float32), False),
+        ("compound", np.array([(i, 2.0 * i) for i in range(40)], dtype=[("a", "<i4"), ("b", "<f8")]), False),
+        ("bytes", np.array([b"s%d" % i for i in range(40)], dtype="S4"), False),
+    ]
+    with h5py.File(path, "w", userblock_size=512) as f:  # offsets count from the file's start
+        for name, a, _ in cases:
+            kw = {"chunked_rows": {"chunks": (7, 6)}, "chunked_columns": {"chunks": (7, 3)},
+                  "gzip": {"compression": "gzip"}}.get(name, {})
+            f.create_dataset(name, data=a, **kw)
+        f.create_dataset("unwritten", shape=(40, 2), dtype=np.float32, fillvalue=7.0)  # no storage: fill value
+        # resizable like SOLAR's blob fields; chunks 0-1 and 5 written, the others never: fill value
+        sparse = f.create_dataset("sparse", shape=(40,), maxshape=(None,), chunks=(6,), dtype=np.uint8, fillvalue=9)
+        sparse[0:12] = np.arange(12)
+        sparse[30:36] = np.arange(30, 36)
+    want = np.full(40, 9, np.uint8)
+    want[0:12], want[30:36] = np.arange(12), np.arange(30, 36)
+    return cases + [("unwritten", np.full((40, 2), 7.0, np.float32), False), ("sparse", want, None)]
+
+
+def test_contiguous_datasets_are_read_outside_h5py_with_h5pys_bytes(tmp_path):
+    """Contiguous, unfiltered numeric datasets are read with preadv at their file offset (a
+    userblock before them, big-endian values), giving h5py's bytes for any ranges; every other
+    layout or type reads through h5py, as does every dataset with direct_reads=False."""
+    path = str(tmp_path / "layouts.h5")
+    cases = _layouts(path)
+    ranges = [(0, 3), (5, 6), (9, 17), (39, 40)]
+    h5 = HDF5Backend(path, direct_reads=False)
+    for direct_reads in (True, False):
+        b = HDF5Backend(path, direct_reads=direct_reads)
+        for name, a, direct in cases:
+            # "sparse": ranges inside written chunks (two chunks back to back, one apart) are
+            # read directly; a range touching a never-written chunk reads through h5py
+            for rs, direct_here in ([(ranges, direct)] if direct is not None else
+                                    [([(1, 3), (4, 12), (31, 35)], True), ([(10, 14)], False), (ranges, False)]):
+                before = b.stats.extra.get("direct_reads", 0)
+                got = b.read_ranges(name, rs)
+                want = h5.read_ranges(name, rs)  # h5py's read_direct: its dtype (byte order), bytes
+                assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), (name, rs)
+                assert np.array_equal(got, np.concatenate([a[s:e] for s, e in rs])), (name, rs)
+                used = b.stats.extra.get("direct_reads", 0) - before
+                assert used == int(direct_here and direct_reads), (name, rs)
+            assert b.serializes_reads(name) == (not (direct is not False and direct_reads)), name
+        b.close()
+    assert "direct_reads" not in h5.stats.extra
+    h5.close()
+
+
+def test_a_contiguous_dataset_cut_by_truncation_raises_on_the_direct_path(tmp_path):
+    """A file cut inside a contiguous dataset's bytes raises StorageError naming the file (the
+    size check at open: "shrank"); with no size pinned, the rows past the end are named."""
+    path = str(tmp_path / "cut.h5")
+    with h5py.File(path, "w") as f:
+        f["x"] = np.arange(4000, dtype=np.float64).reshape(1000, 4)
+    b = HDF5Backend(path)
+    np.testing.assert_array_equal(b.read_ranges("x", [(998, 1000)])[0], [3992, 3993, 3994, 3995])
+    os.truncate(path, os.path.getsize(path) - 1000)
+    with pytest.raises(StorageError, match=r"cut\.h5: the file shrank"):
+        b.read_ranges("x", [(990, 1000)])
+    b._pinned_size = None  # as if the file had been short already when opened
+    with pytest.raises(StorageError, match=r"cut\.h5: 'x' rows 990-999 lie past the end of the file"):
+        b.read_ranges("x", [(990, 1000)])
+    np.testing.assert_array_equal(b.read_ranges("x", [(0, 2)])[1], [4, 5, 6, 7])  # rows before the cut
+    b.close()
+
+
+class _Inner(HDF5Backend):
+    """An HDF5 backend that says whether its reads hold h5py's lock (as the tests ask)."""
+
+    def __init__(self, path, serial: bool):
+        super().__init__(path)
+        self.serial = serial
+
+    def serializes_reads(self, key: str) -> bool:
+        return self.serial
+
+
+@pytest.mark.parametrize("serial", [True, False], ids=["h5py-reads", "direct-reads"])
+def test_throttle_serializes_the_waits_of_reads_that_hold_h5pys_lock(tmp_path, monkeypatch, serial):
+    """NOTE [ Throttle model ]: reads that hold h5py's lock on real storage (through h5py) take
+    turns here too, modelled wait included; reads outside it (direct reads, byte ranges) wait
+    side by side. Two threads read at once; the modelled waits meet at a barrier when they may
+    overlap, and are counted when they must not."""
+    import threading
+    import time as _time
+
+    import solar.io_backends.throttled as thr
+
+    path = str(tmp_path / "t.h5")
+    write_h5(path, {"x": np.zeros((8, 4), np.float32)})
+    b = ThrottledBackend(_Inner(path, serial), latency=0.2)
+    meet = threading.Barrier(2, timeout=10)
+    state = {"in": 0, "max": 0}
+    lock = threading.Lock()
+    real_sleep = _time.sleep
+
+    def sleep(s):
+        with lock:
+            state["in"] += 1
+            state["max"] = max(state["max"], state["in"])
+        if not serial:
+            meet.wait()  # both waits at once, or a BrokenBarrierError
+        real_sleep(s)
+        with lock:
+            state["in"] -= 1
+
+    monkeypatch.setattr(thr.time, "sleep", sleep)
+    errors = []
+
+    def read():
+        try:
+            b.read_ranges("x", [(0, 2)])
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert state["max"] == (1 if serial else 2)
+    assert b.serializes_reads("x") is serial
+    b.close()

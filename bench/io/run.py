@@ -140,7 +140,7 @@ def run_torch(path, steps, fields, throttle, comm, workers, batch, seed):
     from solar.io_backends.throttled import ThrottledBackend
     from solar.testing.baselines import PerSampleH5
 
-    be = HDF5Backend(path)
+    be = HDF5Backend(path, direct_reads=False)  # a torch user's h5py reads
     if throttle:
         be = ThrottledBackend(be, bandwidth=throttle[0] / max(workers, 1), latency=throttle[1])
     ds = PerSampleH5(be, fields)

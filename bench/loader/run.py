@@ -262,7 +262,9 @@ def main(argv=None) -> int:
     for storage in args.storage:
         def backend(path: str, readers: int, solar_side: bool = False) -> Backend:
             # under mpirun SOLAR reads through parallel HDF5 (collective, one reader per rank)
-            inner = open_backend(path, "auto") if solar_side else HDF5Backend(path)
+            # the torch side reads as a torch user's h5py does (under h5py's lock, NOTE [ Reads outside
+            # h5py's lock ] in io_backends/hdf5.py); each worker process has its own lock
+            inner = open_backend(path, "auto") if solar_side else HDF5Backend(path, direct_reads=False)
             if storage == "local":
                 return inner
             return throttled(inner, args.bandwidth / readers, args.latency)

@@ -64,7 +64,7 @@ def main() -> None:
     rows = {}
     for side in ("torch", "memory", "spill"):
         if side == "torch":
-            ds = PerSampleH5(throttled(HDF5Backend(a.data), a.bandwidth / 2, a.latency))
+            ds = PerSampleH5(throttled(HDF5Backend(a.data, direct_reads=False), a.bandwidth / 2, a.latency))
             loader = tud.DataLoader(ds, batch_size=32, num_workers=2, persistent_workers=True,
                                     sampler=tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=0))
         else:

@@ -72,7 +72,8 @@ def main() -> None:
     rows = {}
     for side in ("torch", "wrapped", "solar"):
         if side == "torch":
-            members = [PerSampleH5(throttled(HDF5Backend(p), a.bandwidth / 2, a.latency)) for p in paths]
+            members = [PerSampleH5(throttled(HDF5Backend(p, direct_reads=False), a.bandwidth / 2, a.latency))
+                       for p in paths]  # a torch user's h5py reads
         else:
             members = [solar.H5Dataset(p, backend=throttled(HDF5Backend(p), a.bandwidth / 4, a.latency),
                                        io_threads=4, sieve_bytes=int(a.latency * a.bandwidth / 4)) for p in paths]
