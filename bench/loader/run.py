@@ -365,10 +365,11 @@ def main(argv=None) -> int:
                     f"{'within' if cc['within_bound'] else 'EXCEEDS'} the bound")
     if "throttled" in results["runs"]:
         r = results["runs"]["throttled"]["speedup_steady"]
+        applies = abs(args.buffer - 0.5) < 1e-9
         results["target"] = {"what": "steady-state speedup on throttled storage at buffer 50%", "target": 2.0,
-                             "measured": r, "met": bool(r >= 2.0 and abs(args.buffer - 0.5) < 1e-9)}
-        say(f"\ntarget >= 2x on throttled storage at buffer 50%: measured {r:.2f}x -> "
-            f"{'MET' if results['target']['met'] else 'NOT MET'}")
+                             "measured": r, "applies": applies, "met": bool(r >= 2.0 and applies)}
+        verdict = ("MET" if r >= 2.0 else "NOT MET") if applies else f"not checked (this run's buffer is {args.buffer:.0%})"
+        say(f"\ntarget >= 2x on throttled storage at buffer 50%: measured {r:.2f}x -> {verdict}")
         if compress:
             c = results["runs"]["throttled"]["compressed"]
             results["target_compressed"] = {
