@@ -34,6 +34,8 @@ NOTE [ Several files ]
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -44,6 +46,8 @@ from solar.dataset import H5Dataset, StoredBatch
 from solar.errors import CorruptDataError
 
 __all__ = ["StoredConcat", "stored_concat"]
+
+_POOL_LOCK = threading.Lock()
 
 
 class _Rows:
@@ -193,12 +197,32 @@ class StoredConcat(ConcatDataset):
             for k in busy:
                 self.parts[k][0]._load(pending[k], disjoint)
             return
+        from concurrent.futures import wait
+
+        futs = [self._io_pool().submit(self.parts[k][0]._load, pending[k], disjoint, False) for k in busy]
+        wait(futs)  # every file read (or failed) before the pass goes on or raises
+        for f in futs:
+            f.result()
+
+    def _io_pool(self):
+        """This process's pool of ``max(io_threads)`` threads for side-by-side file reads, kept
+        across passes: a pool per pass started its threads again every pass (with hundreds of
+        files of a few samples, thread starts were a tenth of the pass)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(min(len(busy), max(ds.io_threads for ds, _ in self.parts)),
-                                thread_name_prefix="solar-io") as pool:
-            for f in [pool.submit(self.parts[k][0]._load, pending[k], disjoint, False) for k in busy]:
-                f.result()
+        with _POOL_LOCK:
+            pool = self.__dict__.get("_pool")
+            if pool is None or self.__dict__.get("_pool_pid") != os.getpid():  # none yet, or forked
+                pool = self._pool = ThreadPoolExecutor(max(ds.io_threads for ds, _ in self.parts),
+                                                       thread_name_prefix="solar-io")
+                self._pool_pid = os.getpid()
+            return pool
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_pool", None)  # threads do not cross processes
+        state.pop("_pool_pid", None)
+        return state
 
     # -- what a dataset offers its user -----------------------------------------------------------
     @property
@@ -222,6 +246,9 @@ class StoredConcat(ConcatDataset):
 
     def close(self) -> None:
         """Close every file (collective on parallel HDF5: call it on every rank)."""
+        pool = self.__dict__.pop("_pool", None)
+        if pool is not None and self.__dict__.get("_pool_pid") == os.getpid():
+            pool.shutdown(wait=True)
         for ds in {id(ds): ds for ds, _ in self.parts}.values():
             ds.close()
 

@@ -392,8 +392,10 @@ class SolarBatchSampler(BatchSampler):
                 # a group spans steps: what the buffer must hold after them is (kept - evicted)
                 wanted = np.setdiff1d(np.concatenate([g[1] for g in group]), evict)
 
-                def keep(miss: np.ndarray) -> np.ndarray:
-                    return np.isin(miss, wanted)
+                def keep(miss: np.ndarray) -> np.ndarray:  # np.isin, by binary search in the
+                    # sorted ``wanted`` (it is asked once per file of a pass: isin sorted both)
+                    at = np.minimum(np.searchsorted(wanted, miss), max(len(wanted) - 1, 0))
+                    return wanted[at] == miss if len(wanted) else np.zeros(len(miss), bool)
             steps = [g[0] for g in group]
             # the plan gives each sample of a step to one rank, so the ranks' reads of a pass are
             # disjoint unless the pass holds a sample twice (DistributedSampler's padding repeats

@@ -210,7 +210,10 @@ def test_an_empty_split_is_driven_and_the_concatenation_answers_for_its_files(sh
 def test_a_pass_over_many_files_reads_them_side_by_side_without_a_pool_each(tmp_path):
     """Each file's share of a pass is small: the files are read side by side, each in one
     thread, instead of giving every file its own pool of io_threads request threads (100 files
-    made about 400 threads)."""
+    made about 400 threads). The concatenation keeps that one pool across passes (a pool per
+    pass started its threads every pass); a pickled copy carries no threads, and close() ends
+    them."""
+    import pickle
     import threading
 
     paths = []
@@ -222,17 +225,25 @@ def test_a_pass_over_many_files_reads_them_side_by_side_without_a_pool_each(tmp_
                               generator=torch.Generator().manual_seed(0))
     torch_loader = tud.DataLoader(tud.ConcatDataset(refs), batch_size=64, shuffle=True,
                                   generator=torch.Generator().manual_seed(0))
-    before, most = threading.active_count(), 0
+    before, most, pools, started = threading.active_count(), 0, set(), set()
     for _ in range(2):
         got = []
         for b in loader:
             most = max(most, threading.active_count())
+            pools.add(id(loader.dataset.__dict__.get("_pool")))
+            started |= {t.ident for t in threading.enumerate() if t.name.startswith("solar-io")}
             got.append(b)
         want = list(torch_loader)
         assert len(got) == len(want) and all(torch.equal(x, y) for g, w in zip(got, want) for x, y in zip(g, w))
     assert most - before <= 4 + 2  # one pool of io_threads (and the loader's own threads)
     assert all(d.__dict__.get("_pool") is None for d in dss)
-    for d in dss + refs:
+    pool = loader.dataset.__dict__.get("_pool")
+    assert pool is not None and pools == {id(pool)}  # one pool for every pass of both epochs
+    assert len(started) <= 4  # its threads, started once
+    assert "_pool" not in pickle.loads(pickle.dumps(loader.dataset)).__dict__
+    loader.dataset.close()
+    assert "_pool" not in loader.dataset.__dict__ and pool._shutdown
+    for d in refs:
         d.close()
 
 
