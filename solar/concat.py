@@ -199,7 +199,14 @@ class StoredConcat(ConcatDataset):
             return
         from concurrent.futures import wait
 
-        futs = [self._io_pool().submit(self.parts[k][0]._load, pending[k], disjoint, False) for k in busy]
+        def read(ks: list[int]) -> None:
+            for k in ks:
+                self.parts[k][0]._load(pending[k], disjoint, False)
+
+        # one task per thread, each a share of the files (a task per file cost a Future and a
+        # queue round trip per file of the pass)
+        pool, n = self._io_pool(), max(ds.io_threads for ds, _ in self.parts)
+        futs = [pool.submit(read, busy[i::n]) for i in range(min(n, len(busy)))]
         wait(futs)  # every file read (or failed) before the pass goes on or raises
         for f in futs:
             f.result()
