@@ -9,7 +9,10 @@ NOTE [ Reads outside h5py's lock ]
     external storage and a plain numeric type holds its rows as plain bytes in the dtype h5py
     reports (byte order included): one run at one offset (contiguous layout), or one run per
     chunk when each chunk holds whole rows (chunks stored at full size, C order; SOLAR's
-    compressed-blob fields are such a 1-D uint8 dataset). Its rows are read here with
+    compressed-blob fields are such a 1-D uint8 dataset). The stored type must be exactly the
+    one h5py reads into, the dataset must live in this file (not behind an external link) and
+    the file must be open read-only in this process (no writer's unflushed caches); see
+    ``_Span.of`` for each case. Its rows are read here with
     ``os.preadv`` on the file's own descriptor (the ``sec2`` driver's), straight into ``out``:
     no HDF5 call but one address lookup per chunk (once), no lock, the GIL released during the
     syscall, so concurrent requests overlap as they do on any file. Other chunkings, filtered,
@@ -208,17 +211,20 @@ class HDF5Backend(Backend):
             return None
         if key not in spans:
             ok = self.__dict__.get("_fd") is not None and hasattr(os, "preadv") and self.options.get("direct_reads", True)
-            spans[key] = _Span.of(self._dset(key)) if ok else None
+            spans[key] = _Span.of(self._dset(key), self._file) if ok else None
         return spans[key]
 
     def serializes_reads(self, key: str) -> bool:
+        self.ensure_open()
         return self._span(key) is None
 
     def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
         span = self._span(key)
         if span is not None and out.flags.c_contiguous and out.flags.writeable and span.allocated(ranges):
-            self.stats.read_calls += self._pread_rows(key, span, ranges, out)
-            self.stats.extra["direct_reads"] = self.stats.extra.get("direct_reads", 0) + 1
+            calls = self._pread_rows(key, span, ranges, out)
+            self.stats.read_calls += calls
+            if calls:
+                self.stats.extra["direct_reads"] = self.stats.extra.get("direct_reads", 0) + 1
         else:  # (rows of a chunk never written read as the fill value, through h5py)
             self.stats.read_calls += read_rows(self._dset(key), self.url, key, ranges, out)
         self._check_size()  # after the read: a cut during it is caught too
@@ -257,21 +263,35 @@ class _Span:
     stored at full size in C order. Chunk addresses are asked of HDF5 once each, when first read.
     """
 
-    __slots__ = ("row", "offset", "chunk_rows", "chunk_at", "base", "_d")
+    __slots__ = ("row", "offset", "chunk_rows", "chunk_at", "_d")
 
     def __init__(self, d, row: int, offset: int | None, chunk_rows: int = 0) -> None:
         self._d, self.row, self.offset, self.chunk_rows = d, row, offset, chunk_rows
         self.chunk_at: dict[int, int | None] = {}
-        self.base = 0
 
     @classmethod
-    def of(cls, d) -> "_Span | None":
+    def of(cls, d, f) -> "_Span | None":
+        """The span of dataset ``d`` of the open file ``f``, or None when its rows must be read
+        through h5py. Each condition below is a case where the file's bytes are not h5py's:
+
+        * another file: an external link's target is not behind ``f``'s descriptor;
+        * ``f`` not read-only: the same process has the file open for writing, and HDF5's
+          caches may hold writes not on disk yet (a writer opened later is refused by HDF5);
+        * filters or external storage;
+        * a stored type other than the one h5py reads into (``H5Tequal`` with h5py's type for the
+          dtype): integers of fewer bits than their size, bit offsets or pad bits, complex parts
+          in another order, strings, compounds;
+        * chunks in a file with a user block: ``H5Dget_chunk_info`` counts addresses from the
+          end of the user block before HDF5 1.14.4 and from the start of the file since.
+        """
         import h5py
 
+        if h5py.h5f.get_name(d.id) != h5py.h5f.get_name(f.id) or f.id.get_intent() != h5py.h5f.ACC_RDONLY:
+            return None
         dcpl = d.id.get_create_plist()
         dt = d.dtype
         if not (dcpl.get_nfilters() == 0 and dcpl.get_external_count() == 0 and dt.kind in "iufc"
-                and dt.fields is None and d.id.get_type().get_size() == dt.itemsize and len(d.shape) >= 1):
+                and dt.fields is None and len(d.shape) >= 1 and d.id.get_type().equal(h5py.h5t.py_create(dt))):
             return None
         row = int(np.prod(d.shape[1:], dtype=np.int64)) * dt.itemsize
         layout = dcpl.get_layout()
@@ -280,18 +300,16 @@ class _Span:
             if offset is None or d.id.get_storage_size() != d.shape[0] * row:
                 return None
             return cls(d, row, int(offset))
-        if layout == h5py.h5d.CHUNKED and tuple(d.chunks[1:]) == tuple(d.shape[1:]) and hasattr(d.id, "get_chunk_info_by_coord"):
-            span = cls(d, row, None, int(d.chunks[0]))
-            # chunk addresses count from the end of the user block; get_offset's from the file's start
-            span.base = int(d.file.id.get_create_plist().get_userblock())
-            return span
+        if (layout == h5py.h5d.CHUNKED and tuple(d.chunks[1:]) == tuple(d.shape[1:])
+                and hasattr(d.id, "get_chunk_info_by_coord") and f.id.get_create_plist().get_userblock() == 0):
+            return cls(d, row, None, int(d.chunks[0]))
         return None
 
     def _chunk(self, k: int) -> int | None:
         at = self.chunk_at.get(k, -1)
         if at == -1:
             info = self._d.id.get_chunk_info_by_coord((k * self.chunk_rows,) + (0,) * (len(self._d.shape) - 1))
-            at = self.chunk_at[k] = None if info.byte_offset is None else self.base + int(info.byte_offset)
+            at = self.chunk_at[k] = None if info.byte_offset is None else int(info.byte_offset)
         return at
 
     def allocated(self, ranges: np.ndarray) -> bool:

@@ -32,6 +32,7 @@ name, ``open_backend(path, "throttled", inner="hdf5", bandwidth=200e6, latency=2
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from typing import Any
@@ -46,6 +47,17 @@ __all__ = ["ThrottledBackend"]
 
 #: The model of h5py's one lock per process (reentrant: a throttle may wrap a throttle).
 _SERIAL = threading.RLock()
+
+
+def _fresh_lock_after_fork() -> None:
+    """A forked child gets a new lock, as h5py re-creates its own: one held by a thread of the
+    parent at the fork would otherwise never be released in the child."""
+    global _SERIAL
+    _SERIAL = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_after_fork)
 
 
 class ThrottledBackend(Backend):

@@ -514,7 +514,7 @@ def test_unreachable_s3_endpoint_is_named():
 
 
 # -- NOTE [ Reads outside h5py's lock ] ---------------------------------------------------------
-def _layouts(path):
+def _layouts(path, userblock=512):
     """A file with one dataset per layout case: (name, array, read directly?)."""
     rng = np.random.default_rng(3)
     cases = [
@@ -522,13 +522,14 @@ def _layouts(path):
         ("f64_big_endian", rng.standard_normal((40, 2)).astype(">f8"), True),
         ("i16", rng.integers(-300, 300, (40,)).astype(np.int16), True),
         ("c64", (rng.standard_normal((40, 4)) + 1j).astype(np.complex64), True),
-        ("chunked_rows", rng.standard_normal((40, 6)).astype(np.float32), True),
+        # chunk addresses are counted differently by HDF5 versions when there is a user block
+        ("chunked_rows", rng.standard_normal((40, 6)).astype(np.float32), userblock == 0),
         ("chunked_columns", rng.standard_normal((40, 6)).astype(np.float32), False),
         ("gzip", rng.standard_normal((40, 6)).astype(np.float32), False),
         ("compound", np.array([(i, 2.0 * i) for i in range(40)], dtype=[("a", "<i4"), ("b", "<f8")]), False),
         ("bytes", np.array([b"s%d" % i for i in range(40)], dtype="S4"), False),
     ]
-    with h5py.File(path, "w", userblock_size=512) as f:  # offsets count from the file's start
+    with h5py.File(path, "w", userblock_size=userblock) as f:  # offsets count from the file's start
         for name, a, _ in cases:
             kw = {"chunked_rows": {"chunks": (7, 6)}, "chunked_columns": {"chunks": (7, 3)},
                   "gzip": {"compression": "gzip"}}.get(name, {})
@@ -538,17 +539,29 @@ def _layouts(path):
         sparse = f.create_dataset("sparse", shape=(40,), maxshape=(None,), chunks=(6,), dtype=np.uint8, fillvalue=9)
         sparse[0:12] = np.arange(12)
         sparse[30:36] = np.arange(30, 36)
+        # a 12-bit integer stored in 16 bits: h5py reads int16, HDF5 sign-extends (bytes differ)
+        t12 = h5py.h5t.STD_I16LE.copy()
+        t12.set_precision(12)
+        h5py.h5d.create(f.id, b"int12", t12, h5py.h5s.create_simple((40,)))
+        f["int12"][...] = np.arange(-20, 20, dtype=np.int16)
     want = np.full(40, 9, np.uint8)
     want[0:12], want[30:36] = np.arange(12), np.arange(30, 36)
-    return cases + [("unwritten", np.full((40, 2), 7.0, np.float32), False), ("sparse", want, None)]
+    extra = [("unwritten", np.full((40, 2), 7.0, np.float32), False),
+             ("int12", np.arange(-20, 20, dtype=np.int16), False)]
+    if userblock == 0:
+        extra.append(("sparse", want, None))
+    return cases + extra
 
 
-def test_contiguous_datasets_are_read_outside_h5py_with_h5pys_bytes(tmp_path):
-    """Contiguous, unfiltered numeric datasets are read with preadv at their file offset (a
-    userblock before them, big-endian values), giving h5py's bytes for any ranges; every other
-    layout or type reads through h5py, as does every dataset with direct_reads=False."""
+@pytest.mark.parametrize("userblock", [0, 512])
+def test_contiguous_datasets_are_read_outside_h5py_with_h5pys_bytes(tmp_path, userblock):
+    """Unfiltered numeric datasets (contiguous, or chunks of whole rows) are read with preadv at
+    their file offsets (big-endian values, a user block before them), giving h5py's bytes for
+    any ranges; every other layout or type reads through h5py (chunks too when there is a user
+    block: HDF5 versions count chunk addresses differently then), as does every dataset with
+    direct_reads=False."""
     path = str(tmp_path / "layouts.h5")
-    cases = _layouts(path)
+    cases = _layouts(path, userblock)
     ranges = [(0, 3), (5, 6), (9, 17), (39, 40)]
     h5 = HDF5Backend(path, direct_reads=False)
     for direct_reads in (True, False):
@@ -587,6 +600,62 @@ def test_a_contiguous_dataset_cut_by_truncation_raises_on_the_direct_path(tmp_pa
         b.read_ranges("x", [(990, 1000)])
     np.testing.assert_array_equal(b.read_ranges("x", [(0, 2)])[1], [4, 5, 6, 7])  # rows before the cut
     b.close()
+
+
+def test_datasets_whose_file_bytes_are_not_h5pys_read_through_h5py(tmp_path):
+    """An external link's target lives in another file than the one the descriptor reads, and a
+    file a writer of this process holds open may have writes in HDF5's caches only: both read
+    through h5py (the direct path read the linking file's bytes at the target's offsets)."""
+    target, linking = str(tmp_path / "target.h5"), str(tmp_path / "linking.h5")
+    a = np.arange(4000, dtype=np.float32).reshape(1000, 4) + 1000
+    with h5py.File(target, "w") as f:
+        f["x"] = a
+    with h5py.File(linking, "w") as f:
+        f["pad"] = np.zeros(50_000, np.float64)  # long enough for the target's offsets
+        f["x"] = h5py.ExternalLink(target, "x")
+    b = HDF5Backend(linking)
+    np.testing.assert_array_equal(b.read_ranges("x", [(0, 3), (990, 1000)]), np.r_[a[:3], a[990:]])
+    assert b.serializes_reads("x") and "direct_reads" not in b.stats.extra
+    b.close()
+    with h5py.File(target, "r+") as w:  # a writer in this process, its last write maybe cached
+        w["x"][0] = -1
+        b = HDF5Backend(target)
+        assert b.read_ranges("x", [(0, 1)])[0, 0] == -1
+        assert b.serializes_reads("x")
+        b.close()
+    b = HDF5Backend(target)
+    assert not b.serializes_reads("x")  # read-only: direct again
+    assert b.read_ranges("x", [(0, 1)])[0, 0] == -1
+    b.close()
+
+
+def test_a_fork_while_the_throttles_lock_is_held_leaves_the_child_its_own_lock():
+    """The lock that models h5py's is held across the modelled wait: a fork at that moment (a
+    DataLoader starting workers) left the child a lock no thread of it would release, and every
+    h5py-modelled read there hung (h5py itself re-creates its lock after fork)."""
+    import threading
+
+    import solar.io_backends.throttled as thr
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with thr._SERIAL:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the lock must be free here
+            os._exit(0 if thr._SERIAL.acquire(timeout=5) else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        t.join()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
 
 class _Inner(HDF5Backend):
