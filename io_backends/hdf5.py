@@ -19,13 +19,17 @@ NOTE [ Reads outside h5py's lock ]
     virtual, external or string datasets, chunks never written (the fill value), other drivers
     (``core``, ``mpio``, fsspec file objects) and platforms without ``preadv`` read through h5py
     as before; ``backend_options={"direct_reads": False}`` forces that everywhere. A read past the
-    end of the file (truncated while open) raises instead of returning zeros.
+    end of the file (truncated while open) raises instead of returning zeros. Reads use a
+    duplicate of the descriptor taken per call, so a ``close()`` from another thread cannot
+    send a read in flight to whatever file reuses the number next.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import threading
 from typing import Any, Iterator
 
 import numpy as np
@@ -112,7 +116,7 @@ class HDF5Backend(Backend):
     name = "hdf5"
 
     def _handle_attrs(self):
-        return ("_file", "_dsets", "_keys", "_broken", "_fd", "_spans")
+        return ("_file", "_dsets", "_keys", "_broken", "_fd", "_spans", "_dfd", "_dfd_lock")
 
     def _open_file(self):
         import h5py
@@ -130,6 +134,13 @@ class HDF5Backend(Backend):
         self._spans: dict[str, _Span | None] = {}
         self._keys: list[str] | None = None
         self._pin_size()
+        # Direct reads go through private duplicates of the file's descriptor: a close() while
+        # another thread reads (a loop left early, its dataset closed while the read-ahead still
+        # reads) must not let that read go on through a number the next open file reuses.
+        # (a FileIO: closed with the backend's last reference too, like h5py's handle; a bare
+        # number leaked, and its share of HDF5's file lock kept the file from being reopened)
+        self._dfd = io.FileIO(os.dup(self._fd), "r", closefd=True) if self._fd is not None else None
+        self._dfd_lock = threading.Lock()
 
     def _pin_size(self) -> None:
         """Remember the file's size at the first open (pickled copies keep it).
@@ -166,6 +177,12 @@ class HDF5Backend(Backend):
     def _close(self) -> None:
         self.__dict__.pop("_fd", None)  # HDF5 closes the descriptor with the file
         self.__dict__.pop("_spans", None)
+        lock = self.__dict__.pop("_dfd_lock", None)
+        if lock is not None:
+            with lock:  # no read is between taking its duplicate and using it
+                dfd = self.__dict__.pop("_dfd", None)
+                if dfd is not None:
+                    dfd.close()
         f = self.__dict__.pop("_file", None)
         if f is not None:
             f.close()
@@ -231,8 +248,27 @@ class HDF5Backend(Backend):
 
     def _pread_rows(self, key: str, span: "_Span", ranges: np.ndarray, out: np.ndarray) -> int:
         """Rows of each range by ``os.preadv`` into consecutive rows of ``out``; returns the
-        number of ranges read (one storage request each, or one per chunk run they cross)."""
-        fd = self._fd
+        number of ranges read (one storage request each, or one per chunk run they cross).
+
+        Reads through a duplicate of the file's descriptor, taken under the lock that close()
+        takes: the file stays open for this read even if another thread closes the backend."""
+        lock = self.__dict__.get("_dfd_lock")
+        fd = None
+        if lock is not None:
+            with lock:
+                dfd = self.__dict__.get("_dfd")
+                fd = os.dup(dfd.fileno()) if dfd is not None else None
+        if fd is None:
+            from solar.errors import StorageError
+
+            raise StorageError(f"{self.url}: closed by another thread while reading {key!r}; close a dataset "
+                               "only when no loader or thread reads it any more")
+        try:
+            return self._pread_into(fd, key, span, ranges, out)
+        finally:
+            os.close(fd)
+
+    def _pread_into(self, fd: int, key: str, span: "_Span", ranges: np.ndarray, out: np.ndarray) -> int:
         flat = memoryview(out.reshape(-1).view(np.uint8))
         pos = calls = 0
         for start, stop in ranges.tolist():

@@ -629,6 +629,56 @@ def test_datasets_whose_file_bytes_are_not_h5pys_read_through_h5py(tmp_path):
     b.close()
 
 
+def test_a_close_during_a_direct_read_leaves_that_read_its_own_file(tmp_path, monkeypatch):
+    """close() from another thread while a direct read is in flight (a loop left early, its
+    dataset closed under the read-ahead): the read finishes with its own file's bytes. It read
+    through the file's descriptor number, which the next opened file reuses: another file's
+    bytes, silently."""
+    a = np.arange(4000, dtype=np.float32).reshape(1000, 4)
+    path, other = str(tmp_path / "a.h5"), str(tmp_path / "other.bin")
+    write_h5(path, {"x": a})
+    with open(other, "wb") as fh:
+        fh.write(b"\xff" * 1_000_000)
+    b = HDF5Backend(path)
+    np.testing.assert_array_equal(b.read_ranges("x", [(0, 1)]), a[:1])
+    real, opened = os.preadv, []
+
+    def preadv(fd, bufs, offset):  # the close lands between the read's start and its syscall
+        if not opened:
+            b.close()
+            opened.extend(os.open(other, os.O_RDONLY) for _ in range(3))  # reuse the freed numbers
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    try:
+        np.testing.assert_array_equal(b.read_ranges("x", [(10, 20)]), a[10:20])
+    finally:
+        for fd in opened:
+            os.close(fd)
+    monkeypatch.setattr(os, "preadv", real)
+    np.testing.assert_array_equal(b.read_ranges("x", [(0, 2)]), a[:2])  # reopens on demand
+    b.close()
+
+
+def test_a_backend_dropped_without_close_releases_its_file():
+    """A backend dropped without close() frees its descriptors with its last reference, as
+    h5py's handle does: the direct path's private duplicate leaked, and its share of HDF5's file
+    lock kept the file from being opened for writing in the same process."""
+    import gc
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "dropped.h5")
+        write_h5(path, {"x": np.zeros((10, 2), np.float32)})
+        b = HDF5Backend(path)
+        b.read_ranges("x", [(0, 5)])
+        assert b.stats.extra["direct_reads"] == 1
+        del b
+        gc.collect()
+        with h5py.File(path, "a"):  # no lock left behind
+            pass
+
+
 def test_a_fork_while_the_throttles_lock_is_held_leaves_the_child_its_own_lock():
     """The lock that models h5py's is held across the modelled wait: a fork at that moment (a
     DataLoader starting workers) left the child a lock no thread of it would release, and every
