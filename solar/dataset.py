@@ -314,12 +314,15 @@ class H5Dataset(Dataset):
         The shares are equal in rows (bytes), cutting a range in two where needed: a sieved pass
         is often one long range, which one request stream would read at one reader's bandwidth.
         Pieces stay at least ``SPLIT_BYTES`` long unless the ranges are already that many.
-        ``split=False`` reads in this thread (a caller that reads several files at once).
+        ``split=False`` reads in this thread (a caller that reads several files at once), and
+        so does a key whose reads take h5py's lock (NOTE [ Reads outside h5py's lock ] in
+        io_backends/hdf5.py): split, they only took turns.
         """
         lengths = ranges[:, 1] - ranges[:, 0]
         starts = np.r_[0, np.cumsum(lengths)]
         total = int(starts[-1])
-        if self.io_threads <= 1 or self.backend.collective or total <= 1 or not split:
+        if (self.io_threads <= 1 or self.backend.collective or total <= 1 or not split
+                or self.backend.serializes_reads(key)):  # threads would take turns under h5py's lock
             return self.backend.read_ranges(key, ranges, disjoint=disjoint)
         info = self.backend.info(key)
         row_bytes = int(np.prod(info.row_shape, dtype=np.int64)) * info.dtype.itemsize

@@ -84,6 +84,26 @@ def test_sieving_reads_through_small_gaps_and_threads_split_requests(raw_path, t
         assert np.array_equal(a.fields["x"].numpy(), f["x"][:][rows])
 
 
+def test_reads_that_take_h5pys_lock_are_not_split_over_request_threads(tmp_path):
+    """A gzip-filtered file reads through h5py, whose lock makes request threads take turns:
+    its reads stay in the calling thread (no pool). A plain file's reads are split."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 8)).astype("f4")
+    paths = {}
+    for name, kw in (("gzip", {"compression": "gzip"}), ("plain", {})):
+        paths[name] = str(tmp_path / f"{name}.h5")
+        with h5py.File(paths[name], "w") as f:
+            f.create_dataset("x", data=x, **kw)
+    rows = list(range(0, 64, 2))  # 32 separate ranges
+    for name, split in (("gzip", False), ("plain", True)):
+        ds = solar.H5Dataset(paths[name], sieve_bytes=0, io_threads=4)
+        got = ds.fetch_stored(rows).fields["x"]
+        assert np.array_equal(got.numpy(), x[rows]), name
+        assert (ds._pool is not None) == split, name
+        assert ds.backend.serializes_reads("x") == (not split), name
+        ds.close()
+
+
 def test_single_field_gives_tensors_and_transform_runs(raw_path):
     ds = solar.H5Dataset(raw_path, fields="y", transform=lambda t: t * 2)
     assert isinstance(ds[3], torch.Tensor) and int(ds[3]) == 6
