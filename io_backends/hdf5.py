@@ -248,7 +248,8 @@ class HDF5Backend(Backend):
 
     def _pread_rows(self, key: str, span: "_Span", ranges: np.ndarray, out: np.ndarray) -> int:
         """Rows of each range by ``os.preadv`` into consecutive rows of ``out``; returns the
-        number of ranges read (one storage request each, or one per chunk run they cross).
+        number of non-empty ranges (``read_calls`` counts one per range, as for h5py reads; a
+        range over chunks that are not back to back in the file takes one ``preadv`` per run).
 
         Reads through a duplicate of the file's descriptor, taken under the lock that close()
         takes: the file stays open for this read even if another thread closes the backend."""

@@ -16,7 +16,7 @@ NOTE [ Several files ]
     field), and each file of a pass costs Python work of its own: with hundreds of files of a few
     samples each, a pass pays more for them than for its bytes (``bench/loader/files.py``,
     ``mpirun -n 2``, 200 files of 20 samples: 0.46 s per epoch against torch's 0.30 s with
-    per-sample serial h5py reads; one rank, 0.75 s against 0.50 s). Other backends read the
+    per-sample serial h5py reads; one rank, 0.75-1.15 s against 0.50-0.68 s). Other backends read the
     files of a pass side by side, each in one thread. The buffer's keys stay the positions
     in the concatenation. A pass runs in the four phases of one file's fetch, across all files:
     every file's hits are taken, then every file is read, then the pass's evictions leave the

@@ -21,9 +21,9 @@ Compiling costs seconds per new (sample shape, code kind, dtype) signature (tens
 with a cold inductor cache). A mini-batch runs whole through a graph specialized on its batch
 size (faster kernels) when that is the first batch size the signature saw (a training loop's);
 other sizes (the epoch's last batch) run through one graph with a dynamic batch size, and very
-large batches in fixed-size chunks. So a signature compiles up to three variants (its batch
-size, any other size, a single blob). The compiled code is cached on disk by inductor and in
-memory here. So
+large batches in fixed-size chunks (a graph of the chunk's size). So a signature compiles up to
+four variants (its batch size, any other size, a single blob, the chunk size). The compiled
+code is cached on disk by inductor and in memory here. So
 it pays off where one signature repeats, as in a training loop, and is **off by default**:
 ``decode(..., compile=True)``, ``decode_batch(..., compile=True)``, ``H5Dataset(decode_compile=
 True)`` or ``SOLAR_CODEC_COMPILE=1`` turn it on. When compiling fails (no C++ compiler, no
