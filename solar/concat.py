@@ -17,7 +17,8 @@ NOTE [ Several files ]
     samples each, a pass pays more for them than for its bytes (``bench/loader/files.py``,
     ``mpirun -n 2``, 200 files of 20 samples: 0.46 s per epoch against torch's 0.30 s with
     per-sample serial h5py reads; one rank, 0.75-1.15 s against 0.50-0.68 s). Other backends read the
-    files of a pass side by side, each in one thread. The buffer's keys stay the positions
+    files of a pass side by side on one lasting pool of request threads, each file in one thread.
+    The buffer's keys stay the positions
     in the concatenation. A pass runs in the four phases of one file's fetch, across all files:
     every file's hits are taken, then every file is read, then the pass's evictions leave the
     buffer, then the kept misses are put (so a hit is never evicted before it is taken, and a put
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -46,8 +46,6 @@ from solar.dataset import H5Dataset, StoredBatch
 from solar.errors import CorruptDataError
 
 __all__ = ["StoredConcat", "stored_concat"]
-
-_POOL_LOCK = threading.Lock()
 
 
 class _Rows:
@@ -189,10 +187,10 @@ class StoredConcat(ConcatDataset):
 
     def _load(self, busy: list[int], pending: dict, disjoint: bool) -> None:
         """Read the pass's files: one after another on a collective backend (every rank in the
-        same order), else several at once, each in one thread (``split=False``): files of a few
-        samples each gave every file its own pool of ``io_threads`` (400 threads for 100 files,
-        4x slower than one thread), and reading files side by side overlaps their latency as
-        the split of one file's ranges does."""
+        same order), else several at once on one pool of ``max(io_threads)`` threads, each file
+        in one thread (``split=False``): files of a few samples each gave every file its own pool
+        of ``io_threads`` (400 threads for 100 files, 4x slower than one thread), and reading
+        files side by side overlaps their latency as the split of one file's ranges does."""
         if self.backend.collective or len(busy) < 2:
             for k in busy:
                 self.parts[k][0]._load(pending[k], disjoint)
@@ -205,25 +203,26 @@ class StoredConcat(ConcatDataset):
 
         # one task per thread, each a share of the files (a task per file cost a Future and a
         # queue round trip per file of the pass)
-        pool, n = self._io_pool(), max(ds.io_threads for ds, _ in self.parts)
+        n = max(ds.io_threads for ds, _ in self.parts)
+        pool = self._io_pool(n)
         futs = [pool.submit(read, busy[i::n]) for i in range(min(n, len(busy)))]
         wait(futs)  # every file read (or failed) before the pass goes on or raises
         for f in futs:
             f.result()
 
-    def _io_pool(self):
-        """This process's pool of ``max(io_threads)`` threads for side-by-side file reads, kept
-        across passes: a pool per pass started its threads again every pass (with hundreds of
-        files of a few samples, thread starts were a tenth of the pass)."""
+    def _io_pool(self, threads: int):
+        """This process's pool of ``threads`` threads for side-by-side file reads, kept across
+        passes: a pool per pass started its threads again every pass (with hundreds of files of a
+        few samples, thread starts were a tenth of the pass). No lock: two iterators that make a
+        pool at once leave one of them to end with its last task, and a lock held at a fork
+        would hang a forked worker's first pass."""
         from concurrent.futures import ThreadPoolExecutor
 
-        with _POOL_LOCK:
-            pool = self.__dict__.get("_pool")
-            if pool is None or self.__dict__.get("_pool_pid") != os.getpid():  # none yet, or forked
-                pool = self._pool = ThreadPoolExecutor(max(ds.io_threads for ds, _ in self.parts),
-                                                       thread_name_prefix="solar-io")
-                self._pool_pid = os.getpid()
-            return pool
+        pool = self.__dict__.get("_pool")
+        if pool is None or self.__dict__.get("_pool_pid") != os.getpid():  # none yet, or forked
+            pool = ThreadPoolExecutor(threads, thread_name_prefix="solar-io")
+            self._pool, self._pool_pid = pool, os.getpid()
+        return pool
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

@@ -30,7 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from run import report, run_epochs, steady  # noqa: E402  (bench/loader/run.py)
+from run import allsum, report, run_epochs, steady  # noqa: E402  (bench/loader/run.py)
 
 
 def main() -> None:
@@ -65,9 +65,6 @@ def main() -> None:
     if comm is not None:
         comm.Barrier()
 
-    def total(v: int) -> int:
-        return comm.allreduce(v) if comm is not None else v
-
     rows = {}
     for side in ("torch", "solar"):
         if side == "torch":
@@ -84,13 +81,14 @@ def main() -> None:
         times = run_epochs(loader, a.epochs, comm)
         row = {"epoch_s": times, "steady_s": steady(times)}
         if side == "torch":
-            row.update(calls=total(sum(m.calls for m in members)), bytes=total(sum(m.bytes for m in members)))
+            row.update(calls=allsum(sum(m.calls for m in members), comm),
+                       bytes=allsum(sum(m.bytes for m in members), comm))
         else:
-            row.update(calls=total(sum(m.stats.read_calls for m in members)),
-                       bytes=total(sum(m.stats.bytes_in for m in members)),
+            row.update(calls=allsum(sum(m.stats.read_calls for m in members), comm),
+                       bytes=allsum(sum(m.stats.bytes_in for m in members), comm),
                        collective=bool(members[0].backend.collective))
             later = (a.epochs - 1) * len(sampler) * size
-            row.update(hit_rate=total(sum(m.stats.hits for m in members)) / later if later else 0.0,
+            row.update(hit_rate=allsum(sum(m.stats.hits for m in members), comm) / later if later else 0.0,
                        bound=min(1.0, a.buffer))
         rows[side] = row
         del loader

@@ -120,6 +120,11 @@ def run_epochs(loader, epochs: int, comm=None) -> list[float]:
     return times
 
 
+def allsum(v, comm=None):
+    """``v`` summed over the ranks of ``comm`` (no MPI: ``v``)."""
+    return comm.allreduce(v) if comm is not None else v
+
+
 def steady(times: list[float]) -> float:
     """Steady-state epoch seconds: the mean over epochs >= 2 (the first fills SOLAR's buffer)."""
     return float(np.mean(times[1:])) if len(times) > 1 else times[0]
@@ -226,7 +231,6 @@ def main(argv=None) -> int:
     comm = mpi_comm()
     P, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     say = print if rank == 0 else (lambda *a, **k: None)
-    allsum = (lambda v: comm.allreduce(v)) if comm is not None else (lambda v: v)
 
     if not os.path.exists(args.data):
         if rank == 0:
@@ -287,13 +291,13 @@ def main(argv=None) -> int:
                                       sampler=tud.DistributedSampler(ds, num_replicas=P, rank=rank, seed=0))
             times = run_epochs(loader, args.epochs, comm)
             st, sampler = ds.stats, loader.solar_sampler
-            hits, misses, calls, nbytes, resident, decode_s = (allsum(v) for v in (
+            hits, misses, calls, nbytes, resident, decode_s = (allsum(v, comm) for v in (
                 st.hits, st.misses, st.read_calls, st.bytes_in, len(sampler.buffer) // len(ds.fields), ds.decode_s))
             out = {"epoch_s": times, "steady_s": steady(times), "hits": hits, "misses": misses,
                    "hit_rate_after_fill": hits / max(1, hits + misses - n), "read_calls": calls, "bytes_read": nbytes,
                    "capacity_samples": sampler.plan_config().capacity, "resident_samples": resident,
                    "plan_bound": sampler.plan_config().bound,
-                   "buffer_bytes_used": allsum(sampler.buffer.nbytes),
+                   "buffer_bytes_used": allsum(sampler.buffer.nbytes, comm),
                    "decode_s": decode_s / P,  # per rank, summed over its decoding processes
                    "decode_share": decode_s / P / max(1, args.solar_workers) / sum(times)}
             if check:
