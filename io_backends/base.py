@@ -30,6 +30,24 @@ NOTE [ Collective request checks ]
     the independent transfer, which makes no MPI call, so a rank may read alone (rank 0 plotting a sample, each rank its own subset) and a bad request raises on the rank
     that made it. Before, every read agreed, and such ordinary code hung in the allreduce.
 
+    A pass agrees *once* on what failed after its collective reads (NOTE [ One agreement per
+    pass ]): only the checks *before* a collective call need an allreduce of their own.
+
+NOTE [ One agreement per pass ]
+    A failure that shows only after a collective read has returned on every rank (a read error
+    on one rank, a checksum mismatch) need not be agreed at once: the failing
+    rank can keep making the pass's remaining collective calls, with stand-in data, and every
+    rank learns of it at the pass's end. So ``H5Dataset`` and ``StoredConcat`` read a pass's
+    files and fields inside :meth:`Backend.agreement_at_end`, and their post-read checks call
+    ``agree(problem, later=True)``, which inside it records the rank's first problem and returns
+    (the caller then substitutes zeros for what it failed to read and goes on, so its collective
+    calls stay in step); the block's end makes one allreduce, before the pass evicts or puts
+    anything in a buffer, and every rank raises as :meth:`Backend.agree` does. A pass over
+    three files of two checksummed fields made twelve such allreduces, now one
+    (``stats.extra["agreements"]`` counts them). Checks *before* a
+    collective call (a bad request) still agree at once: a rank that skipped the call would
+    leave the others waiting in it.
+
 NOTE [ Disjoint collective reads ]
     Open MPI 4.1's default MPI-IO (OMPIO, fcoll ``dynamic``/``dynamic_gen2``) returns zeros for
     parts of a collective read whose ranks' selections overlap (93 of 200 such reads of small
@@ -81,6 +99,18 @@ def lockstep() -> Iterator[None]:
     finally:
         _LOCKSTEP.reset(token)
 
+
+class _Later:
+    """The open :meth:`Backend.agreement_at_end` block: this rank's first deferred problem."""
+
+    __slots__ = ("problem",)
+
+    def __init__(self) -> None:
+        self.problem: Exception | None = None
+
+
+#: the running pass's deferred agreement (NOTE [ One agreement per pass ]), per thread
+_LATER: contextvars.ContextVar[_Later | None] = contextvars.ContextVar("solar_agree_later", default=None)
 
 __all__ = ["Backend", "ArrayInfo", "IOStats", "normalize_ranges", "lockstep"]
 
@@ -286,7 +316,24 @@ class Backend(ABC):
         self.stats.bytes_read += total * info.row_nbytes
         return out
 
-    def agree(self, problem: Exception | None, where: str | None = None) -> None:
+    @contextlib.contextmanager
+    def agreement_at_end(self, where: str | None = None) -> Iterator[None]:
+        """Within the block ``agree(problem, later=True)`` records this rank's first problem and
+        returns; the block's end agrees on it once, as :meth:`agree` (NOTE [ One agreement per
+        pass ]). A block inside another joins it. An exception leaving the block is not agreed
+        (as it was not before: only the problems handed to ``agree`` are)."""
+        if _LATER.get() is not None:
+            yield
+            return
+        later = _Later()
+        token = _LATER.set(later)
+        try:
+            yield
+        finally:
+            _LATER.reset(token)
+        self.agree(later.problem, where)
+
+    def agree(self, problem: Exception | None, where: str | None = None, later: bool = False) -> None:
         """Raise ``problem`` -- on a collective backend, on every rank if any rank has one.
 
         A check guarding a collective call must not fail on one rank alone: the others would
@@ -296,6 +343,10 @@ class Backend(ABC):
         that is, only inside :func:`lockstep` (elsewhere ``problem`` is raised on this rank alone).
 
         ``where`` names what the other ranks' error is about (default: this backend's URL).
+        ``later=True`` (a check after a collective read that every rank has made): inside
+        :meth:`agreement_at_end` on a collective backend in lockstep, record ``problem`` and
+        return; the caller must then go on with stand-in data, making the same calls as the other
+        ranks (NOTE [ One agreement per pass ]). Elsewhere, as ``later=False``.
 
         Raises:
             IndexError / CorruptDataError / ValueError: ``problem`` on the rank that has it; on
@@ -305,6 +356,11 @@ class Backend(ABC):
         if not (self.collective and _LOCKSTEP.get()):
             if problem is not None:
                 raise problem
+            return
+        pending = _LATER.get() if later else None
+        if pending is not None:
+            if pending.problem is None:
+                pending.problem = problem
             return
         from mpi4py import MPI
 
@@ -316,6 +372,7 @@ class Backend(ABC):
                 "storage" if isinstance(problem, OSError) else "value")
         mine = (0, comm.rank, kind, str(problem)) if problem is not None else (1, comm.rank, "", "")
         failed, rank, kind, why = comm.allreduce(mine, op=MPI.MIN)  # the lowest failing rank, if any
+        self.stats.extra["agreements"] = self.stats.extra.get("agreements", 0) + 1
         if problem is not None:
             raise problem
         if failed == 0:

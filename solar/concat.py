@@ -166,7 +166,8 @@ class StoredConcat(ConcatDataset):
                 pending[k] = ds._gather(flat[places[k]], buffer, keep,
                                         _Rows(n, int(self.bounds[k]), rows, local, self.perm),
                                         checked=True)  # (agreed above; a part's positions map into it)
-            self._load(busy, pending, disjoint)  # 2. every file's reads
+            with self.backend.agreement_at_end(self.path):  # 2. every file's reads, their
+                self._load(busy, pending, disjoint)  # failures agreed once (NOTE [ One agreement per pass ])
             self.parts[0][0]._evict(buffer, evict)  # 3. the pass's evictions (keys: positions)
             whole = {k: self.parts[k][0]._finish(pending[k], buffer, shared) for k in busy}  # 4. puts
             problem, decoded = None, {}

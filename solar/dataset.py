@@ -376,7 +376,10 @@ class H5Dataset(Dataset):
             buf = self._read(spec.data_key, want, disjoint, split)
         except (OSError, CorruptDataError) as exc:  # e.g. a damaged chunk on one rank: every rank
             problem = exc                           # raises (in lockstep), none waits in the next call
-        self.backend.agree(problem)
+        self.backend.agree(problem, later=True)
+        if problem is not None:  # agreed at the pass's end: go on with zeros, in step with the
+            info = self.backend.info(spec.data_key)  # other ranks (NOTE [ One agreement per pass ])
+            buf = np.zeros((int((want[:, 1] - want[:, 0]).sum()), *info.row_shape), info.dtype)
         self.stats.read_calls += len(want)
         self.stats.bytes_in += int(buf.nbytes)
         # where each wanted row starts in the concatenated buffer
@@ -400,7 +403,7 @@ class H5Dataset(Dataset):
                 self._verify(spec, rows, data, runs, disjoint, split)
             except (OSError, CorruptDataError) as exc:
                 problem = exc
-            self.backend.agree(problem)
+            self.backend.agree(problem, later=True)
         if spec.kind == "raw" and not data.dtype.isnative:  # torch holds native byte order only
             data = data.astype(data.dtype.newbyteorder("="))
         return data
@@ -454,7 +457,8 @@ class H5Dataset(Dataset):
         every file's hits before any eviction and evicts before any put, as one file does.
         """
         pending = self._gather(indices, buffer, keep, rows)
-        self._load(pending, disjoint)
+        with self.backend.agreement_at_end():  # before anything leaves or enters the buffer
+            self._load(pending, disjoint)
         self._evict(buffer, evict)
         return self._finish(pending, buffer, shared)
 

@@ -119,16 +119,19 @@ def test_ranks_that_end_an_epoch_differently_keep_identical_plans(comm, shared_t
 @pytest.mark.mpi
 @pytest.mark.parametrize("verify, whole, workers, concat", [(True, 1 << 20, 0, False), (True, 0, 0, False),
                                                            (False, 0, 0, False), (False, 0, 1, False),
-                                                           (False, 0, 1, True)],
-                         ids=["checksum", "checksum-rows", "codec", "codec-workers", "codec-workers-concat"])
+                                                           (False, 0, 1, True), (True, 0, 0, True)],
+                         ids=["checksum", "checksum-rows", "codec", "codec-workers", "codec-workers-concat",
+                              "checksum-rows-concat"])
 def test_a_damaged_sample_on_one_rank_fails_every_rank_instead_of_hanging(comm, shared_tmp, verify, whole, workers,
                                                                           concat, monkeypatch):
     """A checksum (or codec) failure on one rank is agreed before the next collective read; before,
     the other rank waited in that read forever. ``checksum-rows``: the checksums are read with
     each pass's rows (a collective read of its own), not whole. ``codec-workers``: batches are
     decoded in a DataLoader worker, where the damaged blob raised on its rank alone (NOTE
-    [ Damaged blobs stop every rank ] in solar/dataset.py); ``concat``: the file is the second
-    of a ConcatDataset."""
+    [ Damaged blobs stop every rank ] in solar/dataset.py); ``concat``: the file is both members
+    of a ConcatDataset (``checksum-rows-concat``: the rank whose checksum fails in the first file
+    reads the second with the others, and every rank raises at the pass's end: NOTE [ One
+    agreement per pass ])."""
     monkeypatch.setattr(solar.H5Dataset, "WHOLE_CHECKSUMS_BYTES", whole)
     import faulthandler
 
@@ -261,6 +264,39 @@ def test_several_files_run_one_schedule_with_collective_reads(comm, shared_tmp, 
     planned = Planner(PlanConfig(n, P, b, n // 2 // P, seed=4))
     assert hits == sum(int(planned.plan(e).hit.sum()) for e in range(3)) > 0
     del loader
+    for d in dss:
+        d.close()
+
+
+@pytest.mark.mpi
+def test_a_pass_over_several_files_agrees_once_on_what_its_reads_found(comm, shared_tmp):
+    """NOTE [ One agreement per pass ]: the failures that show after a collective read (a read
+    error, a checksum mismatch) are agreed once, at the end of the pass's reads, not once per
+    file and field; only the check before each collective read still agrees on its own. Three
+    checksummed files of two fields: 3 + 6 agreements (the indices, the reads, the decode check;
+    a request check per collective read), where there were 3 + 6 + 12."""
+    from solar.concat import stored_concat
+    from solar.ingest import ingest
+
+    paths = [os.path.join(shared_tmp, f"agree{i}.h5") for i in range(3)]
+    rng = np.random.default_rng(40)
+    xs, ys = rng.standard_normal((72, 8, 8)).astype(np.float32), rng.standard_normal((72, 2, 8)).astype(np.float32)
+    for i, p in enumerate(paths):
+        if comm.rank == 0:
+            np.savez(p + ".npz", x=xs[24 * i:24 * (i + 1)], y=ys[24 * i:24 * (i + 1)])
+        comm.Barrier()
+        ingest([p + ".npz"], p, progress=False)  # with per-sample checksums
+    dss = [solar.H5Dataset(p) for p in paths]
+    assert all(d.backend.collective and all(d._has_checksum.values()) for d in dss)
+    data = stored_concat(tud.ConcatDataset(dss))
+    mine = [i for i in range(72) if i % comm.size == comm.rank]  # disjoint, in every file
+    made = lambda: sum(d.backend.stats.extra.get("agreements", 0) for d in dss)  # noqa: E731
+    before = made()
+    (got,) = data.fetch_steps([mine], disjoint=True)
+    assert made() - before == 3 + len(dss) * len(dss[0].specs)
+    out = data.decode(got)
+    np.testing.assert_array_equal(out["x"].numpy(), xs[mine])
+    np.testing.assert_array_equal(out["y"].numpy(), ys[mine])
     for d in dss:
         d.close()
 
