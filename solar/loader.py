@@ -142,7 +142,8 @@ class DataLoader(tud.DataLoader):
         if self.batch_sampler is not None and is_storage_backed(dataset) and \
                 self._dataset_kind == tud.dataloader._DatasetKind.Map:
             self.solar_sampler = SolarBatchSampler(self.batch_sampler, dataset, buffer=buffer, prefetch=prefetch,
-                                                   shared=num_workers > 0, spill=spill)
+                                                   shared=num_workers > 0, spill=spill,
+                                                   timeout=timeout if num_workers > 0 else 0)
             # torch forbids re-assigning batch_sampler after __init__ (its __setattr__ guard); this
             # one replacement happens inside __init__ by design.
             object.__setattr__(self, "batch_sampler", self.solar_sampler)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 from concurrent.futures import Executor, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Callable, Iterable, Iterator, TypeVar
 
 from solar.dist import on_mpi_thread
@@ -23,7 +24,7 @@ R = TypeVar("R")
 
 
 def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2, cancel: bool = True,
-             executor: Executor | None = None) -> Iterator[R]:
+             executor: Executor | None = None, timeout: float = 0) -> Iterator[R]:
     """Yield ``fn(item)`` for each item, computing up to ``depth`` items ahead on a background thread.
 
     ``depth=0`` runs ``fn`` inline. Exceptions from ``fn`` are re-raised, with their type, when
@@ -36,6 +37,11 @@ def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2, cancel: b
     ``executor``: the shared MPI thread (:func:`solar.dist.mpi_executor`) to run ``fn`` on (not
     shut down here); then ``fn`` runs there even with ``depth=0`` (submitted and waited for one
     item at a time).
+
+    ``timeout`` (> 0): wait at most that many seconds for a result, then raise torch's
+    ``RuntimeError("DataLoader timed out after N seconds")``. The stalled fetch is abandoned,
+    not waited for (a stalled storage request may never return): it finishes on its thread in
+    the background, and what it has not started is dropped.
     """
     if depth <= 0 and executor is None:
         for item in items:
@@ -45,18 +51,32 @@ def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2, cancel: b
     pool = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="solar-prefetch")
     pending: collections.deque = collections.deque()
     it = iter(items)
+    stalled = False
+
+    def result():
+        nonlocal stalled
+        fut = pending.popleft()
+        try:
+            return fut.result(timeout if timeout > 0 else None)
+        except FuturesTimeout:
+            if fut.done():  # the fetch itself raised a TimeoutError: that is its error, not ours
+                raise
+            stalled = True
+            pending.appendleft(fut)
+            raise RuntimeError(f"DataLoader timed out after {timeout} seconds") from None
+
     try:
         for item in it:
             pending.append(pool.submit(fn, item))
             if len(pending) > depth:
-                yield pending.popleft().result()
+                yield result()
         while pending:
-            yield pending.popleft().result()
+            yield result()
     finally:
-        if cancel:
+        if cancel or stalled:
             for fut in pending:
                 fut.cancel()
         if executor is None:
-            pool.shutdown(wait=True)
-        elif not on_mpi_thread():  # (a generator collected on that thread cannot wait for it)
+            pool.shutdown(wait=not stalled)
+        elif not (stalled or on_mpi_thread()):  # (a generator collected on that thread cannot wait for it)
             wait(pending)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -193,6 +194,11 @@ def _stock_distributed(sampler: Any) -> bool:
     return isinstance(sampler, DistributedSampler) and type(sampler).__iter__ is DistributedSampler.__iter__
 
 
+def _no_iteration() -> None:
+    """What ``SolarBatchSampler._live`` dereferences to before any iteration (a dead weakref)."""
+    return None
+
+
 class SolarBatchSampler(BatchSampler):
     """Wraps torch's batch sampler; see the module docstring.
 
@@ -204,10 +210,14 @@ class SolarBatchSampler(BatchSampler):
         prefetch: steps read together in one pass on the background thread, one pass ahead of
             the consumer (0: read each step inline when it is asked for).
         shared: allocate loaded batches in shared memory (``num_workers > 0``).
+        timeout: the loader's ``timeout`` with workers (else 0): seconds to wait for a pass read
+            ahead before raising torch's ``RuntimeError("DataLoader timed out ...")``. With
+            workers, torch's timeout covers the reads, which run in the workers; here they run
+            on the read-ahead thread, so the wait for them must time out too.
     """
 
     def __init__(self, inner: Any, dataset: Any, *, buffer: Any = "1GiB", prefetch: int = 8,
-                 shared: bool = False, spill: Any = None) -> None:
+                 shared: bool = False, spill: Any = None, timeout: float = 0) -> None:
         # No BatchSampler.__init__: its checks already ran on `inner` (or it is a user object).
         self.inner = inner
         self.sampler = getattr(inner, "sampler", None)
@@ -220,6 +230,7 @@ class SolarBatchSampler(BatchSampler):
             raise ConfigError(f"prefetch={prefetch!r}: pass the number of steps to load ahead (>= 0)")
         self.prefetch = prefetch
         self.shared = shared
+        self.timeout = timeout
         self.buffer = None
         self._planner: Planner | None = None
         self._key: Any = None
@@ -228,6 +239,7 @@ class SolarBatchSampler(BatchSampler):
         self._open = False  # a scheduled iteration started and not run to its end
         self._stopped: int | None = None  # steps the last iteration handed out, once it is closed
         self._token: object | None = None  # identifies the newest iteration
+        self._live: Any = _no_iteration  # weakref to the newest iteration's generator
         self._capacities: dict[tuple[int, int, int], int] = {}
         self._ahead: tuple | None = None  # (planner it was copied from, epoch, future): NOTE [ Planning ahead ]
         self._last_epoch: int | None = None  # the epoch the last scheduled iteration planned
@@ -243,6 +255,7 @@ class SolarBatchSampler(BatchSampler):
         # it; a buffer spilled to disk is a directory of this process: a copy starts over
         state = self.__dict__.copy()
         state["_ahead"] = None
+        state["_live"] = _no_iteration  # a generator is of this process
         if self.spill_spec is not None:
             state["buffer"], state["_key"], state["_planner"] = None, None, None
         return state
@@ -367,6 +380,12 @@ class SolarBatchSampler(BatchSampler):
                 yield list(batch), None, None, None
 
     def __iter__(self) -> Iterator[list[int]]:
+        me: list = []
+        it = self._iterate(me)
+        me.append(weakref.ref(it))  # what the iteration knows itself by, once it runs
+        return it
+
+    def _iterate(self, me: list) -> Iterator[list[int]]:
         from solar.dataset import StepBatch
 
         resume, self._resume = self._resume, None
@@ -375,6 +394,7 @@ class SolarBatchSampler(BatchSampler):
         self._open = self.mode == "schedule"
         self._stopped = None
         token = self._token = object()  # this iteration; an older one closing later reports nothing
+        self._live = me[0]  # NOTE [ Early stop ]: a newer iteration on a collective backend ends it
         P, rank = self._prepare()
         buffer = self.buffer  # an older iteration's last read never lands in a newer buffer
         b, C = self._geometry()[2], self._capacity
@@ -421,7 +441,8 @@ class SolarBatchSampler(BatchSampler):
         # passes in step make collective calls: on the process's one MPI thread, shared by every
         # loader (NOTE [ SOLAR's own MPI traffic ] in solar/dist.py)
         executor = mpi_executor() if collective and in_step else None
-        passes = _prefetch(groups, fetch, 1 if self.prefetch else 0, cancel=not collective, executor=executor)
+        passes = _prefetch(groups, fetch, 1 if self.prefetch else 0, cancel=not collective, executor=executor,
+                           timeout=self.timeout)
         try:
             for group in passes:
                 for batch in group:
@@ -431,7 +452,7 @@ class SolarBatchSampler(BatchSampler):
             _drop_frame_locals(exc)
             raise
         finally:
-            passes.close()  # the running read has finished: nothing touches the buffer any more
+            passes.close()  # the running read has finished (or stalled past timeout=, abandoned)
             if self._token is token:
                 self._stopped = handed
         if self._token is token:
@@ -502,7 +523,11 @@ class SolarBatchSampler(BatchSampler):
         backend (torchrun, mpirun without parallel HDF5) there is nothing to agree with: an
         early stop starts that rank over with an empty buffer and a fresh plan, which every rank
         of a data-parallel loop does alike. So does an iteration whose iterator is still
-        referenced when the next one starts (its read-ahead may still run).
+        referenced when the next one starts (its read-ahead may still run). On a collective
+        backend such an iteration is ended instead (its generator closed: its read-ahead's
+        passes finish on every rank alike, as many as the consumer took), then settled as an
+        early stop: the tutorial's ``dataiter = iter(loader); next(dataiter)`` before the
+        training loop stopped the script with an error there.
         """
         plan = self.current.get("plan") if self.current.get("mode") == "schedule" else None
         P, rank, _ = self._geometry()
@@ -513,19 +538,25 @@ class SolarBatchSampler(BatchSampler):
             import gc
 
             gc.collect()
+        collective = self._collective and P > 1
+        live = self._live() if collective and self._open and self._stopped is None else None
+        if live is not None:
+            try:
+                live.close()  # its finally waits for its passes and reports where it stopped
+            except ValueError:  # running in another thread right now: it cannot be ended from here
+                pass
         if self._open:  # stopped early, or still open
             ok = (self._stopped is not None and plan is not None and plan.undo is not None
                   and self._planner is not None and self._key == self.plan_config())
             mine = self._stopped if ok else -1
         else:  # ran to its end (or there was none): nothing to rewind here
             mine = plan.num_steps if plan is not None else -2
-        collective = self._collective and P > 1
         if collective and self._open and self._stopped is None:
             # the old iteration's read-ahead may still be in collective calls on its thread: MPI
             # calls of this one would pair with them in a different order on each rank (a hang)
             raise ConfigError(
                 "on a collective backend (parallel HDF5) one iteration of a loader runs at a time, and the "
-                "previous iterator is still open; exhaust it or drop it (`del it`) first")
+                "previous iterator is still being iterated in another thread; exhaust it or drop it first")
         if collective:
             steps, any_open = self._agree(mine, int(self._open))
         elif P == 1 or not self._open:

@@ -798,3 +798,54 @@ def test_spill_options_say_what_to_pass(h5path, tmp_path):
         solar.DataLoader(ds, batch_size=4, buffer="1MB", spill=str(tmp_path))
     with pytest.raises(solar.ConfigError, match="not a positive byte size"):
         solar.DataLoader(ds, batch_size=4, buffer="1MB", spill=(str(tmp_path), "lots"))
+
+
+def test_prefetch_timeout_raises_torchs_error_and_abandons_the_stalled_fetch():
+    """``timeout=``: a fetch that stalls (a hung storage request) raises torch's "DataLoader timed
+    out" instead of waiting forever, and closing the generator does not wait for it either."""
+    import threading
+
+    from solar.prefetch import prefetch
+
+    release = threading.Event()
+
+    def fn(i):
+        if i == 1:
+            release.wait(30)
+        return i
+
+    gen = prefetch(range(4), fn, depth=1, timeout=0.2)
+    try:
+        assert next(gen) == 0
+        with pytest.raises(RuntimeError, match=r"DataLoader timed out after 0\.2 seconds"):
+            next(gen)
+        gen.close()  # returns although item 1 is still running
+        assert not release.is_set()
+    finally:
+        release.set()
+    assert list(prefetch(range(3), lambda i: i, depth=1, timeout=5)) == [0, 1, 2]  # in time: as without
+
+
+def test_timeout_with_workers_covers_the_reads_ahead_as_torchs_covers_its_workers(h5path, monkeypatch):
+    """With workers torch's ``timeout`` turns a stalled read (it runs in a worker) into an error;
+    SOLAR reads on its read-ahead thread, so that wait times out too (before: it waited as long
+    as the storage did)."""
+    import threading
+
+    ds = solar.H5Dataset(h5path)
+    release = threading.Event()
+    read = ds.backend._read_ranges
+
+    def stalled(*args):
+        release.wait(60)
+        return read(*args)
+
+    monkeypatch.setattr(ds.backend, "_read_ranges", stalled)
+    loader = solar.DataLoader(ds, batch_size=4, num_workers=1, timeout=0.5)
+    assert loader.solar_sampler is not None
+    try:
+        with pytest.raises(RuntimeError, match=r"DataLoader timed out after 0\.5 seconds"):
+            for _ in loader:
+                pass
+    finally:
+        release.set()

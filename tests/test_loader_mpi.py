@@ -75,22 +75,23 @@ def test_breaking_out_of_an_epoch_early_keeps_collective_reads_in_step(comm, sha
                 time.sleep(0.01)  # rank 0 consumes slower: prefetch progress differs between ranks
             if k == 4:
                 break  # every rank stops after the same step, as a training loop would
-    old = iter(loader)
-    next(old)  # still open: a second iteration would interleave MPI calls with its read-ahead
-    with pytest.raises(solar.ConfigError, match="one iteration of a loader runs at a time"):
-        next(iter(loader))
-    del old  # closes its iteration (refcount): the next one rewinds
-    planner = loader.solar_sampler._planner
     sampler.set_epoch(3)
+    old = iter(loader)
+    next(old)  # the tutorial's look at one batch (`dataiter = iter(loader)`), the iterator kept
+    planner = loader.solar_sampler._planner
     h0 = ds.stats.hits
-    n = sum(len(x) for x, _ in loader)  # a full epoch afterwards: collective reads still match up
+    # the training loop: its iteration ends the held one on every rank alike (its read-ahead's
+    # passes finish first, so no MPI call interleaves; before: a ConfigError), rewinds to the
+    # step it stopped at and runs a full epoch, collective reads still matching up
+    n = sum(len(x) for x, _ in loader)
     assert n == 96 // comm.size
+    with pytest.raises(StopIteration):
+        next(old)  # ended
     # the ranks agreed on the stop step, so the planner was rewound, not started over: the
-    # buffer still serves what the cut-short epochs kept (before: an empty buffer, no hits)
-    plan = loader.solar_sampler.current["plan"]
+    # buffer still serves what the cut-short epochs kept (before: an empty buffer, no hits);
+    # the held iteration's read-ahead ran on when it was ended, so its hits count here too
     assert loader.solar_sampler._planner is planner
-    served = comm.allreduce(ds.stats.hits - h0)
-    assert 0 < served <= int(plan.hit.sum())
+    assert comm.allreduce(ds.stats.hits - h0) > 0
     assert comm.allreduce(1) == comm.size
     ds.close()
 
