@@ -104,6 +104,26 @@ _CHANGED = ("the file changed since it was opened (its ETag or modification time
             "reopen the dataset to read the new version")
 
 
+def _range_not_satisfiable(exc: BaseException) -> bool:
+    """Whether ``exc`` says that a byte range starts past the end of the file: HTTP 416, or S3's
+    ``InvalidRange`` (which s3fs turns into an ``OSError(EINVAL)``, the ClientError chained)."""
+    if isinstance(getattr(exc, "status", None), int) and type(exc).__module__.startswith("aiohttp"):
+        return exc.status == 416
+    for e in (exc, exc.__cause__, exc.__context__):
+        response = getattr(e, "response", None)  # botocore's ClientError
+        if isinstance(response, dict) and response.get("Error", {}).get("Code") == "InvalidRange":
+            return True
+    return isinstance(exc, OSError) and exc.errno == errno.EINVAL and "range is not satisfiable" in str(exc)
+
+
+def _shorter_than_header(shard: str, key: str, start: int, end: int, got: int | None = None) -> str:
+    """What a read past the end of a ``.npy`` shard means: its size was checked against its
+    header at open (:meth:`NpyStore._check_size`), so the file changed since."""
+    short = f"got {got} of bytes {start}-{end}" if got is not None else f"bytes {start}-{end} are past its end"
+    return (f"{shard}: this shard of {key!r} is shorter than its .npy header says ({short}): it was truncated "
+            "or replaced since it was opened; reopen the dataset to read the new version, or restore the file")
+
+
 def _range_hint(url: str) -> str:
     return (f"{url}: the server ignores HTTP Range requests (it sends the whole file instead of the bytes "
             "asked for), so rows cannot be read by byte ranges; serve the file from a server that supports "
@@ -172,8 +192,18 @@ def _storage_errors(url: str, doing: str, hdf5: bool = False) -> Iterator[None]:
         raise err from exc
 
 
+def _protocols(fs) -> tuple[str, ...]:
+    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+
+
 def _is_http(fs) -> bool:
-    return "http" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    return "http" in _protocols(fs)
+
+
+def _full_url(fs, path: str) -> str:
+    """``path`` of ``fs`` as the user can open it: with its protocol (s3fs's paths have none:
+    ``bucket/x.npy``), a local path as it is."""
+    return path if {"file", "local"} & set(_protocols(fs)) else fs.unstrip_protocol(path)
 
 
 class _WholeReads:
@@ -254,17 +284,21 @@ class _NpyArray:
 class NpyStore:
     """The ``.npy`` shard index of one directory (or one file) on an fsspec filesystem."""
 
-    def __init__(self, fs, root: str, url: str, is_dir: bool | None = None) -> None:
+    def __init__(self, fs, root: str, url: str, is_dir: bool | None = None, info: dict | None = None) -> None:
+        """``info``: the filesystem's info of ``root`` when the caller has it (one request less)."""
         self.fs, self.root, self.url = fs, root.rstrip("/"), url
         self.arrays: dict[str, _NpyArray] = {}
         self.attrs: dict[str, dict[str, Any]] = {}
         if fs.isdir(self.root) if is_dir is None else is_dir:
-            files = sorted(p for p in fs.find(self.root) if p.endswith(".npy"))
+            found = fs.find(self.root, detail=True)
+            files = sorted(p for p in found if p.endswith(".npy"))
+            sizes = {p: found[p].get("size") for p in files}
             names = {p: p[len(self.root) + 1:-len(".npy")] for p in files}
             if fs.exists(f"{self.root}/attrs.json"):
                 self.attrs = json.loads(fs.cat_file(f"{self.root}/attrs.json"))
         else:  # one file; its URL may carry a query (a presigned URL's signature)
             files = [self.root]
+            sizes = {self.root: (info if info is not None else fs.info(self.root)).get("size")}
             names = {self.root: urlsplit(self.root).path.rsplit("/", 1)[-1][:-len(".npy")]}
             self.root = self.root.rsplit("/", 1)[0]
         if not files:
@@ -305,9 +339,24 @@ class NpyStore:
                     raise DatasetFormatError(
                         f"{path}: shard has dtype {dt} rows {shape[1:]}, but earlier shards of {key!r} have "
                         f"{dtype} rows {row_shape}; every shard of a key must match")
+                self._check_size(path, shape, dt, off, sizes[path])
                 shards.append(_Shard(path, shape[0], off))
             starts = np.concatenate([[0], np.cumsum([s.rows for s in shards])]).astype(np.int64)
             self.arrays[key] = _NpyArray(ArrayInfo((int(starts[-1]), *row_shape), dtype), shards, starts)
+
+    def _check_size(self, path: str, shape: tuple[int, ...], dtype: np.dtype, offset: int, size: Any) -> None:
+        """Refuse a shard shorter than its header says (``size`` as the filesystem reports it;
+        unknown, e.g. an HTTP listing or a server without Content-Length: not checked).
+
+        Why: a truncated ``.npy`` (an interrupted copy or download) opened fine and failed only
+        when a read reached its missing rows, in the middle of a training epoch or an ingest."""
+        rows = shape[0]
+        need = offset + rows * int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        if isinstance(size, (int, np.integer)) and size < need:
+            raise DatasetFormatError(
+                f"{_full_url(self.fs, path)}: its .npy header promises {rows} rows of shape {shape[1:]} {dtype} "
+                f"({need} bytes with the header), but the file has {size} bytes: it is truncated (an interrupted "
+                "copy or write?); write or copy it again")
 
     def byte_ranges(self, key: str, ranges: np.ndarray) -> tuple[list[str], list[int], list[int]]:
         """The (paths, starts, ends) byte ranges holding ``ranges`` of ``key``, adjacent ones merged."""
@@ -368,7 +417,7 @@ class FsspecBackend(HDF5Backend):
         with _storage_errors(self.url, "opening it"):
             is_dir, info = self._probe(path)
             if is_dir or urlsplit(path).path.endswith(".npy"):
-                self._npy = NpyStore(self._fs, path, self.url, is_dir)
+                self._npy = NpyStore(self._fs, path, self.url, is_dir, info)
                 return
             self._check_same_version(info)
             kw = {} if "::" in self.url else {"cache_type": self.options.get("cache_type", "blockcache")}
@@ -423,7 +472,8 @@ class FsspecBackend(HDF5Backend):
             info = self._fs.info(path)
         except FileNotFoundError:
             if _is_http(self._fs):  # fsspec reports any failed HEAD so; one byte's GET says why (403 ...)
-                self._fs.cat_file(path, start=0, end=1)
+                with contextlib.suppress(FileNotFoundError):  # a 404: fsspec's message is the bare URL
+                    self._fs.cat_file(path, start=0, end=1)
             raise FileNotFoundError(f"{self.url}: no such file or directory; check the URL") from None
         if _is_http(self._fs):
             return path.endswith("/") or info.get("mimetype") == "text/html", info
@@ -527,18 +577,21 @@ class FsspecBackend(HDF5Backend):
         dst = flat if flat is not None else np.empty(out.nbytes, np.uint8)
         pos = 0
         for path, blob, s, e in zip(paths, blobs, starts, ends):
+            shard = _full_url(self._fs, path)
             if isinstance(blob, FileNotFoundError):  # listed at open, gone now
                 raise FileNotFoundError(
-                    errno.ENOENT, f"{path}: this shard of {key!r} was in the store when {self.url} was opened "
+                    errno.ENOENT, f"{shard}: this shard of {key!r} was in the store when {self.url} was opened "
                     "and is gone now (deleted or renamed while in use); restore it, or reopen the dataset "
                     "if the store was rewritten") from blob
+            if isinstance(blob, Exception) and _range_not_satisfiable(blob):
+                raise StorageError(_shorter_than_header(shard, key, s, e)) from blob
             if isinstance(blob, Exception):
-                err = _storage_error(path, blob, f"reading bytes {s}-{e} of {key!r}")
+                err = _storage_error(shard, blob, f"reading bytes {s}-{e} of {key!r}")
                 raise (err or OSError(f"{self.url}: reading bytes {s}-{e} of {key!r} failed: {blob}")) from blob
             if len(blob) > e - s:  # more than asked: the server answered a Range request with the whole file
-                raise StorageError(_range_hint(path))
-            if len(blob) != e - s:
-                raise DatasetFormatError(f"{self.url}: {key!r} is truncated: asked bytes {s}-{e}, got {len(blob)}")
+                raise StorageError(_range_hint(shard))
+            if len(blob) != e - s:  # as a 416 over http
+                raise StorageError(_shorter_than_header(shard, key, s, e, len(blob)))
             dst[pos:pos + len(blob)] = np.frombuffer(blob, np.uint8)
             pos += len(blob)
         if flat is None:

@@ -21,7 +21,9 @@ NOTE [ Ingest phases ]
        flush, then rank 0 replaces the journal (``OUT.ingest.json``) naming the batches done.
        See NOTE [ Ingest crash safety ].
     5. finish: offsets end, root attributes, ``complete=True``; ``--verify`` re-reads every sample
-       (checksums; decoded values against the inputs within the bound); then the rename.
+       (checksums; decoded values against the inputs within the bound, raw ones exactly); rank 0
+       takes the inputs' identities again, and a changed input stops the job on every rank
+       (:func:`_check_inputs_unchanged`); then the rename.
 
 NOTE [ Ingest crash safety ]
     Everything is written to ``OUT.tmp``; ``OUT`` appears only by ``os.replace`` after the file is
@@ -61,7 +63,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from solar.cache.disk import fsync_path
-from solar.errors import ConfigError, InputError, MPIUnavailableError, SolarError, StorageError
+from solar.errors import (ConfigError, CorruptDataError, DatasetFormatError, InputError, MPIUnavailableError,
+                          SolarError, StorageError)
 from solar.ingest_sources import Source, open_sources
 from solar.ingest_verify import verify_file
 from solar.layout import FORMAT, checksum_key, sample_checksum
@@ -74,6 +77,7 @@ LOCK_SUFFIX = ".ingest.lock"
 DATA_CHUNK = 1 << 20
 FINGERPRINT_PREFIX = "v2-"  # fingerprints that include a content digest of each input
 EXIT_STORAGE = 4  # `solar ingest`'s exit code (and MPI_Abort code) for a storage failure mid-run
+EXIT_INPUT = 2  # ... for bad input (also an input that a read finds unusable mid-run)
 
 
 # -- a communicator that also works without MPI ----------------------------------------------------
@@ -160,8 +164,18 @@ class Plan:
 
     def _digest(self, stamps: list[list]) -> str:
         desc = {"inputs": [(s.url, s.n, s.per_file, s.keys, st) for s, st in zip(self.sources, stamps)],
-                "fields": [asdict(f) for f in self.fields], "batch_size": self.batch_size}
+                "fields": [self._fingerprinted(f) for f in self.fields], "batch_size": self.batch_size}
         return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+    def _fingerprinted(self, f: FieldPlan) -> dict:
+        """``f`` as the fingerprint records it: as solar ingest did before raw fields lost their
+        bound, when a field stored raw for its dtype (ints, complex, float16) carried
+        ``--abs-error`` too. Why: the fields are part of the fingerprint, and a journal or an
+        output of that version must still be recognised by ``--resume`` (as this job's)."""
+        d = asdict(f)
+        if not f.compress and self.abs_error is not None and not _compressible(np.dtype(f.dtype)):
+            d["abs_error"] = self.abs_error
+        return d
 
     def _release_before(self, i: int) -> None:
         """Close the inputs a forward pass has left behind: thousands of inputs must not hold
@@ -215,6 +229,12 @@ def _codec_keeps_nan() -> bool:
 
     x = np.array([np.nan, 1.0, 2.0, 3.0], np.float32)
     return bool(np.isnan(codec.decode(codec.encode(x, abs_error=0.1)).numpy()[0]))
+
+
+def _compressible(dtype: np.dtype) -> bool:
+    """Whether a bound compresses a field of ``dtype``: float32 and float64 (the codec's types);
+    the others (ints, bools, complex, float16) are stored raw, exactly."""
+    return dtype.kind == "f" and dtype.itemsize in (4, 8)
 
 
 #: Raw samples above this size are compressed without asking the codec: its fixed overhead per blob
@@ -281,6 +301,9 @@ def _validate(inputs, output, fields, abs_error, rel_error, resume, overwrite, b
     parent = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(parent):
         raise InputError(f"{output}: the output directory {parent} does not exist; create it first")
+    if os.path.isdir(output):  # else the whole job ran, then the rename failed (and so did every --resume)
+        raise InputError(f"{output} is a directory: -o must name a file, not a directory (e.g. "
+                         f"{os.path.join(output, 'train.h5')})")
     if os.path.exists(output) and not overwrite:
         if not resume:
             raise InputError(f"{output} already exists; pass --overwrite to replace it or --resume to finish a run")
@@ -290,9 +313,12 @@ def _validate(inputs, output, fields, abs_error, rel_error, resume, overwrite, b
             raise InputError(f"{output} already exists and is not a finished `solar ingest` output, so --resume "
                              "has nothing to continue into it; pass --overwrite to replace it, or choose another -o")
     sources, infos = open_sources(list(inputs), fields=fields, samples=samples, storage_options=storage_options)
-    compress = abs_error is not None or rel_error is not None
-    plans = [FieldPlan(n, tuple(fi.shape), fi.dtype.str, compress and fi.dtype.kind == "f" and fi.dtype.itemsize in (4, 8),
-                       abs_error if compress else None) for n, fi in infos.items()]
+    bound = abs_error is not None or rel_error is not None
+    plans = []
+    for n, fi in infos.items():
+        # only a compressed field has a bound: --verify compares every other field exactly
+        compress = bound and _compressible(fi.dtype)
+        plans.append(FieldPlan(n, tuple(fi.shape), fi.dtype.str, compress, abs_error if compress else None))
     deep = [p for p in plans if p.compress and len(p.shape) > 4]  # every field, before anything is written
     if deep:
         raise ConfigError(f"field {deep[0].name!r} has {len(deep[0].shape)}-D samples {deep[0].shape}; the codec "
@@ -338,7 +364,23 @@ def _bound_pass(plan: Plan, comm) -> None:
         mn = min(g[f.name][0] for g in gathered)
         mx = max(g[f.name][1] for g in gathered)
         if need_range:
-            f.abs_error = float(plan.rel_error * (mx - mn)) if mx >= mn else 0.0
+            f.abs_error = _rel_bound(f.name, plan.rel_error, mn, mx)
+
+
+def _rel_bound(name: str, rel: float, mn: float, mx: float) -> float:
+    """``rel * (mx - mn)``; ``rel*mx - rel*mn`` when ``mx - mn`` overflows (float64 values
+    beyond +-9e307; the first form otherwise, so that bounds stay bit-identical to earlier
+    runs'). Every rank calls it with the same all-reduced range, so a bound that is still not
+    finite raises the same :class:`InputError` everywhere, before ``OUT.tmp`` is made (the codec
+    refused it mid-run, naming neither the field nor --rel-error)."""
+    if mx < mn:  # no finite value
+        return 0.0
+    bound = rel * (mx - mn) if math.isfinite(mx - mn) else rel * mx - rel * mn
+    if not math.isfinite(bound):
+        raise InputError(f"field {name!r}: --rel-error {rel:g} of its value range [{mn:g}, {mx:g}] is not a finite "
+                         "number (the range is beyond float64); give an absolute bound with --abs-error, or store "
+                         "the field raw (no --abs-error/--rel-error)")
+    return bound
 
 
 def _where(plan: Plan, i: int) -> str:
@@ -584,10 +626,11 @@ def _ingest_run(plan, comm, parallel, t0, inputs, resume, overwrite, verify, pro
     if comm.rank == 0:
         for note in plan.notes:
             print(f"solar ingest: {note}", file=sys.stderr)
+    # one rank stats the inputs and reads a sample of each (see Source.identity), before any pass
+    # reads them: the end of the run compares them again (_check_inputs_unchanged)
+    ids = plan.input_identities() if comm.rank == 0 else None
     _bound_pass(plan, comm)
     out, tmp, journal = plan.output, plan.output + TMP_SUFFIX, plan.output + JOURNAL_SUFFIX
-    # one rank stats the inputs and reads a sample of each (see Source.identity)
-    ids = plan.input_identities() if comm.rank == 0 else None
     fp = comm.bcast(plan.fingerprint(ids) if comm.rank == 0 else None, root=0)
 
     # --resume when OUT exists (see NOTE [ Ingest crash safety ]): written by this very job (same
@@ -699,8 +742,15 @@ def _ingest_run(plan, comm, parallel, t0, inputs, resume, overwrite, verify, pro
     comm.Barrier()
     for s in plan.sources:
         s.close()
+    mismatch = None
     if verify:
-        verify_file(tmp, plan=plan, comm=comm)
+        try:
+            verify_file(tmp, plan=plan, comm=comm)
+        except CorruptDataError as exc:  # raised on every rank; an input that changed explains it better
+            mismatch = exc
+    _check_inputs_unchanged(plan, ids, comm, tmp, journal)
+    if mismatch is not None:
+        raise mismatch
     if comm.rank == 0:
         if not parallel:
             # The mpio path's flush is an MPI_File_sync; h5py's serial flush only hands the bytes
@@ -721,6 +771,34 @@ def _ingest_run(plan, comm, parallel, t0, inputs, resume, overwrite, verify, pro
     row_stored = comm.bcast(row_stored, root=0)
     return IngestReport(out, plan.num_samples, [x.name for x in plan.fields], row_bytes * plan.num_samples,
                         row_stored, time.perf_counter() - t0, start, verify, comm.size)
+
+
+def _check_inputs_unchanged(plan: Plan, ids: list[list] | None, comm, tmp: str, journal: str) -> None:
+    """Raise :class:`InputError` on every rank if an input's identity (rank 0's ``ids``, taken
+    at the start of this run) differs now; rank 0 then removes ``tmp`` and ``journal``.
+
+    Why: every read of a ``.npy`` input opens it anew, so an input regenerated while the run
+    read it gave rows of both versions and exited 0, with a provenance fingerprint of the old
+    one. ``tmp`` may mix both versions, so nothing of it is kept: without a journal ``--resume``
+    starts over (as it would for the changed fingerprint; also should the input change back)."""
+    changed, err = None, None
+    if comm.rank == 0:
+        try:
+            changed = _changed_inputs(ids, plan.input_identities(), "while this run read it")
+        except OSError as exc:  # e.g. an input deleted: OUT.tmp and the journal stay for --resume
+            err = StorageError(f"checking that the inputs did not change while this run read them failed "
+                               f"({_one_line(exc)}), so {plan.output} was not created")
+        if changed:
+            for path in (tmp, journal):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+    changed, err = comm.bcast((changed, err), root=0)
+    if err is not None:
+        raise err
+    if changed:
+        raise InputError(f"{'; '.join(changed)}: the rows written may mix old and new contents, so "
+                         f"{plan.output} was not created (and {tmp} was removed); run the job again once the "
+                         "inputs stay unchanged (--resume starts over)")
 
 
 def _finished_fingerprint(path: str) -> str | None:
@@ -790,21 +868,26 @@ def _resume_point(rec: dict | None, fp: str, legacy_fp: str, ids: list[list], jo
     return 0, None, f"{journal} belongs to a different job (inputs/options changed); starting over"
 
 
-def _changed_inputs(old: Any, ids: list[list]) -> list[str]:
+def _changed_inputs(old: Any, ids: list[list], when: str = "since that run") -> list[str]:
     """One phrase per input whose ``[url, size, stamp, digest]`` differs from the journal's
-    record ``old`` (a journal of an older version has none: then nothing can be named)."""
+    record ``old`` (a journal of an older version has none: then nothing can be named);
+    ``when`` says since when (``"since that run"``). A part that is unknown on either side
+    (``None``: no metadata, unreadable bytes) is no evidence of a change."""
     if not isinstance(old, list):
         return []
     before = {o[0]: list(o[1:4]) for o in old if isinstance(o, list) and len(o) == 4}
     out = []
     for url, *now in ids:
         was = before.get(url)
-        if was is None or was == now:
+        if was is None:
             continue
-        if was[:2] != now[:2]:
-            out.append(f"input {url} changed since that run (its size or modification time differs)")
+        differs = [a is not None and b is not None and a != b for a, b in zip(was, now)]
+        if not any(differs):
+            continue
+        if any(differs[:2]):
+            out.append(f"input {url} changed {when} (its size or modification time differs)")
         else:
-            out.append(f"input {url} changed since that run (same size and modification time, other contents: "
+            out.append(f"input {url} changed {when} (same size and modification time, other contents: "
                        "rewritten, e.g. regenerated and copied back with cp -p or rsync -a)")
     return out
 
@@ -949,9 +1032,12 @@ def failure_lines(exc: BaseException, tmp: str, batches: int, rank: int | None =
 def _abort_job(comm, exc: BaseException, tmp: str, committed: int) -> None:
     """End the MPI job after ``exc`` on this rank alone (the others wait in a collective call).
     A storage failure prints :func:`failure_lines` and aborts with :data:`EXIT_STORAGE`, which
-    mpirun returns as the job's exit code, as the serial run does; anything else exits 1."""
+    mpirun returns as the job's exit code, as the serial run does; an input a read finds
+    unusable (:class:`DatasetFormatError`) with :data:`EXIT_INPUT`; anything else exits 1."""
     if isinstance(exc, OSError):
         lines, code = failure_lines(exc, tmp, committed, comm.rank), EXIT_STORAGE
+    elif isinstance(exc, DatasetFormatError):  # an input a read finds unusable: as the serial CLI says it
+        lines, code = [f"rank {comm.rank}: {exc}"], EXIT_INPUT
     else:
         lines, code = [f"rank {comm.rank} failed: {type(exc).__name__}: {exc}; aborting the job "
                        "(resume with --resume)"], 1

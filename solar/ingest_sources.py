@@ -309,6 +309,8 @@ def _describe(url: str, wanted, storage_options) -> Source:
         raise InputError(f"{url}: input not found ({exc}); check the path") from None
     except InputError:
         raise
+    except DatasetFormatError as exc:  # names the input (or its shard) and what is wrong with it
+        raise InputError(str(exc)) from None
     except (OSError, ValueError, KeyError) as exc:
         raise InputError(f"{url}: cannot read this input ({exc})") from None
     if kind == "npy":
@@ -331,7 +333,25 @@ def _describe(url: str, wanted, storage_options) -> Source:
                              "with --fields NAME=group/path")
     src.keys = names
     src.fields = {n: avail[k] for n, k in names.items()}  # stored shapes; split below
+    if kind in ("npy", "npz"):  # HDF5 fields are checked by describe_fields
+        _check_dtypes(src)
     return src
+
+
+def _check_dtypes(src: Source) -> None:
+    """Refuse a ``.npy``/``.npz`` field that a torch tensor cannot hold (strings, bytes,
+    datetimes, structured records), as :func:`solar.layout.describe_fields` refuses such an HDF5
+    dataset. Why: h5py cannot store a unicode array (a TypeError after ``OUT.tmp`` was made),
+    and a bytes array made an output that SOLAR cannot read back (no usable field)."""
+    from solar.layout import tensor_dtype_ok
+
+    for name, fi in src.fields.items():
+        if tensor_dtype_ok(fi.dtype):
+            continue
+        drop = ("leave it out with --fields (naming the other fields)" if src.kind == "npz"
+                else "leave this input out")
+        raise InputError(f"{src.url}: field {name!r} has dtype {fi.dtype}, which a tensor cannot hold (strings, "
+                         f"bytes, dates and records are not numeric); convert it to a numeric array, or {drop}")
 
 
 def open_sources(urls: list[str], *, fields: list[str] | None = None, samples: str = "auto",

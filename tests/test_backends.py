@@ -311,6 +311,58 @@ def test_copies_opened_after_a_replacement_refuse_the_new_version(http_root, s3_
         x.close()
 
 
+def _npy_bytes(a) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()
+
+
+def _shard_url(place, url):
+    """How an error names the shard at ``url``: its URL (s3fs's paths drop ``s3://``), a local path."""
+    return url[len("file://"):] if place.protocol == "file" else url.replace("memory://", "memory:///")
+
+
+def test_a_truncated_npy_is_refused_at_open(place):
+    """Audit finding: a .npy shorter than its header says (an interrupted copy) opened fine and
+    failed only when a read reached its missing rows (mid-epoch, mid-ingest: a traceback after
+    OUT.tmp was written). Its size is now compared with the header at open, where the filesystem
+    reports one: every protocol's file, and a directory's listing except over http (no sizes)."""
+    data = _npy_bytes(np.arange(4000.0).reshape(1000, 4))
+    url = place.put_bytes("t/x.npy", data[:20000])
+    targets = [url] if place.protocol == "http" else [url, url.rsplit("/", 1)[0]]
+    for target in targets:  # the file itself, and a store holding it
+        with pytest.raises(DatasetFormatError, match=rf"^{_shard_url(place, url)}: its \.npy header promises 1000 rows "
+                                                     r"of shape \(4,\) float64 \(32128 bytes with the header\), but "
+                                                     "the file has 20000 bytes: it is truncated"):
+            FsspecBackend(target, storage_options=place.storage_options).keys()
+    place.put_bytes("t/x.npy", data)
+    assert FsspecBackend(url, storage_options=place.storage_options).info("x").shape == (1000, 4)
+
+
+def test_a_npy_shard_shortened_after_open_is_named_by_its_url(place):
+    """A shard truncated or replaced by a shorter one after the open: over http the server
+    answered 416 ("...; check the URL"), over s3 InvalidRange named the shard without s3://.
+    Every protocol now says the shard is shorter than its header and names it by its URL."""
+    data = _npy_bytes(np.arange(4000.0).reshape(1000, 4))
+    url = place.put_bytes("s/v.npy", data)
+    b = FsspecBackend(url, storage_options=place.storage_options)
+    np.testing.assert_array_equal(b.read_ranges("v", [(0, 2)]), [[0, 1, 2, 3], [4, 5, 6, 7]])
+    place.put_bytes("s/v.npy", _npy_bytes(np.zeros((200, 4))))
+    with pytest.raises(StorageError, match=rf"^{_shard_url(place, url)}: this shard of 'v' is shorter than its \.npy "
+                                           r"header says \(.*\): it was truncated or replaced since it was opened"):
+        b.read_ranges("v", [(900, 910)])
+    b.close()
+
+
+def test_http_404_at_open_says_no_such_file(http_root):
+    """The one-byte GET that asks an HTTP server why a HEAD failed raised fsspec's bare
+    FileNotFoundError(url) for a 404: the message was the URL alone."""
+    for name in ("nope.h5", "nope.npy"):
+        with pytest.raises(FileNotFoundError, match=rf"^{http_root[1]}/{name}: no such file or directory; check the "
+                                                    "URL$"):
+            FsspecBackend(f"{http_root[1]}/{name}").keys()
+
+
 def test_npy_store_with_a_missing_shard_number_is_refused(tmp_path):
     """Shards 00000, 00002, 00003 opened as a shorter array, silently (rows shifted)."""
     a = np.arange(40.0).reshape(20, 2)

@@ -235,7 +235,7 @@ def test_provenance_keeps_no_credentials(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["missing", "shape", "dtype", "exists", "both-bounds", "npy-fields", "url-out",
-                                  "5d-second-field"])
+                                  "5d-second-field", "unicode-npy", "bytes-npz", "truncated-npy", "out-is-a-dir"])
 def test_bad_input_stops_before_writing(tmp_path, case):
     paths, _ = _npy_inputs(tmp_path, sizes=(4, 4))
     out = str(tmp_path / "o.h5")
@@ -265,6 +265,27 @@ def test_bad_input_stops_before_writing(tmp_path, case):
         np.savez(paths[0], a=np.zeros((3, 4), np.float32), b=np.zeros((3, 1, 1, 1, 2, 2), np.float32))
         kw = {"rel_error": 1e-3}
         match, err = "field 'b' has 5-D samples", ConfigError
+    elif case == "unicode-npy":  # h5py failed with a TypeError once OUT.tmp existed
+        np.save(tmp_path / "s.npy", np.array([["ab"] * 5] * 3))
+        paths = [str(tmp_path / "s.npy")]
+        match, err = r"s\.npy: field 'x' has dtype <U2, which a tensor cannot hold .*convert it to a numeric " \
+                     "array, or leave this input out", InputError
+    elif case == "bytes-npz":  # was written, into a file SOLAR could not read back
+        paths = [str(tmp_path / "b.npz")]
+        np.savez(paths[0], a=np.zeros((3, 4), np.float32), name=np.array([b"ab", b"cd", b"ef"]))
+        match, err = r"b\.npz: field 'name' has dtype \|S2, .*leave it out with --fields", InputError
+    elif case == "truncated-npy":  # failed with a traceback when the write loop reached the missing rows
+        with open(paths[0], "rb") as fh:
+            head = fh.read(200)
+        with open(paths[0], "wb") as fh:
+            fh.write(head)
+        match, err = (r"part0\.npy: its \.npy header promises 4 rows of shape \(3, 5\) float32 \(368 bytes with "
+                      r"the header\), but the file has 200 bytes: it is truncated"), InputError
+    elif case == "out-is-a-dir":  # ran the whole job, then failed at the rename (and every --resume)
+        out = str(tmp_path / "adir")
+        os.mkdir(out)
+        kw = {"overwrite": True}
+        match, err = "adir is a directory: -o must name a file, not a directory", InputError
     else:
         out = "s3://bucket/o.h5"
         match, err = "local", ConfigError
@@ -273,6 +294,37 @@ def test_bad_input_stops_before_writing(tmp_path, case):
         ingest(paths, out, progress=False, **kw)
     after = set(os.listdir(tmp_path))
     assert after == before, f"files appeared: {after - before}"
+
+
+def test_a_string_field_left_out_with_fields_does_not_stop_the_job(tmp_path):
+    """What the refusal of a string field suggests works: --fields naming the others."""
+    src, out = str(tmp_path / "b.npz"), str(tmp_path / "o.h5")
+    np.savez(src, a=np.arange(12, dtype=np.float32).reshape(3, 4), name=np.array(["ab", "cd", "ef"]))
+    assert ingest([src], out, fields=["a"], verify=True, progress=False).fields == ["a"]
+    np.testing.assert_array_equal(_read_field(out, "a"), np.arange(12, dtype=np.float32).reshape(3, 4))
+
+
+def test_rel_error_over_a_float64_range_beyond_float64(tmp_path, capsys):
+    """Audit finding: --rel-error over values of +-1.7e308 made max - min overflow to inf; the codec
+    refused the bound mid-run ("abs_error must be a finite number >= 0, got inf": no field, no
+    --rel-error), after OUT.tmp and the journal were written. The bound is now computed without
+    that overflow, and one that is still not finite stops the job before anything is written."""
+    from solar.cli import main
+
+    a = np.random.default_rng(3).uniform(-1, 1, (6, 64)) * 1.7e308  # compressed: larger than a blob
+    a[0, 0], a[0, 1] = -1.7e308, 1.7e308
+    src, out = str(tmp_path / "big.npy"), str(tmp_path / "o.h5")
+    np.save(src, a)
+    assert main(["ingest", src, "-o", out, "--rel-error", "1", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        "solar ingest: field 'x': --rel-error 1 of its value range [-1.7e+308, 1.7e+308] is not a finite number "
+        "(the range is beyond float64); give an absolute bound with --abs-error, or store the field raw (no "
+        "--abs-error/--rel-error)\n")
+    assert sorted(os.listdir(tmp_path)) == ["big.npy"]
+    ingest([src], out, rel_error=1e-3, verify=True, progress=False)  # 3.4e305: finite, though max - min is not
+    with h5py.File(out, "r") as f:
+        assert f["x"].attrs["abs_error"] == pytest.approx(3.4e305)
+    assert np.abs(_read_field(out, "x") - a).max() <= 3.4e305
 
 
 def test_nan_where_the_codec_cannot_keep_it(tmp_path, monkeypatch):
@@ -322,6 +374,47 @@ def test_verify_of_infinities_is_quiet_and_exact(tmp_path, recwarn):
         with pytest.raises(CorruptDataError, match=f"field 'x' sample {where[0]} is off by more than the bound"):
             verify_file(out, plan=plan)
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in recwarn]
+
+
+def test_verify_compares_raw_fields_exactly_whatever_the_bound(tmp_path):
+    """Audit finding: with --abs-error 5 every field's plan carried the bound, so --verify let an
+    int label off by 4 pass, and compared complex fields as float64 (their imaginary parts
+    dropped). Only compressed fields have a bound now: raw ones must come back exactly. The job
+    fingerprint is still the one earlier versions computed (--resume keeps recognising them)."""
+    import hashlib
+    from dataclasses import asdict
+
+    from solar.ingest import _validate
+
+    rng = np.random.default_rng(0)
+    src, out = str(tmp_path / "in.npz"), str(tmp_path / "o.h5")
+    np.savez(src, img=rng.standard_normal((8, 32, 32)).astype(np.float32),
+             label=rng.integers(0, 1000, (8, 4)), half=rng.standard_normal((8, 16)).astype(np.float16),
+             phase=(rng.standard_normal((8, 16)) + 1j * rng.standard_normal((8, 16))).astype(np.complex64))
+    ingest([src], out, abs_error=5.0, verify=True, progress=False)
+    plan = _validate([src], out, None, 5.0, None, False, True, 256, "auto", None)
+    assert {p.name: (p.compress, p.abs_error) for p in plan.fields} == {
+        "img": (True, 5.0), "label": (False, None), "half": (False, None), "phase": (False, None)}
+    ids = plan.input_identities()
+    fields = [{**asdict(f), "abs_error": 5.0 if f.name != "img" else f.abs_error} for f in plan.fields]
+    desc = {"inputs": [(s.url, s.n, s.per_file, s.keys, i[1:]) for s, i in zip(plan.sources, ids)],
+            "fields": fields, "batch_size": 256}  # the previous version's fingerprint, verbatim
+    assert plan.fingerprint(ids) == "v2-" + hashlib.sha256(json.dumps(desc, sort_keys=True, default=str)
+                                                           .encode()).hexdigest()[:32]
+    assert verify_file(out, plan=plan, comm=None) == 8
+    for name, i, change in (("label", 3, lambda r: r + np.array([4, 0, 0, 0])),
+                            ("half", 2, lambda r: r + np.float16(0.5)),
+                            ("phase", 5, lambda r: r + 1j)):  # within the bound, yet not what was put in
+        with h5py.File(out, "r+") as f:  # as a write bug would: stored values wrong, checksums agree
+            good = f[name][i]
+            f[name][i] = change(good)
+            f[checksum_key(name)][i] = sample_checksum(f[name][i])
+        with pytest.raises(CorruptDataError, match=f"field '{name}' sample {i} differs from the input"):
+            verify_file(out, plan=plan, comm=None)
+        with h5py.File(out, "r+") as f:
+            f[name][i] = good
+            f[checksum_key(name)][i] = sample_checksum(good)
+    assert verify_file(out, plan=plan, comm=None) == 8
 
 
 def test_overwrite_replaces_atomically(tmp_path):
@@ -401,6 +494,88 @@ def test_http_input_stamp_sees_a_regenerated_file_without_etag(tmp_path):
         os.utime(tmp_path / "a.npy", ns=(st.st_atime_ns, st.st_mtime_ns + 10**10))  # HTTP dates are in seconds
         after = src.stamp()
     assert before[0] == after[0] and before[1] is not None and before != after
+
+
+def _replace_during_read(monkeypatch, path, array, at_read, after=False, keep_mtime=False):
+    """Make the ingest's ``at_read``-th input read (one per batch and field and input) find
+    ``path`` regenerated as ``array`` (``os.replace``, as a pipeline writing a new version does;
+    ``keep_mtime``: as ``cp -p`` leaves it); with ``after``, the file is renamed away right after
+    that read instead."""
+    import solar.ingest_sources as sources
+
+    real, calls = sources.Source.read, []
+
+    def read(self, name, lo, hi):
+        calls.append(lo)
+        if len(calls) == at_read and not after:
+            st = os.stat(path)
+            np.save(path + ".new.npy", array)
+            os.replace(path + ".new.npy", path)
+            if keep_mtime:
+                os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        rows = real(self, name, lo, hi)
+        if len(calls) == at_read and after:
+            os.rename(path, path + ".away")
+        return rows
+
+    monkeypatch.setattr(sources.Source, "read", read)
+
+
+def test_an_input_replaced_during_the_run_creates_no_output(tmp_path, monkeypatch, capsys):
+    """Audit finding: a .npy input regenerated while the ingest read it gave an output of old and
+    new rows, exit 0, with a fingerprint of the old input. The inputs' identities are taken again
+    before the rename: a change stops the job on every rank (exit 2, as bad input), names the
+    input, keeps nothing of the mixed OUT.tmp, and the next run (--resume too) starts over."""
+    from solar.cli import main
+
+    paths, _ = _npy_inputs(tmp_path, sizes=(30, 17), shape=(8, 8))
+    out = str(tmp_path / "o.h5")
+    new = np.ones((30, 8, 8), np.float32)
+    args = ["ingest", *paths, "-o", out, "--batch-size", "8", "--commit-interval", "0", "--no-progress"]
+    _replace_during_read(monkeypatch, paths[0], new, at_read=2)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err == (f"solar ingest: input {paths[0]} changed while this run read it (its size or modification time "
+                   f"differs): the rows written may mix old and new contents, so {out} was not created (and "
+                   f"{out}.tmp was removed); run the job again once the inputs stay unchanged (--resume starts "
+                   "over)\n")
+    assert sorted(os.listdir(tmp_path)) == ["part0.npy", "part1.npy"]
+    monkeypatch.undo()
+    rep = ingest(paths, out, batch_size=8, resume=True, progress=False)
+    assert rep.resumed_from_batch == 0
+    np.testing.assert_array_equal(_read_field(out, "x"), np.concatenate([new, np.load(paths[1])]))
+
+
+def test_an_input_replaced_keeping_size_and_mtime_during_verify_is_named(tmp_path, monkeypatch):
+    """A same-size rewrite (cp -p) while --verify reads the inputs: the content digest sees it,
+    and the error names the changed input rather than a verification failure."""
+    paths, _ = _npy_inputs(tmp_path, sizes=(30, 17), shape=(8, 8))
+    out = str(tmp_path / "o.h5")
+    # 7 reads for the 6 batches (batch 3 reads both inputs), then verify reads part0 and part1
+    _replace_during_read(monkeypatch, paths[1], np.ones((17, 8, 8), np.float32), at_read=9, keep_mtime=True)
+    with pytest.raises(InputError, match=f"input {paths[1]} changed while this run read it \\(same size and "
+                                         "modification time, other contents"):
+        ingest(paths, out, batch_size=8, verify=True, progress=False, commit_interval=0)
+    assert not os.path.exists(out) and not os.path.exists(out + ".tmp")
+
+
+def test_an_input_gone_at_the_final_check_keeps_the_run_for_resume(tmp_path, monkeypatch):
+    """The final identity check cannot stat an input (here renamed away after its last read):
+    a storage failure, OUT.tmp and the journal kept; once the input is back, --resume finishes."""
+    from solar.errors import StorageError
+
+    paths, want = _npy_inputs(tmp_path, sizes=(30, 17), shape=(8, 8))
+    out = str(tmp_path / "o.h5")
+    _replace_during_read(monkeypatch, paths[1], None, at_read=7, after=True)  # the last (batch 3 reads both)
+    with pytest.raises(StorageError, match=f"checking that the inputs did not change while this run read them "
+                                           f"failed .*{paths[1]}.*so {out} was not created"):
+        ingest(paths, out, batch_size=8, progress=False, commit_interval=0)
+    assert not os.path.exists(out) and json.load(open(out + ".ingest.json"))["batches_done"] == 6
+    monkeypatch.undo()
+    os.rename(paths[1] + ".away", paths[1])
+    rep = ingest(paths, out, batch_size=8, resume=True, verify=True, progress=False)
+    assert rep.resumed_from_batch == 6
+    np.testing.assert_array_equal(_read_field(out, "x"), want)
 
 
 def _crash_after_two_batches(paths, out, monkeypatch, **kw):
@@ -678,6 +853,47 @@ def test_cli_serial_and_exit_codes(tmp_path):
         assert n == 6 and specs[0].name == "x"
 
 
+def test_cli_reports_an_unusable_input_in_one_line_with_exit_code_2(tmp_path, http_root, capsys):
+    """Audit finding: a truncated .npy passed the checks and failed mid-run with a
+    DatasetFormatError traceback (exit 1). It is now refused when the inputs are described; and
+    an input that a read finds unusable mid-run (a virtual HDF5 dataset over http, which h5py
+    cannot read from a file object) is one line with exit code 2 too, not a traceback."""
+    from solar.cli import main
+
+    paths, _ = _npy_inputs(tmp_path, sizes=(40,))
+    with open(paths[0], "r+b") as fh:
+        fh.truncate(1000)
+    out = str(tmp_path / "o.h5")
+    assert main(["ingest", paths[0], "-o", out, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"solar ingest: {paths[0]}: its .npy header promises 40 rows") and err.count("\n") == 1
+    assert sorted(os.listdir(tmp_path)) == ["part0.npy"]
+    url = _virtual_dataset_over_http(http_root)
+    assert main(["ingest", url, "-o", out, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"solar ingest: {url}: 'x' is a virtual dataset") and err.count("\n") == 1, err
+    assert not os.path.exists(out)
+
+
+def _virtual_dataset_over_http(http_root) -> str:
+    """The URL of an HDF5 file whose dataset ``x`` is virtual: described fine, refused when read
+    over http (DatasetFormatError; h5py would crash reading it from a file object)."""
+    import uuid
+
+    sub = os.path.join(http_root[0], uuid.uuid4().hex[:10])
+    os.makedirs(sub)
+    x = np.arange(20 * 3, dtype=np.float32).reshape(20, 3)
+    with h5py.File(os.path.join(sub, "src.h5"), "w") as f:
+        f["x"] = x
+    layout = h5py.VirtualLayout(shape=x.shape, dtype=x.dtype)
+    layout[:] = h5py.VirtualSource(os.path.join(sub, "src.h5"), "x", x.shape)
+    with h5py.File(os.path.join(sub, "vds.h5"), "w") as f:
+        f.create_virtual_dataset("x", layout)
+    for name in os.listdir(sub):
+        os.chmod(os.path.join(sub, name), 0o644)
+    return f"{http_root[1]}/{os.path.basename(sub)}/vds.h5"
+
+
 def test_storage_failure_mid_run_is_one_line_with_a_resume_hint(tmp_path, http_root, monkeypatch, capsys):
     """An input server failing mid-run (the audit killed nginx; here it answers 403 once the file
     is unreadable) ended in an 80-line traceback with exit 1 and no word of --resume. Now: one
@@ -802,6 +1018,22 @@ def test_storage_failure_under_mpirun_is_one_line_and_exit_code_4(tmp_path):
     assert res.returncode == 0, stderr
     assert json.loads(stdout.strip().splitlines()[-1])["resumed_from_batch"] == committed
     assert np.abs(_read_field(out, "x") - want).max() <= 0.01
+
+
+@pytest.mark.slow
+def test_an_unusable_input_under_mpirun_is_exit_code_2(tmp_path, http_root):
+    """Under mpirun an input that the write loop's reads find unusable ended the job with exit 1
+    and "resume with --resume" (which fails the same way); now each rank says what it found, as
+    the serial run does, and the job's exit code is 2 (bad input)."""
+    url, out = _virtual_dataset_over_http(http_root), str(tmp_path / "o.h5")
+    env = {**_mpirun_env(), "SOLAR_INGEST_TEST_DELAY": "0"}
+    proc = _mpirun([url, "-o", out, "--no-progress"], env)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2, stderr
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("solar ingest: ")]
+    assert lines and all(ln.startswith("solar ingest: rank ") and f": {url}: 'x' is a virtual dataset" in ln
+                         for ln in lines), stderr
+    assert "Traceback" not in stderr and "--resume" not in stderr and not os.path.exists(out)
 
 
 def test_empty_input_reports_no_infinite_ratio(tmp_path, capsys):

@@ -114,3 +114,58 @@ def test_resume_under_mpirun_sees_an_input_rewritten_with_the_same_size_and_mtim
         np.testing.assert_array_equal(f["x"][:len(new)], new)
     faulthandler.cancel_dump_traceback_later()
     comm.Barrier()
+
+
+def test_rel_error_beyond_float64_stops_every_rank_before_writing(comm, shared_tmp):
+    """Audit finding: under mpirun the overflowing bound (inf) failed inside the write loop, each
+    rank aborting the job with exit 1 and a --resume hint that failed the same way. Every rank
+    now raises the same InputError from the all-reduced range, before OUT.tmp exists."""
+    from solar.errors import InputError
+
+    src, out = os.path.join(shared_tmp, "huge.npy"), os.path.join(shared_tmp, "huge.h5")
+    if comm.rank == 0:
+        a = np.zeros((10, 64))
+        a[1, 0], a[8, 0] = -1.7e308, 1.7e308  # each rank sees one end of the range
+        np.save(src, a)
+    comm.Barrier()
+    with pytest.raises(InputError, match=r"field 'x': --rel-error 1 of its value range \[-1.7e\+308, 1.7e\+308\]"):
+        ingest([src], out, rel_error=1.0, batch_size=5, progress=False)
+    assert not os.path.exists(out + ".tmp") and not os.path.exists(out + ".ingest.json")
+    comm.Barrier()
+
+
+def test_an_input_replaced_during_the_run_stops_every_rank(comm, shared_tmp, monkeypatch):
+    """An input regenerated while the ranks read it (here by rank 0, during its second read):
+    rank 0 finds its identity changed before the rename, and every rank raises; no OUT, and the
+    next --resume starts over with the new input."""
+    import faulthandler
+
+    import solar.ingest_sources as sources
+    from solar.errors import InputError
+
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the job instead of blocking CI
+    paths = _inputs(comm, shared_tmp)
+    out = os.path.join(shared_tmp, "replaced.h5")
+    new = np.ones((11, 8, 8), np.float32)
+    if comm.rank == 0:
+        real, calls = sources.Source.read, []
+
+        def read(self, name, lo, hi):
+            calls.append(lo)
+            if len(calls) == 2:
+                np.save(paths[0] + ".new.npy", new)
+                os.replace(paths[0] + ".new.npy", paths[0])
+            return real(self, name, lo, hi)
+
+        monkeypatch.setattr(sources.Source, "read", read)
+    with pytest.raises(InputError, match=f"input {paths[0]} changed while this run read it"):
+        ingest(paths, out, batch_size=5, progress=False, commit_interval=0)
+    monkeypatch.undo()
+    assert not os.path.exists(out) and not os.path.exists(out + ".tmp")
+    comm.Barrier()
+    rep = ingest(paths, out, batch_size=5, resume=True, progress=False)
+    assert rep.resumed_from_batch == 0
+    with h5py.File(out, "r") as f:
+        np.testing.assert_array_equal(f["x"][:11], new)
+    faulthandler.cancel_dump_traceback_later()
+    comm.Barrier()

@@ -6,7 +6,8 @@ Examples::
     mpirun -n 8 solar ingest run1.h5 run2.h5 -o train.h5 --rel-error 1e-3 --verify
     mpirun -n 8 solar ingest ... -o train.h5 --resume         # after a crash: continue
 
-Exit codes: 0 done, 2 bad input or options (nothing written), 3 verification failed, 4 storage or
+Exit codes: 0 done, 2 bad input or options (nothing written; also an input that changed while the
+run read it, or that a read found unusable: no OUT), 3 verification failed, 4 storage or
 I/O failure during the run (an input server died, stalled or refused a read, the output's disk is
 full; ``--resume`` continues from the last committed batch), 1 other. Under mpirun the same codes
 are the job's: a rank that fails alone prints its message and ends the job with ``MPI_Abort`` of
@@ -57,7 +58,7 @@ def configure(p) -> None:
 
 def run(args) -> int:
     from solar.dist import mpi_comm
-    from solar.errors import ConfigError, CorruptDataError, InputError, MPIUnavailableError
+    from solar.errors import ConfigError, CorruptDataError, DatasetFormatError, InputError, MPIUnavailableError
     from solar.ingest import TMP_SUFFIX, failure_lines, ingest
 
     comm = mpi_comm()
@@ -76,6 +77,15 @@ def run(args) -> int:
         if rank == 0:
             print(f"solar ingest: verification failed: {exc}", file=sys.stderr)
         return 3
+    except DatasetFormatError as exc:
+        # An input whose layout a read finds unusable after the checks (a virtual HDF5 dataset
+        # over fsspec ...): bad input, one line naming it, not a traceback. Possibly raised on
+        # this rank alone: under MPI it says so and ends the job with the same code.
+        parallel = comm is not None and comm.size > 1
+        print(f"solar ingest: {f'rank {rank}: ' if parallel else ''}{exc}", file=sys.stderr, flush=True)
+        if parallel:
+            comm.Abort(EXIT_INPUT)
+        return EXIT_INPUT
     except OSError as exc:
         # Storage failed mid-run (StorageError: a server died, refused or ignored a Range request,
         # the disk is full; or another OSError of a read or write): one line, not a traceback,
@@ -117,6 +127,7 @@ def run(args) -> int:
 
 OUT_SAFE = "the output was not created; rerun with --resume to continue"
 EXIT_STORAGE = 4  # = solar.ingest.EXIT_STORAGE (also the MPI_Abort code, which mpirun returns)
+EXIT_INPUT = 2  # = solar.ingest.EXIT_INPUT
 
 
 def _committed_batches(args, t0: float) -> int:
