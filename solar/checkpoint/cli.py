@@ -63,20 +63,21 @@ def _ref(ref: str) -> tuple[str, int | None]:
 # -- commands --
 
 def cmd_log(args) -> int:
-    from solar.errors import CorruptDataError
-
     from .store import CheckpointStore
 
     store = CheckpointStore(args.root)
     rows, out = [], []
     total_logical = total_written = 0
-    for step in store.steps():
-        try:
-            m = store.read_manifest(step)
-        except CorruptDataError as exc:
-            out.append({"step": step, "complete": False, "error": str(exc)})
+    # versions a keep_last writer removes while this runs are left out, not reported as missing
+    listed = store.listed_manifests()
+    damaged = dict(listed.damaged)
+    manifests = {m.step: m for m in listed.good}
+    for step in sorted(damaged.keys() | manifests.keys()):
+        if step in damaged:
+            out.append({"step": step, "complete": False, "error": str(damaged[step])})
             rows.append([step, "incomplete (ignored)", "", "", "", "", ""])
             continue
+        m = manifests[step]
         written = int(m.stats.get("bytes_written", 0))
         total_logical += m.logical_bytes
         total_written += written
@@ -182,8 +183,10 @@ def cmd_verify(args) -> int:
     rep = verify(root, step, progress=not args.json, repair=args.repair)
     payload = {"root": rep.root, "ok": rep.ok, "steps": rep.steps, "chunks_checked": rep.chunks_checked,
                "bytes_checked": rep.bytes_checked, "problems": rep.problems, "incomplete": rep.incomplete,
-               "removed_chunks": rep.removed_chunks, "marked_chunks": rep.marked_chunks}
+               "removed_chunks": rep.removed_chunks, "marked_chunks": rep.marked_chunks, "skipped": rep.skipped}
     lines = [f"ignored incomplete manifest of step {p['step']}: {p['detail']}" for p in rep.incomplete]
+    lines += [f"skipped step {s}: removed while being verified (a writer's keep_last retention or a gc); "
+              "nothing is corrupt" for s in rep.skipped]
     for p in rep.problems:
         what = f"chunk {p['chunk']}" if p["kind"] == "chunk" else f"{p['kind']} of step {p.get('step')}"
         steps = p.get("steps", [p.get("step")])
