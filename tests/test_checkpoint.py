@@ -725,6 +725,54 @@ def test_lazy_then_normal_saves_behind_a_running_commit_do_not_deadlock(tmp_path
     assert list_versions(tmp_path) == [1, 2, 3]
 
 
+@pytest.mark.parametrize("later", ["normal", "lazy"])
+def test_a_save_interrupted_while_waiting_for_the_buffer_does_not_hang_later_saves(tmp_path, monkeypatch, later):
+    """Ctrl-C in a save waiting for the staging buffer (max_in_flight=1) left its turn unserved,
+    and every later save of the writer waited forever for it."""
+    import threading
+
+    from solar.checkpoint import writer as W
+
+    gate = threading.Event()
+    original = W.CheckpointWriter._write_chunks
+
+    def write_chunks(self, *args):
+        gate.wait()  # save 1's commit holds the only staging buffer until the test lets it go
+        return original(self, *args)
+
+    monkeypatch.setattr(W.CheckpointWriter, "_write_chunks", write_chunks)
+    w = CheckpointWriter(tmp_path, chunk_size=4 * KB)
+    try:
+        f1 = w.save(_state(1), 1)
+        cond = w._pool._cond
+        real_wait = cond.wait
+
+        def interrupted_wait(*args, **kwargs):  # the user presses Ctrl-C while save 2 waits
+            cond.wait = real_wait
+            raise KeyboardInterrupt
+
+        cond.wait = interrupted_wait
+        with pytest.raises(KeyboardInterrupt):
+            w.save(_state(2), 2)
+        assert cond.wait is real_wait  # save 2 did wait for the buffer
+    finally:
+        gate.set()
+    results = []
+
+    def run():
+        results.append(w.save(_state(3), 3, lazy=later == "lazy").result())
+        results.append(w.save(_state(4), 4).result())
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(120)  # a hang guard, not a timing: these saves take well under a second
+    assert not t.is_alive(), "saves after the interrupted one never got the staging buffer"
+    assert f1.result().step == 1 and [r.step for r in results] == [3, 4]
+    w.close()
+    assert list_versions(tmp_path) == [1, 3, 4]
+    assert_same(load(tmp_path, 4), _state(4))
+
+
 def test_a_failed_background_save_is_raised_by_wait_and_by_close(tmp_path):
     import concurrent.futures
     import errno
