@@ -302,6 +302,33 @@ def _one_line_error(code, err, *names):
         assert str(name) in err, err
 
 
+def test_diff_refuses_an_ambiguous_prefix_and_takes_an_explicit_one(tmp_path, capsys):
+    """A checkpoint holding a model and its EMA copy (same parameter names) against a bare model
+    file: 'model.' and 'ema.' match equally well. The sub-model compared used to depend on set
+    order (PYTHONHASHSEED), so the same command said "identical" (exit 0) or differed (exit 1)."""
+    from safetensors.torch import save_file
+
+    model = {"w": torch.ones(4), "b": torch.zeros(2)}
+    ema = {"w": torch.full((4,), 2.0), "b": torch.zeros(2)}
+    with CheckpointWriter(tmp_path / "ck", chunk_size=4 * KB) as wr:
+        wr.save({"model": model, "ema": ema, "step": 1}, 1)
+    save_file(model, tmp_path / "model.safetensors")
+    for a, b in ((f"{tmp_path}/ck@1", tmp_path / "model.safetensors"), (tmp_path / "model.safetensors", f"{tmp_path}/ck")):
+        code, _out, err = run_cli(capsys, "diff", a, b, "--exit-code")
+        _one_line_error(code, err, "ambiguous prefix", "'ema.'", "'model.'", "--prefix ema.", "--prefix ''")
+    code, out, _ = run_cli(capsys, "diff", f"{tmp_path}/ck@1", tmp_path / "model.safetensors", "--exit-code",
+                           "--prefix", "model.")
+    assert code == 0 and "(tensors under 'model.')" in out and "identical (2 tensors" in out
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "model.safetensors", f"{tmp_path}/ck@1", "--exit-code",
+                           "--prefix", "ema", "--json")  # the trailing dot is added; found on side b
+    rep = json.loads(out)
+    assert code == 1 and rep["prefix"] == ["", "ema."] and [c["name"] for c in rep["changed"]] == ["w"]
+    code, out, _ = run_cli(capsys, "diff", f"{tmp_path}/ck@1", f"{tmp_path}/ck@1", "--prefix", "", "--json")
+    assert code == 0 and json.loads(out)["prefix"] == ["", ""] and json.loads(out)["unchanged"] == 4
+    code, _out, err = run_cli(capsys, "diff", f"{tmp_path}/ck@1", tmp_path / "model.safetensors", "--prefix", "optim.")
+    _one_line_error(code, err, "prefix 'optim.' matches no tensor")
+
+
 def test_diff_damaged_safetensors_names_the_file_exit_2(root, tmp_path, capsys):
     from safetensors.torch import save_file
 

@@ -125,7 +125,8 @@ def cmd_diff(args) -> int:
 
     for ref in (args.a, args.b):
         _check_safetensors_input(ref)
-    rep = diff(args.a, args.b, values=args.values, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle)
+    rep = diff(args.a, args.b, values=args.values, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle,
+               prefix=args.prefix)
     _emit(args, rep.to_json(), format_report(rep))
     return 1 if args.exit_code and not rep.identical else 0
 
@@ -345,6 +346,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-pickle", action="store_true",
                    help="load .pt/DCP inputs with weights_only=False, for files whose state holds other objects "
                         "(numpy arrays ...); only for files you trust: unpickling can run arbitrary code")
+    p.add_argument("--prefix", default=None, metavar="PREFIX",
+                   help="compare the tensors under this name prefix of one side (e.g. ema.) with the other side's; "
+                        "default: found automatically, an error if two prefixes match equally well; '' compares "
+                        "names as they are")
     p.set_defaults(func=cmd_diff)
     p = sub.add_parser("show", help="tensors and values of one version")
     p.add_argument("ref", metavar="ROOT@STEP")
