@@ -284,6 +284,36 @@ def test_errors_exit_2(tmp_path, capsys):
     assert code == 2 and "no checkpoint step 3" in err
 
 
+def test_verify_and_gc_refuse_a_directory_that_is_not_a_root(root, tmp_path, capsys):
+    """`verify /scratch/run42` meant for `/scratch/run42/ckpt` said "OK: 0 versions" (exit 0, so a
+    script gating on it passed), and `gc` there reported success and left a `.lock` behind."""
+    from solar.checkpoint import NotACheckpointRootError, gc, verify
+
+    path, _ = root  # tmp_path/ck: the parent is the mistake
+    for argv in (["verify", tmp_path], ["verify", tmp_path, "--repair"], ["gc", tmp_path, "--keep-last", "1"]):
+        code, out, err = run_cli(capsys, *argv)
+        _one_line_error(code, err, f"{tmp_path} is not a checkpoint root", "neither manifests/ nor chunks/",
+                        f"roots below it: {path};")
+        assert "OK" not in out
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # no .lock left behind
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for attempt in (lambda: verify(empty), lambda: gc(empty, keep_last=1)):
+        with pytest.raises(NotACheckpointRootError, match=f"find {empty} -maxdepth 3 -type d -name manifests") as info:
+            attempt()
+        assert isinstance(info.value, FileNotFoundError)
+    assert os.listdir(empty) == []
+    # a root whose first save has written chunks but no manifest yet: nothing to verify, gc sweeps
+    torn = tmp_path / "torn"
+    CheckpointStore(torn, create=True).put_chunk(b"\x01" * 16, b"x" * 100)
+    code, _out, err = run_cli(capsys, "verify", torn)
+    _one_line_error(code, err, "holds no committed version yet")
+    code, out, _ = run_cli(capsys, "gc", torn)
+    assert code == 0 and "1 unreferenced chunks" in out
+    code, out, _ = run_cli(capsys, "verify", path)  # a real root still verifies
+    assert code == 0 and "OK: 3 versions" in out
+
+
 def test_console_scripts(root):
     path, _ = root
     out = subprocess.run([os.path.join(BIN, "solar-ckpt"), "log", str(path), "--json"], capture_output=True, text=True, timeout=120)

@@ -30,7 +30,7 @@ from solar.cache.base import Tier
 from solar.errors import CheckpointError, CheckpointLockedError, CorruptDataError
 from solar.fileio import flock_or_holder
 
-from .errors import CheckpointReadOnlyError, CheckpointVersionRemovedError
+from .errors import CheckpointReadOnlyError, CheckpointVersionRemovedError, NotACheckpointRootError
 from .manifest import Manifest, decode, encode
 
 __all__ = ["CheckpointStore", "ListedManifests", "open_tier", "chunk_key", "manifest_key", "parse_ref", "referenced"]
@@ -231,6 +231,60 @@ class CheckpointStore:
 
         self.local_dir = self.tier.root if isinstance(self.tier, DiskTier) else None
         self._manifest_cache: dict[int, tuple[int, Manifest]] = {}
+
+    # -- is this a root? --
+    def _holds_any(self, prefix: str) -> bool:
+        return next(iter(self.tier.keys_with_prefix(prefix)), None) is not None
+
+    def _has_lock(self) -> bool:
+        """Whether a writer was started here (its lock file or object exists, held or not)."""
+        if self.local_dir is not None:
+            return os.path.exists(os.path.join(self.local_dir, ".lock"))
+        return self.tier.exists("LOCK")
+
+    def require_root(self) -> None:
+        """Refuse a directory no writer ever used (no manifests, chunks or lock), before anything
+        writes there.
+
+        Why: ``gc`` and ``verify --repair`` take the writer lock, which creates ``.lock``, so
+        pointing them at the parent of a root (``/scratch/run42`` for ``/scratch/run42/ckpt``)
+        left a lock file there and reported success having done nothing. A root whose writer has
+        not committed yet passes (its lock says so), and ``gc`` then meets that writer's lock.
+
+        Raises:
+            NotACheckpointRootError: see :meth:`not_a_root`.
+        """
+        if not (self._holds_any(_MANIFESTS) or self._holds_any(_CHUNKS) or self._has_lock()):
+            raise self.not_a_root()
+
+    def not_a_root(self) -> NotACheckpointRootError:
+        """The error for a directory without a committed version, naming roots found below it."""
+        if self._holds_any(_CHUNKS) or self._has_lock():
+            why = "it holds no committed version yet (a writer's first save may still be running)"
+        else:
+            why = "it holds neither manifests/ nor chunks/"
+        below = self._roots_below()
+        if below:
+            hint = f"; roots below it: {', '.join(below)}"
+        elif self.local_dir is not None:
+            hint = f"; `find {self.root} -maxdepth 3 -type d -name manifests` lists the roots below it"
+        else:
+            hint = ""
+        return NotACheckpointRootError(
+            f"{self.root} is not a checkpoint root: {why}. A root is the directory a CheckpointWriter was given, "
+            f"holding manifests/ and chunks/{hint}; check the path")
+
+    def _roots_below(self, most: int = 5) -> list[str]:
+        """Direct subdirectories of a local root that are roots (hold ``manifests/``), sorted."""
+        if self.local_dir is None:
+            return []
+        try:
+            with os.scandir(self.local_dir) as entries:
+                found = sorted(e.path for e in entries
+                               if e.is_dir() and os.path.isdir(os.path.join(e.path, _MANIFESTS)))
+        except OSError:
+            return []
+        return found[:most] + (["..."] if len(found) > most else [])
 
     # -- locking --
     def lock(self) -> _Lock:

@@ -55,7 +55,8 @@ def verify(root, step: int | None = None, *, progress: bool = False, repair: boo
     ones for rewriting (see the module docstring); they stay listed in ``problems`` and are named
     in ``removed_chunks`` (deleted) and ``marked_chunks`` (both).
 
-    Returns a report; it never raises for corrupt data (a missing root or step still raises).
+    Returns a report; it never raises for corrupt data (a missing root or step still raises, and
+    so does a directory without any manifest: :class:`NotACheckpointRootError`).
     ``verify`` may run while a ``keep_last`` writer commits to the root: a version removed while
     it is checked is skipped (listed in ``skipped``), never reported as damaged; an explicit
     ``step`` removed meanwhile raises :class:`CheckpointVersionRemovedError`.
@@ -67,6 +68,7 @@ def verify(root, step: int | None = None, *, progress: bool = False, repair: boo
     store = CheckpointStore(root, **(storage_options or {}))
     if not repair:
         return _verify(store, step, progress)
+    store.require_root()  # before the lock, which would create .lock in any directory
     lock = store.lock()
     try:
         report = _verify(store, step, progress)
@@ -95,6 +97,9 @@ def _verify(store: CheckpointStore, step: int | None, progress: bool) -> VerifyR
             damaged.append((step, exc))
     else:
         listed = store.listed_manifests()  # skips versions retention removed after the listing
+        if not (listed.good or listed.damaged or listed.removed):
+            # "OK: 0 versions" would pass a script gating on verify for a mistyped path
+            raise store.not_a_root()
         manifests, damaged, report.skipped = listed.good, listed.damaged, list(listed.removed)
     for s, exc in damaged:
         entry = {"kind": "manifest", "step": s, "tensors": [],
