@@ -314,6 +314,19 @@ def test_verify_and_gc_refuse_a_directory_that_is_not_a_root(root, tmp_path, cap
     assert code == 0 and "OK: 3 versions" in out
 
 
+def test_a_truncated_manifest_is_called_damaged_and_log_counts_only_complete_versions(root, capsys):
+    """A manifest is committed atomically, so a truncated one is damage, not "a save that did not
+    finish"; `log` counted unreadable manifests among its versions."""
+    path, _ = root
+    good = (path / "manifests" / f"{30:020d}").read_bytes()
+    (path / "manifests" / f"{40:020d}").write_bytes(good[:-3])
+    code, out, _ = run_cli(capsys, "verify", path)
+    assert code == 1 and "manifest of step 40" in out and "is truncated or damaged (no end marker)" in out
+    assert "did not finish" not in out
+    code, out, _ = run_cli(capsys, "log", path)
+    assert code == 0 and "\n3 versions (+1 unreadable manifests), " in out
+
+
 def test_console_scripts(root):
     path, _ = root
     out = subprocess.run([os.path.join(BIN, "solar-ckpt"), "log", str(path), "--json"], capture_output=True, text=True, timeout=120)

@@ -94,8 +94,9 @@ def cmd_log(args) -> int:
     summary = {"root": store.root, "versions": out, "logical_bytes": total_logical, "bytes_written": total_written,
                "dedup_ratio": total_logical / total_written if total_written else None}
     text = _table(["step", "created", "tensors", "logical", "written", "new chunks", "dedup"], rows)
+    unreadable = f" (+{len(damaged)} unreadable manifests)" if damaged else ""
     if total_written:
-        text += f"\n{len(rows)} versions, {_bytes(total_logical)} logical, {_bytes(total_written)} written ({total_logical / total_written:.1f}x de-duplication)"
+        text += f"\n{len(manifests)} versions{unreadable}, {_bytes(total_logical)} logical, {_bytes(total_written)} written ({total_logical / total_written:.1f}x de-duplication)"
     elif not rows:
         text = f"no checkpoints in {store.root}"
     _emit(args, summary, text)

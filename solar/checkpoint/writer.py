@@ -219,6 +219,25 @@ class _Sink:
             self.known = collect(self.store, keep_last, full_sweep=False, protect=protect).live - self.damaged
 
 
+def _checked_meta(meta: dict | None, step: int) -> dict:
+    """A JSON copy of ``meta``, made when ``save`` is called.
+
+    Why: the manifest encodes ``meta`` only when the background commit writes it, after every
+    chunk was hashed and written, so a NaN or a tensor in it failed the save late with a bare
+    ``json`` error that did not mention ``meta``, and a dict changed after ``save`` returned
+    changed what was committed.
+    """
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise ConfigError(f"meta of step {step} must be a dict of JSON values, got {type(meta).__name__}")
+    try:
+        return json.loads(json.dumps(meta, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"meta of step {step} is not JSON-serialisable ({exc}); keep plain values (numbers, "
+                          f"strings, lists, dicts) in it, or put other objects in the state dict") from exc
+
+
 class CheckpointWriter:
     """Writes incremental, content-addressed, Merkle-indexed checkpoints of state dicts.
 
@@ -314,22 +333,24 @@ class CheckpointWriter:
 
         Raises:
             InputError: a tensor cannot be saved (sparse, meta ...).
-            ConfigError: bad ``step``.
+            ConfigError: bad ``step``, or a ``meta`` that is not JSON (it is copied here, so changing
+                it after this returns does not change the version).
         """
         if self._closed:
             raise CheckpointError(f"CheckpointWriter for {self.root} is closed")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        meta = _checked_meta(meta, step)
         t0 = time.perf_counter()
         flat = flatten(state_dict)
         staged: Future = Future()
         ticket = self._pool.ticket()
         try:
             if lazy:
-                fut = self._persist.submit(self._stage_and_commit, flat, staged, ticket, step, meta or {})
+                fut = self._persist.submit(self._stage_and_commit, flat, staged, ticket, step, meta)
             else:
                 host, slot = self._stage_copy(flat, staged, ticket)
-                fut = self._persist.submit(self._commit, flat, host, slot, step, meta or {}, time.perf_counter() - t0)
+                fut = self._persist.submit(self._commit, flat, host, slot, step, meta, time.perf_counter() - t0)
         except BaseException:  # e.g. Ctrl-C while waiting for a buffer: later saves must not wait for this one
             self._pool.cancel(ticket)  # nothing if it already took its slot
             raise
