@@ -725,6 +725,54 @@ def test_lazy_then_normal_saves_behind_a_running_commit_do_not_deadlock(tmp_path
     assert list_versions(tmp_path) == [1, 2, 3]
 
 
+@pytest.mark.parametrize("later", ["normal", "lazy"])
+def test_a_save_interrupted_while_waiting_for_the_buffer_does_not_hang_later_saves(tmp_path, monkeypatch, later):
+    """Ctrl-C in a save waiting for the staging buffer (max_in_flight=1) left its turn unserved,
+    and every later save of the writer waited forever for it."""
+    import threading
+
+    from solar.checkpoint import writer as W
+
+    gate = threading.Event()
+    original = W.CheckpointWriter._write_chunks
+
+    def write_chunks(self, *args):
+        gate.wait()  # save 1's commit holds the only staging buffer until the test lets it go
+        return original(self, *args)
+
+    monkeypatch.setattr(W.CheckpointWriter, "_write_chunks", write_chunks)
+    w = CheckpointWriter(tmp_path, chunk_size=4 * KB)
+    try:
+        f1 = w.save(_state(1), 1)
+        cond = w._pool._cond
+        real_wait = cond.wait
+
+        def interrupted_wait(*args, **kwargs):  # the user presses Ctrl-C while save 2 waits
+            cond.wait = real_wait
+            raise KeyboardInterrupt
+
+        cond.wait = interrupted_wait
+        with pytest.raises(KeyboardInterrupt):
+            w.save(_state(2), 2)
+        assert cond.wait is real_wait  # save 2 did wait for the buffer
+    finally:
+        gate.set()
+    results = []
+
+    def run():
+        results.append(w.save(_state(3), 3, lazy=later == "lazy").result())
+        results.append(w.save(_state(4), 4).result())
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(120)  # a hang guard, not a timing: these saves take well under a second
+    assert not t.is_alive(), "saves after the interrupted one never got the staging buffer"
+    assert f1.result().step == 1 and [r.step for r in results] == [3, 4]
+    w.close()
+    assert list_versions(tmp_path) == [1, 3, 4]
+    assert_same(load(tmp_path, 4), _state(4))
+
+
 def test_a_failed_background_save_is_raised_by_wait_and_by_close(tmp_path):
     import concurrent.futures
     import errno
@@ -901,25 +949,112 @@ def test_a_chunk_missing_from_a_version_still_stored_is_corruption_even_for_the_
         load(tmp_path)
 
 
+def _commit_after_first_listing(monkeypatch, writer, state, step) -> list:
+    """Right after the first listing of manifests, let ``writer`` commit ``state`` as ``step``; its
+    keep_last retention then removes listed versions before they are read (the race of a reader
+    and a writer, made deterministic). Returns the listings seen."""
+    original = CheckpointStore.steps
+    listed = []
+
+    def steps(self):
+        out = original(self)
+        if not listed:
+            listed.append(out)
+            writer.save(state, step, blocking=True)
+        return out
+
+    monkeypatch.setattr(CheckpointStore, "steps", steps)
+    return listed
+
+
 def test_opening_the_newest_version_lists_again_when_retention_removes_it_first(tmp_path, monkeypatch):
     """The manifest listed as the newest can be removed before it is read: list again, do not
     report "no checkpoint step N" or fall back to an older listed step (removed as well)."""
     with CheckpointWriter(tmp_path, chunk_size=4 * KB, keep_last=1) as w:
         w.save(_state(1), 1, blocking=True)
-        original = CheckpointStore.steps
-        listed = []
-
-        def steps(self):
-            out = original(self)
-            if not listed:
-                listed.append(out)
-                w.save(_state(2), 2, blocking=True)  # removes step 1 after we listed it
-            return out
-
-        monkeypatch.setattr(CheckpointStore, "steps", steps)
+        listed = _commit_after_first_listing(monkeypatch, w, _state(2), 2)  # removes step 1 after we listed it
         out = load(tmp_path)
     assert listed == [[1]]
     assert_same(out, _state(2))
+
+
+@pytest.mark.parametrize("reader", ["list_versions", "verify", "log"])
+def test_listing_readers_skip_a_version_removed_after_the_listing(tmp_path, monkeypatch, capsys, reader):
+    """``list_versions``, ``verify`` and ``solar-ckpt log`` next to a keep_last writer: a listed
+    version removed before its manifest is read is skipped (and the store listed again for the
+    newer one), not reported as "no checkpoint step N" (exit 2) or as damage."""
+    from solar.checkpoint.cli import main
+
+    with CheckpointWriter(tmp_path, chunk_size=4 * KB, keep_last=1) as w:
+        w.save(_state(1), 1, blocking=True)
+        listed = _commit_after_first_listing(monkeypatch, w, _state(2), 2)
+        if reader == "list_versions":
+            assert list_versions(tmp_path) == [2]
+        elif reader == "verify":
+            rep = verify(tmp_path)
+            assert rep.ok and rep.steps == [2] and rep.skipped == [1] and rep.problems == []
+        else:
+            assert main(["log", str(tmp_path), "--json"]) == 0
+            assert [v["step"] for v in json.loads(capsys.readouterr().out)["versions"]] == [2]
+    assert listed == [[1]]
+
+
+def _commit_at_first_chunk_check(monkeypatch, writer, state, step) -> list:
+    """Before ``verify`` reads its first chunk (its manifests are read by then), let ``writer``
+    commit ``state`` as ``step``; its keep_last retention removes a version being verified,
+    manifest first, then the chunks no kept version uses."""
+    original = DiskTier.read_into
+    reads = []
+
+    def read_into(self, key, out):
+        if str(key).startswith("chunks/"):
+            if not reads:
+                writer.save(state, step, blocking=True)
+            reads.append(key)
+        return original(self, key, out)
+
+    monkeypatch.setattr(DiskTier, "read_into", read_into)
+    return reads
+
+
+def test_verify_skips_a_version_retention_removes_while_its_chunks_are_checked(tmp_path, monkeypatch, capsys):
+    """A chunk missing because a keep_last writer removed its version during ``verify`` is not
+    corruption (it was reported as "CORRUPT chunk ...: missing", exit 1); a chunk that is missing
+    from a version still stored is, and names only that version."""
+    from solar.checkpoint import CheckpointVersionRemovedError
+    from solar.checkpoint.cli import main
+
+    shared = torch.randn(2048, generator=torch.Generator().manual_seed(1000))  # no _state(seed) has it
+    with CheckpointWriter(tmp_path, chunk_size=4 * KB, keep_last=2) as w:
+        w.save({"a": shared, "b": _state(1)["b"]}, 1, blocking=True)
+        w.save({"a": shared, "b": _state(2)["b"]}, 2, blocking=True)
+        reads = _commit_at_first_chunk_check(monkeypatch, w, _state(3), 3)  # removes step 1
+        rep = verify(tmp_path)
+        assert reads and list_versions(tmp_path) == [2, 3]
+        assert rep.ok and rep.steps == [2] and rep.skipped == [1], rep.problems
+        monkeypatch.undo()
+
+        # real damage, in a chunk of "a" that step 2 (kept) shares with step 3 (removed meanwhile)
+        w.save({"a": shared, "b": _state(4)["b"]}, 4, blocking=True)  # steps 3, 4
+        lost = CheckpointStore(tmp_path).read_manifest(4).blob_digests(0)[0].tobytes()
+        w.save({"a": shared, "b": _state(5)["b"]}, 5, blocking=True)  # steps 4, 5: "a" still shared
+        CheckpointStore(tmp_path).delete_chunk(lost)
+        _commit_at_first_chunk_check(monkeypatch, w, {"a": shared, "b": _state(6)["b"]}, 6)  # removes 4
+        rep = verify(tmp_path)
+        (problem,) = rep.problems
+        assert problem["chunk"] == lost.hex() and problem["detail"] == "missing"
+        assert problem["steps"] == [5] and problem["tensors"] == ["a"] and rep.skipped == [4]
+        monkeypatch.undo()
+
+        # an explicit step removed while being verified: removed, not corrupt
+        _commit_at_first_chunk_check(monkeypatch, w, _state(7), 7)  # removes 5 (and "a" goes too)
+        with pytest.raises(CheckpointVersionRemovedError, match="step 5 of .* was removed while it was being "
+                                                                  "verified.*Nothing is corrupt"):
+            verify(tmp_path, 5)
+        monkeypatch.undo()
+        _commit_at_first_chunk_check(monkeypatch, w, _state(8), 8)  # removes 6: the CLI says so, exit 0
+        assert main(["verify", str(tmp_path)]) == 0
+        assert "skipped step 6: removed while being verified" in capsys.readouterr().out
 
 
 # -- a read-only root: one clear error naming it, not a bare OSError on .lock --

@@ -87,3 +87,62 @@ def test_verify_reports_an_oversized_chunk_with_its_expected_size(tmp_path):
     (p,) = rep.problems
     assert p["chunk"] == digest.hex() and p["tensors"] == ["w"]
     assert p["detail"] == f"larger than expected ({4 * KB} B)" and "-1" not in p["detail"]
+
+
+@pytest.mark.parametrize("small_first", [True, False])
+def test_two_storages_starting_at_one_address_round_trip_in_either_order(tmp_path, small_first):
+    """``torch.from_numpy(a[:10])`` and ``torch.from_numpy(a)`` are two storages at one address;
+    with the smaller first, its span was staged from the smaller storage: a bare RuntimeError."""
+    import numpy as np
+
+    a = np.arange(1000, dtype=np.float32)
+    items = [("small", torch.from_numpy(a[:10])), ("big", torch.from_numpy(a))]
+    state = dict(items if small_first else items[::-1])
+    with CheckpointWriter(tmp_path / "ck", chunk_size=4 * KB) as wr:
+        wr.save(state, 1)
+    out = load(tmp_path / "ck", 1)
+    assert list(out) == list(state)
+    assert torch.equal(out["small"], state["small"]) and torch.equal(out["big"], state["big"])
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_and_meta_tensors_are_refused_by_name(tmp_path):
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(InputError, match=r"tensor 'model\.n' is a nested tensor; save its parts \(\.unbind\(\)\)"):
+        flatten({"model": {"n": nested}})
+    with pytest.raises(InputError, match=r"'m' is on the meta device .* materialize it") as info:
+        flatten({"m": torch.empty(3, device="meta")})
+    assert "dequantize" not in str(info.value)
+
+
+@pytest.mark.parametrize("meta", [{"loss": float("nan")}, {"cfg": torch.ones(1)}, {"path": __import__("pathlib").Path("/x")},
+                                  ["not", "a", "dict"]])
+def test_meta_that_is_not_json_is_refused_when_save_is_called(tmp_path, meta):
+    """It failed only in the background commit, after every chunk was written, with a bare json
+    error that did not mention meta."""
+    from solar.errors import ConfigError
+
+    with CheckpointWriter(tmp_path / "ck", chunk_size=4 * KB) as wr:
+        with pytest.raises(ConfigError, match="meta of step 1 "):
+            wr.save({"w": torch.ones(4)}, 1, meta=meta)
+    assert not (tmp_path / "ck" / "chunks").exists()  # refused before anything was staged or written
+
+
+def test_meta_is_copied_when_save_is_called(tmp_path):
+    meta = {"git": "abc123", "cfg": {"lr": 0.1}}
+    with CheckpointWriter(tmp_path / "ck", chunk_size=4 * KB) as wr:
+        fut = wr.save({"w": torch.ones(4)}, 1, meta=meta)
+        meta["git"] = "CHANGED-AFTER-RETURN"
+        meta["cfg"]["lr"] = 1.0
+        fut.result()
+    assert CheckpointStore(tmp_path / "ck").read_manifest(1).meta == {"git": "abc123", "cfg": {"lr": 0.1}}
+
+
+def test_map_location_callables_of_either_form(tmp_path):
+    """torch.load calls ``fn(storage, location)``; SOLAR's own form is ``fn(location)``."""
+    with CheckpointWriter(tmp_path / "ck", chunk_size=4 * KB) as wr:
+        wr.save({"w": torch.arange(4.0)}, 1)
+    for fn in (lambda storage, loc: storage, lambda storage, loc: None, lambda storage, loc: "cpu",
+               lambda loc: "cpu", lambda loc: torch.device("cpu")):
+        out = load(tmp_path / "ck", 1, map_location=fn)
+        assert torch.equal(out["w"], torch.arange(4.0)) and out["w"].device.type == "cpu"

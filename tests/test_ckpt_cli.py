@@ -284,6 +284,49 @@ def test_errors_exit_2(tmp_path, capsys):
     assert code == 2 and "no checkpoint step 3" in err
 
 
+def test_verify_and_gc_refuse_a_directory_that_is_not_a_root(root, tmp_path, capsys):
+    """`verify /scratch/run42` meant for `/scratch/run42/ckpt` said "OK: 0 versions" (exit 0, so a
+    script gating on it passed), and `gc` there reported success and left a `.lock` behind."""
+    from solar.checkpoint import NotACheckpointRootError, gc, verify
+
+    path, _ = root  # tmp_path/ck: the parent is the mistake
+    for argv in (["verify", tmp_path], ["verify", tmp_path, "--repair"], ["gc", tmp_path, "--keep-last", "1"]):
+        code, out, err = run_cli(capsys, *argv)
+        _one_line_error(code, err, f"{tmp_path} is not a checkpoint root", "neither manifests/ nor chunks/",
+                        f"roots below it: {path};")
+        assert "OK" not in out
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # no .lock left behind
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for attempt in (lambda: verify(empty), lambda: gc(empty, keep_last=1)):
+        with pytest.raises(NotACheckpointRootError, match=f"find {empty} -maxdepth 3 -type d -name manifests") as info:
+            attempt()
+        assert isinstance(info.value, FileNotFoundError)
+    assert os.listdir(empty) == []
+    # a root whose first save has written chunks but no manifest yet: nothing to verify, gc sweeps
+    torn = tmp_path / "torn"
+    CheckpointStore(torn, create=True).put_chunk(b"\x01" * 16, b"x" * 100)
+    code, _out, err = run_cli(capsys, "verify", torn)
+    _one_line_error(code, err, "holds no committed version yet")
+    code, out, _ = run_cli(capsys, "gc", torn)
+    assert code == 0 and "1 unreferenced chunks" in out
+    code, out, _ = run_cli(capsys, "verify", path)  # a real root still verifies
+    assert code == 0 and "OK: 3 versions" in out
+
+
+def test_a_truncated_manifest_is_called_damaged_and_log_counts_only_complete_versions(root, capsys):
+    """A manifest is committed atomically, so a truncated one is damage, not "a save that did not
+    finish"; `log` counted unreadable manifests among its versions."""
+    path, _ = root
+    good = (path / "manifests" / f"{30:020d}").read_bytes()
+    (path / "manifests" / f"{40:020d}").write_bytes(good[:-3])
+    code, out, _ = run_cli(capsys, "verify", path)
+    assert code == 1 and "manifest of step 40" in out and "is truncated or damaged (no end marker)" in out
+    assert "did not finish" not in out
+    code, out, _ = run_cli(capsys, "log", path)
+    assert code == 0 and "\n3 versions (+1 unreadable manifests), " in out
+
+
 def test_console_scripts(root):
     path, _ = root
     out = subprocess.run([os.path.join(BIN, "solar-ckpt"), "log", str(path), "--json"], capture_output=True, text=True, timeout=120)
@@ -300,6 +343,33 @@ def _one_line_error(code, err, *names):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     for name in names:
         assert str(name) in err, err
+
+
+def test_diff_refuses_an_ambiguous_prefix_and_takes_an_explicit_one(tmp_path, capsys):
+    """A checkpoint holding a model and its EMA copy (same parameter names) against a bare model
+    file: 'model.' and 'ema.' match equally well. The sub-model compared used to depend on set
+    order (PYTHONHASHSEED), so the same command said "identical" (exit 0) or differed (exit 1)."""
+    from safetensors.torch import save_file
+
+    model = {"w": torch.ones(4), "b": torch.zeros(2)}
+    ema = {"w": torch.full((4,), 2.0), "b": torch.zeros(2)}
+    with CheckpointWriter(tmp_path / "ck", chunk_size=4 * KB) as wr:
+        wr.save({"model": model, "ema": ema, "step": 1}, 1)
+    save_file(model, tmp_path / "model.safetensors")
+    for a, b in ((f"{tmp_path}/ck@1", tmp_path / "model.safetensors"), (tmp_path / "model.safetensors", f"{tmp_path}/ck")):
+        code, _out, err = run_cli(capsys, "diff", a, b, "--exit-code")
+        _one_line_error(code, err, "ambiguous prefix", "'ema.'", "'model.'", "--prefix ema.", "--prefix ''")
+    code, out, _ = run_cli(capsys, "diff", f"{tmp_path}/ck@1", tmp_path / "model.safetensors", "--exit-code",
+                           "--prefix", "model.")
+    assert code == 0 and "(tensors under 'model.')" in out and "identical (2 tensors" in out
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "model.safetensors", f"{tmp_path}/ck@1", "--exit-code",
+                           "--prefix", "ema", "--json")  # the trailing dot is added; found on side b
+    rep = json.loads(out)
+    assert code == 1 and rep["prefix"] == ["", "ema."] and [c["name"] for c in rep["changed"]] == ["w"]
+    code, out, _ = run_cli(capsys, "diff", f"{tmp_path}/ck@1", f"{tmp_path}/ck@1", "--prefix", "", "--json")
+    assert code == 0 and json.loads(out)["prefix"] == ["", ""] and json.loads(out)["unchanged"] == 4
+    code, _out, err = run_cli(capsys, "diff", f"{tmp_path}/ck@1", tmp_path / "model.safetensors", "--prefix", "optim.")
+    _one_line_error(code, err, "prefix 'optim.' matches no tensor")
 
 
 def test_diff_damaged_safetensors_names_the_file_exit_2(root, tmp_path, capsys):

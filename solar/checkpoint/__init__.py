@@ -9,7 +9,7 @@ exports and garbage-collects. See ``docs/checkpoint.md``.
 from __future__ import annotations
 
 from .collect import GcReport, gc
-from .errors import CheckpointReadOnlyError, CheckpointVersionRemovedError
+from .errors import CheckpointReadOnlyError, CheckpointVersionRemovedError, NotACheckpointRootError
 from .loader import Reader, list_versions, load
 from .manifest import Manifest
 from .store import CheckpointStore
@@ -30,4 +30,5 @@ __all__ = [
     "Manifest",
     "CheckpointVersionRemovedError",
     "CheckpointReadOnlyError",
+    "NotACheckpointRootError",
 ]

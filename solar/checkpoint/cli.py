@@ -63,20 +63,21 @@ def _ref(ref: str) -> tuple[str, int | None]:
 # -- commands --
 
 def cmd_log(args) -> int:
-    from solar.errors import CorruptDataError
-
     from .store import CheckpointStore
 
     store = CheckpointStore(args.root)
     rows, out = [], []
     total_logical = total_written = 0
-    for step in store.steps():
-        try:
-            m = store.read_manifest(step)
-        except CorruptDataError as exc:
-            out.append({"step": step, "complete": False, "error": str(exc)})
+    # versions a keep_last writer removes while this runs are left out, not reported as missing
+    listed = store.listed_manifests()
+    damaged = dict(listed.damaged)
+    manifests = {m.step: m for m in listed.good}
+    for step in sorted(damaged.keys() | manifests.keys()):
+        if step in damaged:
+            out.append({"step": step, "complete": False, "error": str(damaged[step])})
             rows.append([step, "incomplete (ignored)", "", "", "", "", ""])
             continue
+        m = manifests[step]
         written = int(m.stats.get("bytes_written", 0))
         total_logical += m.logical_bytes
         total_written += written
@@ -93,8 +94,9 @@ def cmd_log(args) -> int:
     summary = {"root": store.root, "versions": out, "logical_bytes": total_logical, "bytes_written": total_written,
                "dedup_ratio": total_logical / total_written if total_written else None}
     text = _table(["step", "created", "tensors", "logical", "written", "new chunks", "dedup"], rows)
+    unreadable = f" (+{len(damaged)} unreadable manifests)" if damaged else ""
     if total_written:
-        text += f"\n{len(rows)} versions, {_bytes(total_logical)} logical, {_bytes(total_written)} written ({total_logical / total_written:.1f}x de-duplication)"
+        text += f"\n{len(manifests)} versions{unreadable}, {_bytes(total_logical)} logical, {_bytes(total_written)} written ({total_logical / total_written:.1f}x de-duplication)"
     elif not rows:
         text = f"no checkpoints in {store.root}"
     _emit(args, summary, text)
@@ -124,7 +126,8 @@ def cmd_diff(args) -> int:
 
     for ref in (args.a, args.b):
         _check_safetensors_input(ref)
-    rep = diff(args.a, args.b, values=args.values, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle)
+    rep = diff(args.a, args.b, values=args.values, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle,
+               prefix=args.prefix)
     _emit(args, rep.to_json(), format_report(rep))
     return 1 if args.exit_code and not rep.identical else 0
 
@@ -182,8 +185,10 @@ def cmd_verify(args) -> int:
     rep = verify(root, step, progress=not args.json, repair=args.repair)
     payload = {"root": rep.root, "ok": rep.ok, "steps": rep.steps, "chunks_checked": rep.chunks_checked,
                "bytes_checked": rep.bytes_checked, "problems": rep.problems, "incomplete": rep.incomplete,
-               "removed_chunks": rep.removed_chunks, "marked_chunks": rep.marked_chunks}
+               "removed_chunks": rep.removed_chunks, "marked_chunks": rep.marked_chunks, "skipped": rep.skipped}
     lines = [f"ignored incomplete manifest of step {p['step']}: {p['detail']}" for p in rep.incomplete]
+    lines += [f"skipped step {s}: removed while being verified (a writer's keep_last retention or a gc); "
+              "nothing is corrupt" for s in rep.skipped]
     for p in rep.problems:
         what = f"chunk {p['chunk']}" if p["kind"] == "chunk" else f"{p['kind']} of step {p.get('step')}"
         steps = p.get("steps", [p.get("step")])
@@ -342,6 +347,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-pickle", action="store_true",
                    help="load .pt/DCP inputs with weights_only=False, for files whose state holds other objects "
                         "(numpy arrays ...); only for files you trust: unpickling can run arbitrary code")
+    p.add_argument("--prefix", default=None, metavar="PREFIX",
+                   help="compare the tensors under this name prefix of one side (e.g. ema.) with the other side's; "
+                        "default: found automatically, an error if two prefixes match equally well; '' compares "
+                        "names as they are")
     p.set_defaults(func=cmd_diff)
     p = sub.add_parser("show", help="tensors and values of one version")
     p.add_argument("ref", metavar="ROOT@STEP")

@@ -72,8 +72,14 @@ def collect(store: CheckpointStore, keep_last: int | None = None, *, dry_run: bo
 
 
 def gc(root, keep_last: int | None = None, *, dry_run: bool = False, storage_options: dict | None = None) -> GcReport:
-    """Take the writer lock on ``root`` and :func:`collect` (fails if a writer is running there)."""
+    """Take the writer lock on ``root`` and :func:`collect` (fails if a writer is running there).
+
+    Raises:
+        NotACheckpointRootError: ``root`` holds neither manifests nor chunks (checked before the
+            lock, which would leave a ``.lock`` there).
+    """
     store = CheckpointStore(root, **(storage_options or {}))
+    store.require_root()
     lock = store.lock()
     try:
         return collect(store, keep_last, dry_run=dry_run)

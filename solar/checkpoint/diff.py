@@ -337,21 +337,56 @@ def _strip(table: TensorTable, prefix: str) -> TensorTable:
                        lambda k: loader(names[k]), table.step, table.logical_bytes, plain, table.plain_note)
 
 
-def _align(ta: TensorTable, tb: TensorTable) -> tuple[TensorTable, TensorTable, tuple[str, str]]:
+def _overlap(mine: TensorTable, other: TensorTable, prefix: str) -> int:
+    """How many of ``mine``'s names under ``prefix`` are names of ``other`` once it is stripped."""
+    return sum(1 for n in mine.tensors if n.startswith(prefix) and n[len(prefix):] in other.tensors)
+
+
+def _align(ta: TensorTable, tb: TensorTable, prefix: str | None = None) -> tuple[TensorTable, TensorTable, tuple[str, str]]:
     """Match a full training checkpoint against a bare model file.
 
     ``{"model": ..., "optim": ...}`` saved by SOLAR names tensors ``model.layer.weight``, while a
     ``model.safetensors`` names them ``layer.weight``. If stripping one top-level prefix from one
     side matches more names than the sides share as they are, compare under that prefix only.
+
+    Two prefixes that match equally many names (``model.*`` and ``ema.*`` with the same parameter
+    names: EMA, teacher/student, GAN checkpoints) are ambiguous, and :class:`InputError` lists
+    them: taking either would compare a sub-model the user may not mean, and the answer (even
+    "identical") depended on set order, i.e. on ``PYTHONHASHSEED``. ``prefix`` chooses one (``""``:
+    compare the names as they are); it is stripped from the side where it matches more names.
     """
-    best = (len(ta.tensors.keys() & tb.tensors.keys()), "", "")
-    for side in ("a", "b"):
-        mine, other = (ta, tb) if side == "a" else (tb, ta)
-        for prefix in {n.split(".", 1)[0] + "." for n in mine.tensors if "." in n}:
-            overlap = sum(1 for n in mine.tensors if n.startswith(prefix) and n[len(prefix):] in other.tensors)
-            if overlap > best[0]:
-                best = (overlap, prefix if side == "a" else "", prefix if side == "b" else "")
-    _, pa, pb = best
+    sides = (("a", ta, tb), ("b", tb, ta))
+    if prefix is not None:
+        if not prefix:
+            return ta, tb, ("", "")
+        prefix = prefix if prefix.endswith(".") else prefix + "."
+        overlap, side = max((_overlap(mine, other, prefix), -i) for i, (_s, mine, other) in enumerate(sides))
+        if not overlap:
+            raise InputError(f"prefix {prefix!r} matches no tensor of {ta.source} or {tb.source} that the other side "
+                             f"holds without it; `solar-ckpt show` lists the names (or pass --prefix '' to compare "
+                             f"them as they are)")
+        return _stripped(ta, tb, prefix if side == 0 else "", prefix if side == -1 else "")
+    best = len(ta.tensors.keys() & tb.tensors.keys())
+    tied: list[tuple[str, str]] = []  # (side, prefix) matching ``best`` names, in sorted order
+    for side, mine, other in sides:
+        for p in sorted({n.split(".", 1)[0] + "." for n in mine.tensors if "." in n}):
+            overlap = _overlap(mine, other, p)
+            if overlap > best:
+                best, tied = overlap, [(side, p)]
+            elif overlap == best and tied:
+                tied.append((side, p))
+    if not tied:
+        return ta, tb, ("", "")
+    if len(tied) > 1:
+        names = ", ".join(f"{p!r} (in {ta.source if s == 'a' else tb.source})" for s, p in tied)
+        raise InputError(f"ambiguous prefix: {names} each match {best} tensor names of the other side once stripped "
+                         f"(e.g. a model and its EMA copy); choose one with --prefix, e.g. --prefix {tied[0][1]} "
+                         f"(diff(..., prefix={tied[0][1]!r}) in Python), or --prefix '' to compare the names as they are")
+    side, p = tied[0]
+    return _stripped(ta, tb, p if side == "a" else "", p if side == "b" else "")
+
+
+def _stripped(ta: TensorTable, tb: TensorTable, pa: str, pb: str) -> tuple[TensorTable, TensorTable, tuple[str, str]]:
     return _strip(ta, pa), _strip(tb, pb), (pa, pb)
 
 
@@ -436,14 +471,17 @@ def _diff_plain(rep: DiffReport, ta: TensorTable, tb: TensorTable, atol: float, 
 
 
 def diff(a: "str | TensorTable", b: "str | TensorTable", *, values: bool = False, atol: float = 0.0, rtol: float = 0.0,
-         trust_pickle: bool = False) -> DiffReport:
+         trust_pickle: bool = False, prefix: str | None = None) -> DiffReport:
     """Compare ``a`` and ``b`` (refs or tables), tensors and plain values; manifest-only unless ``values``.
 
     With ``values``, numeric plain values (ints and floats, not bools) within ``atol + rtol * |b|``
     count as unchanged, as tensor elements do. ``trust_pickle``: see :func:`open_table`.
+    ``prefix``: compare the tensors under this name prefix of one side (``"ema."``) with the other
+    side's; ``None`` finds it (see :func:`_align`), ``""`` compares names as they are.
 
     Raises:
-        InputError / CheckpointError: a side cannot be opened.
+        InputError / CheckpointError: a side cannot be opened, or the prefix is ambiguous (or given
+            and matches nothing).
     """
     ta = a if isinstance(a, TensorTable) else None
     tb = b if isinstance(b, TensorTable) else None
@@ -459,7 +497,7 @@ def diff(a: "str | TensorTable", b: "str | TensorTable", *, values: bool = False
         tb = open_table(b, chunk_size=ta.chunk_size, hash_name=ta.hash, trust_pickle=trust_pickle)
     comparable = ta.chunk_size == tb.chunk_size and ta.hash == tb.hash
     rep = DiffReport(ta.source, tb.source, values=values)
-    ta, tb, rep.prefix = _align(ta, tb)
+    ta, tb, rep.prefix = _align(ta, tb, prefix)
     _diff_plain(rep, ta, tb, atol, rtol)
     rep.added = [n for n in tb.tensors if n not in ta.tensors]
     rep.removed = [n for n in ta.tensors if n not in tb.tensors]

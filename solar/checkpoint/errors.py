@@ -9,12 +9,18 @@ from __future__ import annotations
 
 from solar.errors import CheckpointError
 
-__all__ = ["CheckpointVersionRemovedError", "CheckpointReadOnlyError"]
+__all__ = ["CheckpointVersionRemovedError", "CheckpointReadOnlyError", "NotACheckpointRootError"]
 
 
 class CheckpointVersionRemovedError(CheckpointError, FileNotFoundError):
     """The version being read was removed meanwhile, by a writer's ``keep_last`` retention (or a
     ``gc``). Nothing is corrupt: load a newer version, or keep more versions."""
+
+
+class NotACheckpointRootError(CheckpointError, FileNotFoundError):
+    """An existing directory given as a checkpoint root holds no checkpoint (a parent of the
+    root, a mistyped sibling, a rank's root before its first save). ``verify`` there used to
+    report OK having checked nothing, and ``gc`` left a ``.lock`` in it."""
 
 
 class CheckpointReadOnlyError(CheckpointError, PermissionError):

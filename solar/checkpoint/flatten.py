@@ -130,8 +130,16 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 def _prepare(t: torch.Tensor, name: str) -> torch.Tensor:
     if t.layout != torch.strided:
         raise InputError(f"tensor {name!r} has layout {t.layout}; convert it with .to_dense() before saving")
-    if t.is_quantized or t.device.type == "meta":
-        raise InputError(f"tensor {name!r} is {'quantized' if t.is_quantized else 'on the meta device'} and has no bytes to save; dequantize or materialize it first")
+    if t.is_quantized:
+        raise InputError(f"tensor {name!r} is quantized; dequantize it (.dequantize()) before saving")
+    if t.device.type == "meta":
+        raise InputError(f"tensor {name!r} is on the meta device and has no bytes to save; materialize it first "
+                         f"(e.g. load real weights or call .to_empty(device='cpu') and initialize it)")
+    if t.is_nested:
+        # strided layout, so the check above passes it, but it has no sizes or storage span to
+        # save: torch's internal error named no key
+        raise InputError(f"tensor {name!r} is a nested tensor; save its parts (.unbind()) or a padded copy "
+                         f"(.to_padded_tensor(0.0)) instead")
     if dtype_name(t.dtype) not in DTYPES:
         raise InputError(f"tensor {name!r} has unsupported dtype {t.dtype}; cast it to a supported one ({', '.join(DTYPES)})")
     if t.is_conj() or t.is_neg():
@@ -205,9 +213,16 @@ def flatten(state: Any) -> Flat:
     skeleton = enc(state, "")
     blobs: list[BlobSource] = []
     for members in groups.values():
-        t0 = members[0][1]
+        # the largest storage of the group: two storages can start at one address (numpy views
+        # of one array: torch.from_numpy(a[:10]) and torch.from_numpy(a)), and a span built over
+        # the smaller one failed staging with torch's bare "storage that is not resizable"
+        t0 = max((m[1] for m in members), key=lambda t: t.untyped_storage().nbytes())
         lo = min(m[2] for m in members) // _ALIGN * _ALIGN
         hi = max(m[3] for m in members)
+        if hi > t0.untyped_storage().nbytes():
+            names = ", ".join(tensors[m[0]].name for m in members)
+            raise InputError(f"tensors {names} share memory but reach past every storage holding it "
+                             f"({hi} B > {t0.untyped_storage().nbytes()} B); save .clone()s of them")
         blob = BlobSource(t0.untyped_storage(), lo, max(hi, lo), str(t0.device))
         for idx, _t, start, _end in members:
             tensors[idx].blob = len(blobs)

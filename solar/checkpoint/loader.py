@@ -13,6 +13,7 @@ not as damage, and nothing read from the removed version is kept.
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any, Callable, TypeVar
 
@@ -37,12 +38,36 @@ def _target_device(saved: str, map_location: Any) -> torch.device:
     elif isinstance(map_location, dict):
         dev = torch.device(map_location.get(saved, saved))
     elif callable(map_location):
-        dev = torch.device(map_location(saved))
+        dev = _call_map_location(map_location, saved)
     else:
         dev = torch.device(map_location)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CheckpointError(f"tensors were saved on {saved} but CUDA is not available here; pass map_location='cpu'")
     return dev
+
+
+def _call_map_location(fn: Callable, saved: str) -> torch.device:
+    """The device a ``map_location`` callable maps ``saved`` to, in either form.
+
+    SOLAR's own form maps the saved device string to a device (``lambda loc: "cpu"``).
+    ``torch.load``'s form is ``fn(storage, location)`` returning a storage (or ``None`` to keep
+    the default); code ported from ``torch.load`` used to fail with a ``TypeError``. A callable that
+    takes two positional arguments gets ``torch.load``'s arguments (an empty CPU storage, as
+    ``torch.load`` passes a CPU-deserialised one) and the device of the storage it returns is used.
+    """
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature: the one-argument form
+        params = []
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        return torch.device(fn(saved))
+    out = fn(torch.UntypedStorage(0), saved)
+    if out is None:
+        return torch.device(saved)
+    if isinstance(out, (str, torch.device)):
+        return torch.device(out)
+    return out.device
 
 
 #: how many more times a load of the newest version starts over after the writer's ``keep_last``
@@ -203,7 +228,8 @@ def load(root: "str | os.PathLike", step: int | None = None, map_location: Any =
     Args:
         root: checkpoint root: local path or fsspec URL.
         step: version to load; ``None`` for the newest whose manifest is complete.
-        map_location: like ``torch.load``: a device, a ``{saved: target}`` dict or a callable.
+        map_location: like ``torch.load``: a device, a ``{saved: target}`` dict or a callable, either
+            ``torch.load``'s ``fn(storage, location)`` or ``fn(location) -> device``.
         verify: re-hash every chunk (default); corrupt data raises instead of being returned.
         storage_options: fsspec options for a URL ``root``.
 

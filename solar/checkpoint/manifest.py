@@ -111,7 +111,9 @@ def decode(data: bytes, where: str = "manifest") -> Manifest:
     if len(mv) < len(MAGIC) + 8 + 16 + len(END) or bytes(mv[:16]) != MAGIC:
         raise CorruptDataError(f"{where} is not a SOLAR checkpoint manifest (bad magic or too short: {len(mv)} B)")
     if bytes(mv[-len(END):]) != END:
-        raise CorruptDataError(f"{where} is truncated (no end marker); the save that wrote it did not finish")
+        # not "the save did not finish": a manifest is committed by one atomic write, so one under
+        # its final name without its end can only be damage (or a durable=False save cut by a power loss)
+        raise CorruptDataError(f"{where} is truncated or damaged (no end marker)")
     body = mv[:-len(END) - 16]
     if xxhash.xxh3_128_digest(body) != bytes(mv[-len(END) - 16:-len(END)]):
         raise CorruptDataError(f"{where} fails its checksum; it is torn or was altered")

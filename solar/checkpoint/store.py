@@ -21,6 +21,7 @@ import socket
 import time
 import uuid
 import warnings
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -29,10 +30,10 @@ from solar.cache.base import Tier
 from solar.errors import CheckpointError, CheckpointLockedError, CorruptDataError
 from solar.fileio import flock_or_holder
 
-from .errors import CheckpointReadOnlyError, CheckpointVersionRemovedError
+from .errors import CheckpointReadOnlyError, CheckpointVersionRemovedError, NotACheckpointRootError
 from .manifest import Manifest, decode, encode
 
-__all__ = ["CheckpointStore", "open_tier", "chunk_key", "manifest_key", "parse_ref", "referenced"]
+__all__ = ["CheckpointStore", "ListedManifests", "open_tier", "chunk_key", "manifest_key", "parse_ref", "referenced"]
 
 _MANIFESTS = "manifests/"
 _CHUNKS = "chunks/"
@@ -231,6 +232,60 @@ class CheckpointStore:
         self.local_dir = self.tier.root if isinstance(self.tier, DiskTier) else None
         self._manifest_cache: dict[int, tuple[int, Manifest]] = {}
 
+    # -- is this a root? --
+    def _holds_any(self, prefix: str) -> bool:
+        return next(iter(self.tier.keys_with_prefix(prefix)), None) is not None
+
+    def _has_lock(self) -> bool:
+        """Whether a writer was started here (its lock file or object exists, held or not)."""
+        if self.local_dir is not None:
+            return os.path.exists(os.path.join(self.local_dir, ".lock"))
+        return self.tier.exists("LOCK")
+
+    def require_root(self) -> None:
+        """Refuse a directory no writer ever used (no manifests, chunks or lock), before anything
+        writes there.
+
+        Why: ``gc`` and ``verify --repair`` take the writer lock, which creates ``.lock``, so
+        pointing them at the parent of a root (``/scratch/run42`` for ``/scratch/run42/ckpt``)
+        left a lock file there and reported success having done nothing. A root whose writer has
+        not committed yet passes (its lock says so), and ``gc`` then meets that writer's lock.
+
+        Raises:
+            NotACheckpointRootError: see :meth:`not_a_root`.
+        """
+        if not (self._holds_any(_MANIFESTS) or self._holds_any(_CHUNKS) or self._has_lock()):
+            raise self.not_a_root()
+
+    def not_a_root(self) -> NotACheckpointRootError:
+        """The error for a directory without a committed version, naming roots found below it."""
+        if self._holds_any(_CHUNKS) or self._has_lock():
+            why = "it holds no committed version yet (a writer's first save may still be running)"
+        else:
+            why = "it holds neither manifests/ nor chunks/"
+        below = self._roots_below()
+        if below:
+            hint = f"; roots below it: {', '.join(below)}"
+        elif self.local_dir is not None:
+            hint = f"; `find {self.root} -maxdepth 3 -type d -name manifests` lists the roots below it"
+        else:
+            hint = ""
+        return NotACheckpointRootError(
+            f"{self.root} is not a checkpoint root: {why}. A root is the directory a CheckpointWriter was given, "
+            f"holding manifests/ and chunks/{hint}; check the path")
+
+    def _roots_below(self, most: int = 5) -> list[str]:
+        """Direct subdirectories of a local root that are roots (hold ``manifests/``), sorted."""
+        if self.local_dir is None:
+            return []
+        try:
+            with os.scandir(self.local_dir) as entries:
+                found = sorted(e.path for e in entries
+                               if e.is_dir() and os.path.isdir(os.path.join(e.path, _MANIFESTS)))
+        except OSError:
+            return []
+        return found[:most] + (["..."] if len(found) > most else [])
+
     # -- locking --
     def lock(self) -> _Lock:
         lk = _Lock(self)
@@ -326,24 +381,68 @@ class CheckpointStore:
             CheckpointError: no such version (lists the ones there are).
             CorruptDataError: the manifest is torn or altered.
         """
-        data = self.tier.get(manifest_key(step))
-        if data is None:
+        m = self.find_manifest(step)
+        if m is None:
             raise CheckpointError(f"no checkpoint step {step} in {self.root}; versions: {self.versions() or 'none'}")
-        return decode(data, f"manifest of step {step} in {self.root}")
+        return m
+
+    def find_manifest(self, step: int) -> Manifest | None:
+        """The manifest of ``step``, or ``None`` if there is none.
+
+        For steps taken from a listing: one that is gone when read was removed in between by a
+        writer's ``keep_last`` retention (or a ``gc``), which is not an error for a reader that
+        walks the listing; :meth:`read_manifest` is for a step the caller asked for.
+
+        Raises:
+            CorruptDataError: the manifest is torn or altered.
+        """
+        data = self.tier.get(manifest_key(step))
+        return None if data is None else decode(data, f"manifest of step {step} in {self.root}")
 
     def delete_manifest(self, step: int) -> bool:
         return self.tier.delete(manifest_key(step))
 
-    def valid_manifests(self, *, warn: bool = True) -> list[Manifest]:
-        """Manifests that decode and pass their checksum, oldest first; torn ones are skipped."""
-        out = []
-        for step in self.steps():
-            try:
-                out.append(self.read_manifest(step))
-            except CorruptDataError as exc:
-                if warn:
-                    warnings.warn(f"ignoring incomplete checkpoint: {exc}", stacklevel=2)
+    def listed_manifests(self) -> "ListedManifests":
+        """Every manifest the store lists, read: the good ones, the damaged ones, the vanished ones.
+
+        A listed manifest that is gone when read was removed by a writer's ``keep_last`` retention
+        (or a ``gc``) after the listing: it is skipped, not reported as "no checkpoint step N". Its
+        removal means a newer version was committed, so the store is listed again for steps not
+        yet seen (at most ``_RELISTS`` listings); otherwise a root whose only version was replaced
+        while being listed would look empty.
+        """
+        out = ListedManifests()
+        seen: set[int] = set()
+        for _listing in range(_RELISTS):
+            vanished = False
+            for step in self.steps():
+                if step in seen:
+                    continue
+                seen.add(step)
+                try:
+                    m = self.find_manifest(step)
+                except CorruptDataError as exc:
+                    out.damaged.append((step, exc))
+                    continue
+                if m is None:
+                    out.removed.append(step)
+                    vanished = True
+                else:
+                    out.good.append(m)
+            if not vanished:
+                break
+        out.good.sort(key=lambda m: m.step)
+        out.damaged.sort(key=lambda e: e[0])
         return out
+
+    def valid_manifests(self, *, warn: bool = True) -> list[Manifest]:
+        """Manifests that decode and pass their checksum, oldest first; torn ones are skipped, and
+        so are listed ones removed by retention before they could be read (see :meth:`listed_manifests`)."""
+        listed = self.listed_manifests()
+        if warn:
+            for _step, exc in listed.damaged:
+                warnings.warn(f"ignoring incomplete checkpoint: {exc}", stacklevel=2)
+        return listed.good
 
     def versions(self) -> list[int]:
         return [m.step for m in self.valid_manifests(warn=False)]
@@ -361,13 +460,14 @@ class CheckpointStore:
         """
         for _listing in range(_RELISTS):
             for step in reversed(self.steps()):
-                data = self.tier.get(manifest_key(step))
-                if data is None:
-                    break  # removed since listed: list again
                 try:
-                    return decode(data, f"manifest of step {step} in {self.root}")
+                    m = self.find_manifest(step)
                 except CorruptDataError as exc:
                     warnings.warn(f"skipping checkpoint step {step}: {exc}", stacklevel=2)
+                    continue
+                if m is None:
+                    break  # removed since listed: list again
+                return m
             else:
                 return None
         raise CheckpointVersionRemovedError(
@@ -396,6 +496,15 @@ class CheckpointStore:
                 raise CheckpointError(f"no complete checkpoint in {self.root}; nothing to load")
             return m
         return self.read_manifest(step)
+
+
+@dataclass
+class ListedManifests:
+    """What :meth:`CheckpointStore.listed_manifests` found, each list oldest first."""
+
+    good: list[Manifest] = field(default_factory=list)
+    damaged: list[tuple[int, CorruptDataError]] = field(default_factory=list)  # (step, why) failing their checksum
+    removed: list[int] = field(default_factory=list)  # listed, then removed before they could be read
 
 
 def referenced(manifests: list[Manifest]) -> set[bytes]:

@@ -20,6 +20,8 @@ from solar.errors import CorruptDataError
 
 from . import merkle
 from .chunking import chunk_spans, hasher
+from .errors import CheckpointVersionRemovedError
+from .manifest import Manifest
 from .store import CheckpointStore, chunk_key
 
 __all__ = ["VerifyReport", "verify"]
@@ -35,6 +37,9 @@ class VerifyReport:
     incomplete: list[dict] = field(default_factory=list)  # manifests failing their checksum (also in problems)
     removed_chunks: list[str] = field(default_factory=list)  # repair=True: damaged chunks deleted (hex digests)
     marked_chunks: list[str] = field(default_factory=list)  # repair=True: damaged or missing, to be rewritten
+    # versions removed by a writer's keep_last retention (or a gc) while being verified: not
+    # damage, and not counted in ``steps``
+    skipped: list[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -50,7 +55,11 @@ def verify(root, step: int | None = None, *, progress: bool = False, repair: boo
     ones for rewriting (see the module docstring); they stay listed in ``problems`` and are named
     in ``removed_chunks`` (deleted) and ``marked_chunks`` (both).
 
-    Returns a report; it never raises for corrupt data (a missing root or step still raises).
+    Returns a report; it never raises for corrupt data (a missing root or step still raises, and
+    so does a directory without any manifest: :class:`NotACheckpointRootError`).
+    ``verify`` may run while a ``keep_last`` writer commits to the root: a version removed while
+    it is checked is skipped (listed in ``skipped``), never reported as damaged; an explicit
+    ``step`` removed meanwhile raises :class:`CheckpointVersionRemovedError`.
     A manifest that fails its checksum is a problem (also listed in ``incomplete``): manifests
     are committed by an atomic write (temporary, fsync, rename), so one under its final name can
     only be damage, or a ``durable=False`` save cut by a power loss. Loaders skip it (``load``
@@ -59,6 +68,7 @@ def verify(root, step: int | None = None, *, progress: bool = False, repair: boo
     store = CheckpointStore(root, **(storage_options or {}))
     if not repair:
         return _verify(store, step, progress)
+    store.require_root()  # before the lock, which would create .lock in any directory
     lock = store.lock()
     try:
         report = _verify(store, step, progress)
@@ -78,18 +88,26 @@ def verify(root, step: int | None = None, *, progress: bool = False, repair: boo
 
 def _verify(store: CheckpointStore, step: int | None, progress: bool) -> VerifyReport:
     report = VerifyReport(store.root)
-    steps = [step] if step is not None else store.steps()
-    manifests = []
-    for s in steps:
+    manifests: list[Manifest] = []
+    damaged: list[tuple[int, CorruptDataError]] = []
+    if step is not None:
         try:
-            manifests.append(store.read_manifest(s))
+            manifests.append(store.read_manifest(step))
         except CorruptDataError as exc:
-            entry = {"kind": "manifest", "step": s, "tensors": [],
-                     "detail": f"{exc}; load() skips this version (damaged, or a durable=False save cut by a "
-                               "power loss); restore it from a copy, or `solar-ckpt gc` removes it"}
-            report.problems.append(entry)
-            if step is None:
-                report.incomplete.append(entry)
+            damaged.append((step, exc))
+    else:
+        listed = store.listed_manifests()  # skips versions retention removed after the listing
+        if not (listed.good or listed.damaged or listed.removed):
+            # "OK: 0 versions" would pass a script gating on verify for a mistyped path
+            raise store.not_a_root()
+        manifests, damaged, report.skipped = listed.good, listed.damaged, list(listed.removed)
+    for s, exc in damaged:
+        entry = {"kind": "manifest", "step": s, "tensors": [],
+                 "detail": f"{exc}; load() skips this version (damaged, or a durable=False save cut by a "
+                           "power loss); restore it from a copy, or `solar-ckpt gc` removes it"}
+        report.problems.append(entry)
+        if step is None:
+            report.incomplete.append(entry)
     # chunk digest -> (size, [(step, tensor names)])
     where: dict[bytes, tuple[int, list]] = {}
     for m in manifests:
@@ -111,6 +129,8 @@ def _verify(store: CheckpointStore, step: int | None, progress: bool) -> VerifyR
         from tqdm import tqdm
 
         bar = tqdm(total=sum(v[0] for v in where.values()), unit="B", unit_scale=True, desc="verify", leave=False, disable=None)
+    by_step = {m.step: m for m in manifests}
+    gone: set[int] = set()  # versions found removed (retention) while their chunks were checked
     view = memoryview(bytearray(max((v[0] for v in where.values()), default=0)))
     fns = {h: hasher(h) for h in {v[2] for v in where.values()}}
     for d, (size, uses, hname) in where.items():
@@ -131,9 +151,40 @@ def _verify(store: CheckpointStore, step: int | None, progress: bool) -> VerifyR
         if bar is not None:
             bar.update(size)
         if detail:
+            uses = _uses_still_stored(store, uses, by_step, gone)
+            if not uses:
+                continue  # every version using it was removed while this ran: nothing is damaged
             tensors = sorted({t for _s, names in uses for t in names})
             report.problems.append({"kind": "chunk", "chunk": d.hex(), "steps": sorted({s for s, _n in uses}),
                                     "tensors": tensors, "detail": detail})
     if bar is not None:
         bar.close()
+    if gone and step is not None:
+        raise CheckpointVersionRemovedError(
+            f"step {step} of {store.root} was removed while it was being verified: a CheckpointWriter's keep_last "
+            f"retention (or a gc) deleted it after committing newer versions. Nothing is corrupt; verify a newer "
+            f"version (there now: {store.versions() or 'none'}) or give the writer a larger keep_last")
+    report.steps = [s for s in report.steps if s not in gone]
+    report.skipped = sorted(set(report.skipped) | gone)
     return report
+
+
+def _uses_still_stored(store: CheckpointStore, uses: list, by_step: dict[int, Manifest], gone: set[int]) -> list:
+    """The ``(step, tensors)`` uses of a chunk that failed its check whose version is still stored.
+
+    A writer's ``keep_last`` retention (or a ``gc``) deletes a version's manifest first and its
+    chunks after, so a chunk that went missing while ``verify`` ran belongs to a removed version
+    if that version's manifest is gone now; a missing chunk whose manifest is still there is damage.
+    Asked after the chunk was read, never from an earlier answer: a version held then may be gone
+    since. Steps found removed are added to ``gone`` (a removed step does not come back).
+    """
+    held: dict[int, bool] = {}
+    out = []
+    for s, names in uses:
+        if s not in gone and s not in held:
+            held[s] = store.holds(by_step[s])
+            if not held[s]:
+                gone.add(s)
+        if s not in gone:
+            out.append((s, names))
+    return out

@@ -117,6 +117,10 @@ class _HostPool:
     slot only after every earlier save took one. Why: a lazy save takes its slot on the persist
     thread, where it queues behind earlier commits; a later normal save taking the free slot first
     would hold it while its own commit queues behind the lazy save, which waits for that slot.
+
+    A save that leaves before its turn (Ctrl-C or any exception while it waits) must give up its
+    ticket (:meth:`cancel`): the turn would otherwise never pass it, and every later save of the
+    writer would wait forever.
     """
 
     def __init__(self, slots: int) -> None:
@@ -125,6 +129,7 @@ class _HostPool:
         self._bufs: list[torch.Tensor | None] = [None] * slots
         self._issued = 0  # tickets handed out
         self._serving = 0  # the ticket whose turn it is to take a slot
+        self._cancelled: set[int] = set()  # tickets given up before their turn; the turn skips them
 
     def ticket(self) -> int:
         with self._cond:
@@ -133,11 +138,30 @@ class _HostPool:
 
     def acquire(self, ticket: int) -> int:
         with self._cond:
-            while not (self._free and self._serving == ticket):
-                self._cond.wait()
-            self._serving += 1
-            self._cond.notify_all()
+            try:
+                while not (self._free and self._serving == ticket):
+                    self._cond.wait()
+            except BaseException:  # KeyboardInterrupt while waiting: the turn must move on without us
+                self.cancel(ticket)
+                raise
+            self._next_turn()
             return self._free.pop()
+
+    def cancel(self, ticket: int) -> None:
+        """Give up ``ticket`` unless it already took its slot (then this does nothing)."""
+        with self._cond:
+            if ticket >= self._serving:
+                self._cancelled.add(ticket)
+                if ticket == self._serving:
+                    self._next_turn()
+
+    def _next_turn(self) -> None:
+        """Pass the turn to the next ticket still waiting (the caller holds ``_cond``)."""
+        self._serving += 1
+        while self._serving in self._cancelled:
+            self._cancelled.discard(self._serving)
+            self._serving += 1
+        self._cond.notify_all()
 
     def release(self, slot: int) -> None:
         with self._cond:
@@ -193,6 +217,25 @@ class _Sink:
         if keep_last is not None:
             # marked chunks stay untrusted until a save rewrites them (add_known clears them)
             self.known = collect(self.store, keep_last, full_sweep=False, protect=protect).live - self.damaged
+
+
+def _checked_meta(meta: dict | None, step: int) -> dict:
+    """A JSON copy of ``meta``, made when ``save`` is called.
+
+    Why: the manifest encodes ``meta`` only when the background commit writes it, after every
+    chunk was hashed and written, so a NaN or a tensor in it failed the save late with a bare
+    ``json`` error that did not mention ``meta``, and a dict changed after ``save`` returned
+    changed what was committed.
+    """
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise ConfigError(f"meta of step {step} must be a dict of JSON values, got {type(meta).__name__}")
+    try:
+        return json.loads(json.dumps(meta, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"meta of step {step} is not JSON-serialisable ({exc}); keep plain values (numbers, "
+                          f"strings, lists, dicts) in it, or put other objects in the state dict") from exc
 
 
 class CheckpointWriter:
@@ -290,21 +333,27 @@ class CheckpointWriter:
 
         Raises:
             InputError: a tensor cannot be saved (sparse, meta ...).
-            ConfigError: bad ``step``.
+            ConfigError: bad ``step``, or a ``meta`` that is not JSON (it is copied here, so changing
+                it after this returns does not change the version).
         """
         if self._closed:
             raise CheckpointError(f"CheckpointWriter for {self.root} is closed")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        meta = _checked_meta(meta, step)
         t0 = time.perf_counter()
         flat = flatten(state_dict)
         staged: Future = Future()
         ticket = self._pool.ticket()
-        if lazy:
-            fut = self._persist.submit(self._stage_and_commit, flat, staged, ticket, step, meta or {})
-        else:
-            host, slot = self._stage_copy(flat, staged, ticket)
-            fut = self._persist.submit(self._commit, flat, host, slot, step, meta or {}, time.perf_counter() - t0)
+        try:
+            if lazy:
+                fut = self._persist.submit(self._stage_and_commit, flat, staged, ticket, step, meta)
+            else:
+                host, slot = self._stage_copy(flat, staged, ticket)
+                fut = self._persist.submit(self._commit, flat, host, slot, step, meta, time.perf_counter() - t0)
+        except BaseException:  # e.g. Ctrl-C while waiting for a buffer: later saves must not wait for this one
+            self._pool.cancel(ticket)  # nothing if it already took its slot
+            raise
         if self._drain is not None:
             fut = self._chain(fut)
         fut = _SaveFuture.following(fut)
@@ -318,7 +367,11 @@ class CheckpointWriter:
         return fut
 
     def _stage_copy(self, flat: Flat, staged: Future, ticket: int) -> tuple[list[np.ndarray], int]:
-        slot = self._pool.acquire(ticket)
+        try:
+            slot = self._pool.acquire(ticket)  # gives the ticket up if it fails
+        except BaseException as exc:
+            staged.set_exception(exc)  # a lazy save's wait_staged() must not wait for it
+            raise
         try:
             host = self._pool.stage(slot, flat.blobs)
         except BaseException as exc:
