@@ -120,6 +120,8 @@ class DataLoader(tud.DataLoader):
 
             # NOTE [ Subsets ] in solar/subset.py, NOTE [ Several files ] in solar/concat.py
             view = stored_subset(dataset) if isinstance(dataset, tud.Subset) else stored_concat(dataset)
+            if isinstance(dataset, tud.Subset) and view is not None:
+                view.watch(dataset)  # its indices may change between epochs, as torch follows them
             dataset = dataset if view is None else view  # (an empty view is falsy: compare with None)
         if distributed:
             if sampler is not None or batch_sampler is not None:
@@ -184,6 +186,10 @@ class DataLoader(tud.DataLoader):
         self._epoch_set = False
         resume = self._progress.pop("resume", None)
         if self.solar_sampler is not None:
+            from solar.subset import StoredSubset
+
+            if isinstance(self.dataset, StoredSubset) and self.dataset.refresh():
+                self.solar_sampler.start_over()  # NOTE [ Subsets ]: a position now names another sample
             self.solar_sampler.set_resume(resume)
         rng = self._rng_state()
         if resume and resume.get("mode") == "passthrough" and resume.get("rng") is not None:

@@ -500,6 +500,12 @@ class SolarBatchSampler(BatchSampler):
         self._planner = spec
         return plan
 
+    def start_over(self) -> None:
+        """Make the next iteration start with a new planner and an empty buffer (the dataset's
+        positions changed meaning: a ``Subset`` whose indices changed, NOTE [ Subsets ])."""
+        self._drop_ahead()
+        self._key = None
+
     def _drop_ahead(self) -> None:
         """Forget the plan made ahead (cancelled if it has not started: the plan thread is shared)."""
         if self._ahead is not None:

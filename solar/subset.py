@@ -21,6 +21,13 @@ NOTE [ Subsets ]
     A ``ConcatDataset`` of several files is driven too (NOTE [ Several files ] in
     ``solar/concat.py``), and so is a ``Subset`` of one: its rows are positions in the
     concatenation.
+
+    The loader follows a ``Subset`` whose indices change between iterations, as torch's does
+    (an active-learning pool that grows, a curriculum): :meth:`StoredSubset.refresh` compares
+    each level's indices with the ones it last composed (a copy: ``indices[:] = ...`` changes the
+    list in place) when an iteration starts, and recomposes the rows if they differ; the loader
+    then starts its schedule and buffer over, since a position now names another sample.
+    Subsets *inside* a ``ConcatDataset`` are composed once, when the loader is built.
 """
 
 from __future__ import annotations
@@ -50,6 +57,39 @@ class StoredSubset(Subset):
     def __repr__(self) -> str:
         return f"StoredSubset({len(self.rows)} of {self.base!r})"
 
+    def watch(self, source: Subset) -> None:
+        """Follow ``source`` (the user's ``Subset`` this one replaces): see :meth:`refresh`."""
+        self.source = source
+        self._seen = _chain_indices(source)
+
+    def refresh(self) -> bool:
+        """Recompose the rows if the watched ``Subset``'s indices (at any level) changed since
+        they were last composed; True if they did (NOTE [ Subsets ]).
+
+        Raises:
+            IndexError: a new index out of range, as :func:`stored_subset` (torch raises it at the
+                first batch that reaches it).
+            ConfigError: the indices are no longer integers.
+        """
+        source = self.__dict__.get("source")
+        if source is None:
+            return False
+        seen = _chain_indices(source)
+        if len(seen) == len(self._seen) and all(a.shape == b.shape and np.array_equal(a, b)
+                                                for a, b in zip(seen, self._seen)):
+            return False
+        new = stored_subset(source)
+        if new is None:
+            from solar.errors import ConfigError
+
+            raise ConfigError(f"{self.base.path}: the Subset's indices changed to something other than integers "
+                              "(or its dataset to one SOLAR cannot drive); build a new DataLoader for it")
+        # the base stays (a ConcatDataset's own view is rebuilt by stored_subset, with the same
+        # positions while its datasets are the same)
+        self.dataset, self.indices, self.rows, self.distinct = new.dataset, new.indices, new.rows, new.distinct
+        self._seen = seen
+        return True
+
     # -- what the loader drives (the storage-backed protocol of H5Dataset) ----------------------
     def fetch_stored(self, indices: Sequence[int], **kw) -> Any:
         return self.base.fetch_stored(indices, rows=self.rows, **kw)
@@ -70,9 +110,19 @@ class StoredSubset(Subset):
     def __getattr__(self, name: str) -> Any:
         # backend, path, specs, compressed, fields, stats, close, ... are the base dataset's (an
         # H5Dataset's or a StoredConcat's)
-        if name in ("base", "rows", "distinct", "dataset", "indices") or name.startswith("__"):
+        if name in ("base", "rows", "distinct", "dataset", "indices", "source", "_seen") or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.base, name)
+
+
+def _chain_indices(subset: Subset) -> list[np.ndarray]:
+    """A copy of every level's indices of ``subset`` (nested torch Subsets), outermost first."""
+    out = []
+    d = subset
+    while type(d) is Subset:
+        out.append(np.array(d.indices, copy=True))
+        d = d.dataset
+    return out
 
 
 def distinct_rows(rows: np.ndarray, n: int) -> bool:

@@ -849,3 +849,37 @@ def test_timeout_with_workers_covers_the_reads_ahead_as_torchs_covers_its_worker
                 pass
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("buffer", [0, 0.5])
+def test_a_subset_whose_indices_change_between_epochs_is_followed_as_torch_follows_it(h5path, buffer):
+    """NOTE [ Subsets ]: an active-learning pool that grows (in place), is replaced in place, or
+    is re-assigned between epochs: the loader reads what the Subset selects now, as torch's does
+    (before: a misleading IndexError after a growth, and the old samples, from the buffer too,
+    after a replacement)."""
+    ds = solar.H5Dataset(h5path)
+    want = lambda idx: torch.stack([ds[i][1] for i in idx])  # noqa: E731
+    pool = tud.Subset(ds, [0, 1, 2, 3])
+    loader = solar.DataLoader(pool, batch_size=4, buffer=buffer)
+    assert loader.solar_sampler is not None
+
+    def check(idx):
+        for _ in range(2):  # twice: the second epoch's hits come from the buffer
+            got = torch.cat([y for _, y in loader])
+            assert torch.equal(got, want(idx))
+
+    check([0, 1, 2, 3])
+    pool.indices.extend([30, 31])
+    check([0, 1, 2, 3, 30, 31])
+    pool.indices[:] = [10, 11, 12, 13]
+    check([10, 11, 12, 13])
+    pool.indices = [20, 21, 22]
+    check([20, 21, 22])
+    nested = tud.Subset(tud.Subset(ds, list(range(40, 60))), [0, 1])
+    loader = solar.DataLoader(nested, batch_size=2, buffer=buffer)
+    nested.dataset.indices[0] = 77  # an inner level changed
+    assert torch.equal(torch.cat([y for _, y in loader]), want([77, 41]))
+    loader = solar.DataLoader(tud.Subset(ds, [0]), batch_size=1)
+    loader.dataset.source.indices = [500]
+    with pytest.raises(IndexError, match="Subset index 500 out of range"):
+        next(iter(loader))
