@@ -38,6 +38,9 @@ def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2, cancel: b
     shut down here); then ``fn`` runs there even with ``depth=0`` (submitted and waited for one
     item at a time).
 
+    When taking the next item raises, the results of the items before it are yielded first,
+    then the error is raised (a failing sampler: every batch before it, as torch's loader).
+
     ``timeout`` (> 0): wait at most that many seconds for a result, then raise torch's
     ``RuntimeError("DataLoader timed out after N seconds")``. The stalled fetch is abandoned,
     not waited for (a stalled storage request may never return): it finishes on its thread in
@@ -66,7 +69,15 @@ def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2, cancel: b
             raise RuntimeError(f"DataLoader timed out after {timeout} seconds") from None
 
     try:
-        for item in it:
+        while True:
+            try:
+                item = next(it)
+            except StopIteration:
+                break
+            except Exception:  # the items failed (a sampler): what was fetched before it first
+                while pending:
+                    yield result()
+                raise
             pending.append(pool.submit(fn, item))
             if len(pending) > depth:
                 yield result()

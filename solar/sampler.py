@@ -30,7 +30,6 @@ NOTE [ Buffer and workers ]
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import weakref
@@ -192,6 +191,28 @@ def _plan_thread():
 
 def _stock_distributed(sampler: Any) -> bool:
     return isinstance(sampler, DistributedSampler) and type(sampler).__iter__ is DistributedSampler.__iter__
+
+
+def _in_groups(steps: Iterator, size: int) -> Iterator[list]:
+    """``steps`` in lists of ``size`` (the last one shorter). When taking a step raises (a
+    sampler that fails), the steps taken before it are a last, shorter group, and the error is
+    raised after it: the read-ahead then hands out every batch before the failing one, as
+    torch's loader does, instead of losing up to two passes of them."""
+    while True:
+        group: list = []
+        try:
+            for _ in range(size):
+                group.append(next(steps))
+        except StopIteration:
+            if group:
+                yield group
+            return
+        except Exception:
+            if not group:
+                raise
+            yield group
+            raise
+        yield group
 
 
 def _no_iteration() -> None:
@@ -435,7 +456,7 @@ class SolarBatchSampler(BatchSampler):
 
         steps = self._steps(resume, P, rank)
         size = self.group_size(b)
-        groups = iter(lambda: list(itertools.islice(steps, size)), [])
+        groups = _in_groups(steps, size)
         collective = self._collective
         handed = 0
         # passes in step make collective calls: on the process's one MPI thread, shared by every

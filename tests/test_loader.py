@@ -883,3 +883,50 @@ def test_a_subset_whose_indices_change_between_epochs_is_followed_as_torch_follo
     loader.dataset.source.indices = [500]
     with pytest.raises(IndexError, match="Subset index 500 out of range"):
         next(iter(loader))
+
+
+class _FailingSampler(tud.Sampler):
+    """Yields 0, 1, ... and raises at position ``at`` (a user's sampler with a bug)."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def __len__(self):
+        return 96
+
+    def __iter__(self):
+        for i in range(96):
+            if i == self.at:
+                raise RuntimeError(f"sampler failed at position {i}")
+            yield i
+
+
+@pytest.mark.parametrize("prefetch", [0, 2, 8])
+def test_a_sampler_that_fails_hands_out_every_batch_before_it_as_torch(h5path, prefetch):
+    """The read-ahead takes the sampler's steps early; when taking one raises, the batches before
+    it still come out first, then the error, as with torch's loader (before: none at all, the
+    error raised at the first batch, two passes early)."""
+    ds = solar.H5Dataset(h5path)
+    got = {}
+    for name, cls, kw in (("torch", tud.DataLoader, {}), ("solar", solar.DataLoader, {"prefetch": prefetch})):
+        batches = []
+        with pytest.raises(RuntimeError, match="sampler failed at position 45"):
+            for _, y in cls(ds, batch_size=5, sampler=_FailingSampler(45), **kw):
+                batches.append(y)
+        got[name] = batches
+    assert len(got["solar"]) == len(got["torch"]) == 9
+    assert all(torch.equal(a, b) for a, b in zip(got["solar"], got["torch"]))
+
+
+def test_prefetch_hands_out_what_it_fetched_before_its_items_fail():
+    from solar.prefetch import prefetch
+
+    def items():
+        yield from range(3)
+        raise KeyError("no item 3")
+
+    out = []
+    with pytest.raises(KeyError, match="no item 3"):
+        for x in prefetch(items(), lambda i: i * 2, depth=2):
+            out.append(x)
+    assert out == [0, 2, 4]
