@@ -111,10 +111,23 @@ class StepBatch(list):
     """A rank's batch of sample indices carrying its already-loaded :class:`StoredBatch`.
 
     It is a ``list`` so samplers, ``len()`` and user code treat it like torch's batch; the
-    ``stored`` attribute rides along to ``H5Dataset.__getitems__`` (in a worker or not).
+    ``stored`` attribute rides along to ``H5Dataset.__getitems__`` (in a worker or not). A step
+    whose read failed carries its ``error`` instead, which reading ``stored`` raises: the
+    dataset's ``__getitems__`` then fails for that batch alone, where torch's would.
     """
 
-    stored: StoredBatch | None = None
+    _stored: StoredBatch | None = None
+    error: BaseException | None = None
+
+    @property
+    def stored(self) -> StoredBatch | None:
+        if self.error is not None:
+            raise self.error
+        return self._stored
+
+    @stored.setter
+    def stored(self, value: StoredBatch | None) -> None:
+        self._stored = value
 
 
 @dataclass

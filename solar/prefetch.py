@@ -44,7 +44,8 @@ def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2, cancel: b
     ``timeout`` (> 0): wait at most that many seconds for a result, then raise torch's
     ``RuntimeError("DataLoader timed out after N seconds")``. The stalled fetch is abandoned,
     not waited for (a stalled storage request may never return): it finishes on its thread in
-    the background, and what it has not started is dropped.
+    the background, and what has not started is dropped, except with ``cancel=False``
+    (collective passes, which the other ranks make too: they still run).
     """
     if depth <= 0 and executor is None:
         for item in items:
@@ -62,8 +63,8 @@ def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2, cancel: b
         try:
             return fut.result(timeout if timeout > 0 else None)
         except FuturesTimeout:
-            if fut.done():  # the fetch itself raised a TimeoutError: that is its error, not ours
-                raise
+            if fut.done():  # done meanwhile, or the fetch raised a TimeoutError of its own
+                return fut.result()
             stalled = True
             pending.appendleft(fut)
             raise RuntimeError(f"DataLoader timed out after {timeout} seconds") from None
@@ -84,7 +85,7 @@ def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2, cancel: b
         while pending:
             yield result()
     finally:
-        if cancel or stalled:
+        if cancel:  # (collective passes are never cancelled: another rank may run them, stalled or not)
             for fut in pending:
                 fut.cancel()
         if executor is None:

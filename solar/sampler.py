@@ -215,6 +215,14 @@ def _in_groups(steps: Iterator, size: int) -> Iterator[list]:
         yield group
 
 
+def _raise_failed(batch: Any) -> None:
+    """Raise the error a failed step carries, taking it off the step first: the step stays in
+    a local of the iteration's frame, which the error's traceback holds (a reference cycle that
+    kept torch's worker iterator alive: see :func:`_drop_frame_locals`)."""
+    error, batch.error = batch.error, None
+    raise error
+
+
 def _no_iteration() -> None:
     """What ``SolarBatchSampler._live`` dereferences to before any iteration (a dead weakref)."""
     return None
@@ -422,6 +430,37 @@ class SolarBatchSampler(BatchSampler):
         in_step = self._distributed
 
         def fetch(group: list[tuple]) -> list[StepBatch]:
+            """The pass's batches. When the pass fails on data (a bad index, a damaged sample, a
+            failed read), its steps are read again one at a time, and a step that fails alone
+            carries its error to the dataset's ``__getitems__``, which raises it in the
+            consumer's (or the worker's) fetch of that batch: so the batches around a bad one
+            come out as torch's loader hands them out (with workers it is raised on this side,
+            when the consumer reaches it: torch's iterator, which takes batches ahead for its
+            workers, may raise it a few batches early). Every rank retries alike (a pass's
+            failure on a collective backend is agreed), so collective calls stay in step. The
+            pass changed no buffer before its reads failed (NOTE [ One agreement per pass ]); a
+            failed decode did put its kept misses, which the retried steps then hit."""
+            try:
+                return fetch_pass(group)
+            except (IndexError, ValueError, OSError) as exc:
+                if len(group) < 2:
+                    return [failed(group[0], exc)]
+                _drop_frame_locals(exc)
+            out: list[StepBatch] = []
+            for g in group:
+                try:
+                    out += fetch_pass([g])
+                except (IndexError, ValueError, OSError) as exc:
+                    out.append(failed(g, exc))
+            return out
+
+        def failed(step: tuple, exc: BaseException) -> StepBatch:
+            _drop_frame_locals(exc)
+            batch = StepBatch(step[0])
+            batch.error = exc
+            return batch
+
+        def fetch_pass(group: list[tuple]) -> list[StepBatch]:
             # schedule mode: the plan says what this rank keeps and evicts (ownership moves, see
             # NOTE [ Rebalancing ... ] in solar/schedule.py); passthrough: it keeps what it owns
             if group[0][1] is None:
@@ -467,6 +506,11 @@ class SolarBatchSampler(BatchSampler):
         try:
             for group in passes:
                 for batch in group:
+                    if self.shared and batch.error is not None:
+                        # bound for a worker: raised here instead, after the batches before it
+                        # (raised in a worker, torch's re-raise keeps its iterator, and the
+                        # workers, alive in a reference cycle until a garbage collection)
+                        _raise_failed(batch)
                     handed += 1
                     yield batch
         except Exception as exc:

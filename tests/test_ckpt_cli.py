@@ -296,6 +296,13 @@ def test_verify_and_gc_refuse_a_directory_that_is_not_a_root(root, tmp_path, cap
                         f"roots below it: {path};")
         assert "OK" not in out
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # no .lock left behind
+    (tmp_path / ".lock").touch()  # the .lock such a gc of an older version left there
+    for argv in (["verify", tmp_path], ["gc", tmp_path, "--keep-last", "1"]):
+        code, out, err = run_cli(capsys, *argv)
+        _one_line_error(code, err, f"{tmp_path} is not a checkpoint root", "only a .lock file",
+                        f"roots below it: {path};")
+        assert "OK" not in out and "kept" not in out
+    (tmp_path / ".lock").unlink()
     empty = tmp_path / "empty"
     empty.mkdir()
     for attempt in (lambda: verify(empty), lambda: gc(empty, keep_last=1)):

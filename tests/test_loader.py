@@ -807,11 +807,12 @@ def test_prefetch_timeout_raises_torchs_error_and_abandons_the_stalled_fetch():
 
     from solar.prefetch import prefetch
 
-    release = threading.Event()
+    release, finished = threading.Event(), threading.Event()
 
     def fn(i):
         if i == 1:
-            release.wait(30)
+            release.wait(10)
+            finished.set()
         return i
 
     gen = prefetch(range(4), fn, depth=1, timeout=0.2)
@@ -819,8 +820,8 @@ def test_prefetch_timeout_raises_torchs_error_and_abandons_the_stalled_fetch():
         assert next(gen) == 0
         with pytest.raises(RuntimeError, match=r"DataLoader timed out after 0\.2 seconds"):
             next(gen)
-        gen.close()  # returns although item 1 is still running
-        assert not release.is_set()
+        gen.close()  # returns although item 1 is still running (waiting for it: 10 s, then finished)
+        assert not finished.is_set()
     finally:
         release.set()
     assert list(prefetch(range(3), lambda i: i, depth=1, timeout=5)) == [0, 1, 2]  # in time: as without
@@ -832,12 +833,13 @@ def test_timeout_with_workers_covers_the_reads_ahead_as_torchs_covers_its_worker
     as the storage did)."""
     import threading
 
-    ds = solar.H5Dataset(h5path)
-    release = threading.Event()
+    ds = solar.H5Dataset(h5path, io_threads=1)
+    release, finished = threading.Event(), threading.Event()
     read = ds.backend._read_ranges
 
     def stalled(*args):
-        release.wait(60)
+        release.wait(10)
+        finished.set()
         return read(*args)
 
     monkeypatch.setattr(ds.backend, "_read_ranges", stalled)
@@ -847,6 +849,7 @@ def test_timeout_with_workers_covers_the_reads_ahead_as_torchs_covers_its_worker
         with pytest.raises(RuntimeError, match=r"DataLoader timed out after 0\.5 seconds"):
             for _ in loader:
                 pass
+        assert not finished.is_set()  # raised while the read still stalls, not after it
     finally:
         release.set()
 
@@ -930,3 +933,63 @@ def test_prefetch_hands_out_what_it_fetched_before_its_items_fail():
         for x in prefetch(items(), lambda i: i * 2, depth=2):
             out.append(x)
     assert out == [0, 2, 4]
+
+
+class _BadIndexSampler(tud.Sampler):
+    """0, 1, ... with sample ``bad`` at position ``at`` (an index past the end of the file)."""
+
+    def __init__(self, at, bad):
+        self.at, self.bad = at, bad
+
+    def __len__(self):
+        return 96
+
+    def __iter__(self):
+        return iter([self.bad if i == self.at else i for i in range(96)])
+
+
+@pytest.mark.parametrize("prefetch, workers", [(8, 0), (2, 0), (8, 2)])
+def test_a_bad_index_in_a_pass_hands_out_every_batch_before_its_step_as_torch(h5path, prefetch, workers):
+    """A pass is read as one unit; when it fails, its steps are read one at a time, so the
+    batches before the failing step come out first, then its error, as with torch's loader
+    (before: the error a pass early, with 8 or 4 of torch's 9 batches handed out). With workers
+    the error is raised on the loader's side when torch takes the step for a worker, which it
+    does a few batches ahead: torch's batches up to there, then the error."""
+    ds = solar.H5Dataset(h5path)
+    got = {}
+    for name, cls, kw in (("torch", tud.DataLoader, {}), ("solar", solar.DataLoader, {"prefetch": prefetch})):
+        batches = []
+        with pytest.raises(IndexError, match="sample index 150 out of range"):
+            for _, y in cls(ds, batch_size=5, sampler=_BadIndexSampler(47, 150), num_workers=workers, **kw):
+                batches.append(y)
+        got[name] = batches
+    assert len(got["torch"]) == 9
+    assert len(got["solar"]) == 9 if workers == 0 else 9 - 2 * workers <= len(got["solar"]) <= 9
+    assert all(torch.equal(a, b) for a, b in zip(got["solar"], got["torch"]))
+
+
+def test_a_loop_that_skips_bad_batches_gets_torchs_batches_around_them(h5path):
+    """Two bad steps in one pass, and a loop that catches the error and goes on (torch's iterator
+    allows it): every good batch, in torch's order, and an error for exactly the bad ones."""
+    ds = solar.H5Dataset(h5path)
+
+    class TwoBad(tud.Sampler):
+        def __len__(self):
+            return 96
+
+        def __iter__(self):
+            return iter([150 if i in (47, 62) else i for i in range(96)])
+
+    def run(cls, **kw):
+        it, out = iter(cls(ds, batch_size=5, sampler=TwoBad(), **kw)), []
+        while True:
+            try:
+                out.append(next(it)[1])
+            except StopIteration:
+                return out
+            except IndexError:
+                out.append(None)
+
+    want, got = run(tud.DataLoader), run(solar.DataLoader, buffer=0.5)
+    assert [b is None for b in got] == [b is None for b in want] and sum(b is None for b in want) == 2
+    assert all(a is None or torch.equal(a, b) for a, b in zip(got, want))

@@ -249,18 +249,27 @@ class CheckpointStore:
         Why: ``gc`` and ``verify --repair`` take the writer lock, which creates ``.lock``, so
         pointing them at the parent of a root (``/scratch/run42`` for ``/scratch/run42/ckpt``)
         left a lock file there and reported success having done nothing. A root whose writer has
-        not committed yet passes (its lock says so), and ``gc`` then meets that writer's lock.
+        not committed yet passes (its lock says so), and ``gc`` then meets that writer's lock;
+        a lock beside roots of its own (the parent of a root, where that ``gc`` left one) does
+        not make a root.
 
         Raises:
             NotACheckpointRootError: see :meth:`not_a_root`.
         """
-        if not (self._holds_any(_MANIFESTS) or self._holds_any(_CHUNKS) or self._has_lock()):
+        if not (self._holds_any(_MANIFESTS) or self._holds_any(_CHUNKS) or self._fresh_root()):
             raise self.not_a_root()
+
+    def _fresh_root(self) -> bool:
+        """A writer's root before its first save: a lock, and no roots below it."""
+        return self._has_lock() and not self._roots_below()
 
     def not_a_root(self) -> NotACheckpointRootError:
         """The error for a directory without a committed version, naming roots found below it."""
-        if self._holds_any(_CHUNKS) or self._has_lock():
+        if self._holds_any(_CHUNKS) or self._fresh_root():
             why = "it holds no committed version yet (a writer's first save may still be running)"
+        elif self._has_lock():
+            why = ("it holds neither manifests/ nor chunks/, only a .lock file (left there by an older "
+                   "`solar-ckpt gc` or `verify --repair` pointed at it; it can be removed)")
         else:
             why = "it holds neither manifests/ nor chunks/"
         below = self._roots_below()
