@@ -290,7 +290,8 @@ def test_verify_and_gc_refuse_a_directory_that_is_not_a_root(root, tmp_path, cap
     from solar.checkpoint import NotACheckpointRootError, gc, verify
 
     path, _ = root  # tmp_path/ck: the parent is the mistake
-    for argv in (["verify", tmp_path], ["verify", tmp_path, "--repair"], ["gc", tmp_path, "--keep-last", "1"]):
+    for argv in (["verify", tmp_path], ["verify", tmp_path, "--repair"], ["gc", tmp_path, "--keep-last", "1"],
+                 ["log", tmp_path]):
         code, out, err = run_cli(capsys, *argv)
         _one_line_error(code, err, f"{tmp_path} is not a checkpoint root", "neither manifests/ nor chunks/",
                         f"roots below it: {path};")

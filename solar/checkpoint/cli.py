@@ -98,6 +98,7 @@ def cmd_log(args) -> int:
     if total_written:
         text += f"\n{len(manifests)} versions{unreadable}, {_bytes(total_logical)} logical, {_bytes(total_written)} written ({total_logical / total_written:.1f}x de-duplication)"
     elif not rows:
+        store.require_root()  # the parent of a root (a mistyped path) is an error, not an empty log
         text = f"no checkpoints in {store.root}"
     _emit(args, summary, text)
     return 0
