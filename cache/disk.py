@@ -27,7 +27,8 @@ def key_to_relpath(key: Hashable) -> str:
     """The relative path (``/``-separated) a key is stored under.
 
     String keys are paths (``"chunks/ab/abcd..."``); int keys (sample indices) map to ``"#<int>"``.
-    Components may not be empty, ``.``/``..`` or start with a dot (dot names are temporaries).
+    Components may not be empty, ``.``/``..`` or start with a dot (dot names are temporaries); a
+    string key may not start with ``#`` either: ``"#5"`` would be the file of the int key ``5``.
     """
     if isinstance(key, bool) or not isinstance(key, (str, int)):
         raise TypeError(f"file-backed tiers take str or int keys, got {type(key).__name__} {key!r}")
@@ -36,15 +37,21 @@ def key_to_relpath(key: Hashable) -> str:
     parts = key.split("/")
     if not key or any(not p or p.startswith(".") for p in parts):
         raise ValueError(f"invalid tier key {key!r}: use non-empty '/'-separated names that do not start with '.'")
+    if key.startswith("#"):
+        raise ValueError(f"invalid tier key {key!r}: a name starting with '#' is how int keys are stored "
+                         f"('#5' is the key 5); use another first character, or an int key")
     return key
 
 
 def relpath_to_key(rel: str) -> Hashable:
+    """The key stored at ``rel``: ``"#<int>"`` written by :func:`key_to_relpath` is that int; any
+    other name (``"#007"`` put there by hand) stays a string."""
     if rel.startswith("#"):
         try:
-            return int(rel[1:])
+            n = int(rel[1:])
         except ValueError:
             return rel
+        return n if rel == f"#{n}" else rel
     return rel
 
 
@@ -133,8 +140,14 @@ class FileTier(Tier):
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
         super().__init__(capacity_bytes)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the byte count and the counters
+        # One writer per file at a time (of 64 stripes by path): its old size then stays what was
+        # measured while its write runs. Writes of other files run side by side.
+        self._stripes = [threading.Lock() for _ in range(64)]
         self._used: int | None = None  # scanned lazily: a large store should not be walked on open
+
+    def _stripe(self, path: str) -> threading.Lock:
+        return self._stripes[hash(path) % len(self._stripes)]
 
     # -- primitives --
     @abstractmethod
@@ -206,37 +219,50 @@ class FileTier(Tier):
         return True
 
     def _store(self, key: Hashable, value: Any, create: bool) -> bool:
+        """Check the budget and reserve the bytes in one step, then write (outside the count's
+        lock, so writes of different files overlap), then give the reservation back if the
+        write did not happen. Before, the check and the count were separate steps around the
+        write: concurrent puts overshot the budget, and two puts of one key counted its old size
+        once for both, so the count drifted up for good (an audit: 700 B over a 5000 B budget)."""
         path = self.path(key)
         view = _view(value)
         n = view.nbytes
-        with self._lock:
-            if self.capacity_bytes is not None and self._usage() + n - self._size(path) > self.capacity_bytes:
-                self.stats.rejected += 1
-                return False
-        old = self._size(path) if self._used is not None else 0
-        if create:
-            if not self._create(path, view):
-                return False
-            old = 0
-        else:
-            self._write(path, view)
-        with self._lock:
-            if self._used is not None:
-                self._used += n - old
-            self.stats.bytes_in += n
-        return True
+        with self._stripe(path):
+            old = self._size(path)
+            with self._lock:
+                if self.capacity_bytes is not None and self._usage() + n - old > self.capacity_bytes:
+                    self.stats.rejected += 1
+                    return False
+                counted = self._used is not None
+                if counted:
+                    self._used += n - old  # reserved
+            done = False
+            try:
+                if create:
+                    done = self._create(path, view)
+                else:
+                    self._write(path, view)
+                    done = True
+            finally:
+                with self._lock:
+                    if not done and counted:
+                        self._used -= n - old
+                    if done:
+                        self.stats.bytes_in += n
+        return done
 
     def delete(self, key: Hashable) -> bool:
         path = self.path(key)
-        size = self._size(path)
-        try:
-            self._unlink(path)
-        except FileNotFoundError:
-            return False
-        with self._lock:
-            if self._used is not None:
-                self._used -= size
-            self.stats.evictions += 1
+        with self._stripe(path):
+            size = self._size(path)
+            try:
+                self._unlink(path)
+            except FileNotFoundError:
+                return False
+            with self._lock:
+                if self._used is not None:
+                    self._used -= size
+                self.stats.evictions += 1
         return True
 
     def __contains__(self, key: object) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Hashable, Iterator
 
 from .base import Tier, _nbytes
@@ -17,54 +18,70 @@ class MemoryTier(Tier):
     """
 
     name = "memory"
-    exclusive_create = True  # within the process: dict.setdefault is one atomic step under the GIL
+    exclusive_create = True  # put_new checks and stores under the tier's lock
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
         super().__init__(capacity_bytes)
         self._data: dict[Hashable, Any] = {}
         self._used = 0
+        # puts, deletes and the byte count move together: the loader's read-ahead thread and a
+        # second iterator's may change one buffer at once, and a count that drifts refuses puts
+        # (or overfills the budget) for the rest of the run
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def get(self, key: Hashable) -> Any | None:
         return self._counted(self._data.get(key))
 
     def put(self, key: Hashable, value: Any) -> bool:
         n = _nbytes(value)
-        old = self._data.get(key)
-        delta = n - (_nbytes(old) if old is not None else 0)
-        if self.capacity_bytes is not None and self._used + delta > self.capacity_bytes:
-            self.stats.rejected += 1
-            return False
-        self._data[key] = value
-        self._used += delta
-        self.stats.bytes_in += n
+        with self._lock:
+            old = self._data.get(key)
+            delta = n - (_nbytes(old) if old is not None else 0)
+            if self.capacity_bytes is not None and self._used + delta > self.capacity_bytes:
+                self.stats.rejected += 1
+                return False
+            self._data[key] = value
+            self._used += delta
+            self.stats.bytes_in += n
         return True
 
     def put_new(self, key: Hashable, value: Any) -> bool:
         n = _nbytes(value)
-        if key in self._data:
-            return False
-        if self.capacity_bytes is not None and self._used + n > self.capacity_bytes:
-            self.stats.rejected += 1
-            return False
-        if self._data.setdefault(key, value) is not value:  # another thread created it meanwhile
-            return False
-        self._used += n
-        self.stats.bytes_in += n
+        with self._lock:
+            if key in self._data:
+                return False
+            if self.capacity_bytes is not None and self._used + n > self.capacity_bytes:
+                self.stats.rejected += 1
+                return False
+            self._data[key] = value
+            self._used += n
+            self.stats.bytes_in += n
         return True
 
     def delete(self, key: Hashable) -> bool:
-        value = self._data.pop(key, None)
-        if value is None:
-            return False
-        self._used -= _nbytes(value)
-        self.stats.evictions += 1
+        with self._lock:
+            value = self._data.pop(key, None)
+            if value is None:
+                return False
+            self._used -= _nbytes(value)
+            self.stats.evictions += 1
         return True
 
     def __contains__(self, key: object) -> bool:
         return key in self._data
 
     def keys(self) -> Iterator[Hashable]:
-        return iter(list(self._data))
+        with self._lock:  # a snapshot: another thread's put must not change the dict mid-copy
+            return iter(list(self._data))
 
     def __len__(self) -> int:
         return len(self._data)
@@ -74,5 +91,6 @@ class MemoryTier(Tier):
         return self._used
 
     def clear(self) -> None:
-        self._data.clear()
-        self._used = 0
+        with self._lock:
+            self._data.clear()
+            self._used = 0

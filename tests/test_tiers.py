@@ -88,6 +88,18 @@ def test_disk_tier_leaves_no_temporaries_and_cleans_killed_ones(tmp_path):
     assert tier.cleanup_temp() == 1 and not os.path.exists(leftover)
 
 
+def test_file_tiers_keep_int_keys_and_hash_named_files_apart(tmp_path):
+    """A string key "#5" was stored in the file of the int key 5 (one overwrote the other), and
+    a file "#007" was listed as the key 7, which get(7) did not find."""
+    tier = DiskTier(tmp_path / "t")
+    with pytest.raises(ValueError, match="starting with '#' is how int keys are stored"):
+        tier.put("#5", b"s")
+    assert tier.put(5, b"i") and tier.get(5) == b"i" and list(tier.keys()) == [5]
+    with open(os.path.join(tier.root, "#007"), "wb") as f:
+        f.write(b"by hand")
+    assert sorted(map(str, tier.keys())) == ["#007", "5"]
+
+
 @pytest.mark.parametrize("bad", ["", "../x", "a//b", ".hidden", "a/./b", 3.5])
 def test_file_tiers_reject_bad_keys(tmp_path, bad):
     tier = DiskTier(tmp_path / "t")
