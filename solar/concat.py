@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Subset
 
-from solar.dataset import H5Dataset, StoredBatch
+from solar.dataset import H5Dataset, StoredBatch, as_indices
 from solar.errors import CorruptDataError
 
 __all__ = ["StoredConcat", "stored_concat"]
@@ -141,7 +141,7 @@ class StoredConcat(ConcatDataset):
 
         n = len(self) if rows is None else len(rows)
         lengths = [len(s) for s in steps]
-        flat = np.fromiter((int(i) for s in steps for i in s), np.int64, sum(lengths))
+        flat = as_indices([i for s in steps for i in s], self.path, n)
         disjoint = disjoint and self.distinct
         with _lockstep() if (lockstep or disjoint) else contextlib.nullcontext():
             bad = (flat < -n) | (flat >= n)

@@ -26,6 +26,7 @@ NOTE [ Collective-safe reads ]
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 from dataclasses import dataclass, field
@@ -44,6 +45,32 @@ __all__ = ["H5Dataset", "StoredBatch", "StepBatch", "coalesce"]
 
 #: Smallest piece a range is cut into to spread one read over several request threads.
 SPLIT_BYTES = 64 << 10
+
+
+def as_indices(indices: Sequence[int], path: str, n: int) -> np.ndarray:
+    """``indices`` (a batch's sample indices) as a 1-D int64 array.
+
+    Why: a cast alone read floats as their integer part, a boolean mask as 0s and 1s and a nested
+    list flattened, so a buggy sampler got wrong samples silently, where ``ds[1.7]`` and torch's
+    per-item fetch refuse them.
+
+    Raises:
+        InputError: not a flat sequence of integers.
+        IndexError: an integer beyond int64 (out of range for any dataset).
+    """
+    a = np.asarray(indices)
+    if a.size == 0:
+        return np.zeros(0, np.int64)
+    if a.dtype == object and a.ndim == 1 and all(isinstance(i, int) and not isinstance(i, bool) for i in a.tolist()):
+        big = max(a.tolist(), key=abs)
+        raise IndexError(f"{path}: sample index {big} out of range for {n} samples")
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        what = f"{a.ndim}-D" if a.ndim != 1 else a.dtype.name
+        raise InputError(f"{path}: a batch's sample indices must be a flat sequence of integers, got {what} "
+                         "values; check the sampler or batch_sampler")
+    if a.dtype.kind == "u" and a.max() > np.iinfo(np.int64).max:
+        raise IndexError(f"{path}: sample index {int(a.max())} out of range for {n} samples")
+    return a.astype(np.int64, copy=False)
 
 
 def coalesce(sorted_rows: np.ndarray) -> np.ndarray:
@@ -266,8 +293,31 @@ class H5Dataset(Dataset):
     def _offsets_of(self, spec: FieldSpec) -> np.ndarray:
         off = self._offsets.get(spec.name)
         if off is None:
-            off = self._offsets[spec.name] = self.backend.read_all(spec.offsets_key).astype(np.int64)
+            off = self.backend.read_all(spec.offsets_key).astype(np.int64)
+            self._check_offsets(spec, off)
+            self._offsets[spec.name] = off
         return off
+
+    def _check_offsets(self, spec: FieldSpec, off: np.ndarray) -> None:
+        """A compressed field's offsets start at 0, never decrease and end inside its data.
+
+        Why: they carry no checksum, and a damaged one read as a byte range past the data (the
+        backend's ``IndexError``, which ``for s in ds`` took for the end of the data and stopped
+        early, silently) or a backward range (a bare ``ValueError``), depending on the batch."""
+        size = int(self.backend.info(spec.data_key).shape[0])
+        bad = None
+        if len(off) != self.num_samples + 1 or (len(off) and off[0] != 0):
+            bad = 0
+        elif len(off):
+            step = np.flatnonzero(np.diff(off) < 0)
+            past = np.flatnonzero(off[1:] > size)
+            hits = [int(a[0]) for a in (step, past) if a.size]
+            bad = min(hits) if hits else None
+        if bad is not None:
+            raise CorruptDataError(
+                f"{self.path}: field {spec.name!r}: the offsets index of its compressed samples is damaged at "
+                f"sample {bad} ({len(off)} offsets for {self.num_samples} samples, {size} bytes of data); "
+                "re-create the file (solar ingest)")
 
     def sample_nbytes(self, block: int = 1) -> np.ndarray:
         """Stored bytes of every sample (all fields): what one buffer entry costs; with ``block``,
@@ -479,7 +529,7 @@ class H5Dataset(Dataset):
         """Check ``indices`` (unless the caller has, on every rank: ``checked``), take the
         buffer's hits, and decide which misses to keep."""
         n = self.num_samples if rows is None else len(rows)
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        idx = as_indices(indices, self.path, n)
         if not checked:
             self._check_index(idx, None if rows is None else n)
         idx = np.where(idx < 0, idx + n, idx)
@@ -684,6 +734,14 @@ class H5Dataset(Dataset):
         return self._samples(tensors, stored.n)
 
     def __getitem__(self, index: int):
-        if not isinstance(index, (int, np.integer)):
-            raise InputError(f"{self.path}: H5Dataset indices are integers, got {type(index).__name__}")
-        return self.__getitems__([int(index)])[0]
+        try:  # ints, numpy integers, 0-d integer tensors and arrays (as TensorDataset takes them)
+            i = operator.index(index)
+        except TypeError:
+            raise InputError(f"{self.path}: H5Dataset indices are integers, got {type(index).__name__}") from None
+        return self.__getitems__([i])[0]
+
+    def __iter__(self):
+        """Every sample in order. Without it ``for s in ds`` used the old sequence protocol,
+        which ends at the first ``IndexError`` from anywhere inside, silently."""
+        for i in range(len(self)):
+            yield self[i]

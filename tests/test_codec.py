@@ -78,6 +78,8 @@ def test_bad_inputs_raise_config_error():
         sc.get_codec({"id": "ebq", "lossless": "gzip"})
     with pytest.raises(LookupError, match="no codec named"):
         sc.get_codec("nope")
+    with pytest.raises(ConfigError, match="no codec named"):  # a bad argument too: except ValueError catches it
+        sc.encode(np.zeros(4, np.float32), abs_error=1, codec={"id": "nope"})
     with pytest.raises(ConfigError, match="out="):
         sc.decode(sc.encode(np.zeros(4, np.float32), abs_error=1), out=torch.empty(5))
     with pytest.raises(ConfigError, match="bytes-like"):
@@ -331,3 +333,13 @@ def test_decode_batch_of_one_blob_not_in_a_list():
     # sequences still work: a list, a tuple, an object array of blobs, a generator
     for many in ([blob, blob], (blob, blob), np.array([blob, blob], dtype=object), (b for b in (blob, blob))):
         assert tuple(sc.decode_batch(many).shape) == (2, 3, 4)
+
+
+def test_a_header_format_version_no_solar_wrote_is_damage_and_a_newer_one_asks_for_an_upgrade():
+    blob = bytearray(sc.encode(np.arange(64, dtype=np.float32), abs_error=0.1))
+    blob[4] = 0  # the header format version
+    with pytest.raises(CorruptDataError, match="invalid header format version 0; the blob is corrupted"):
+        sc.decode(bytes(blob))
+    blob[4] = 9
+    with pytest.raises(CorruptDataError, match="format version 9 is newer than this solar reads .*upgrade solar"):
+        sc.decode(bytes(blob))

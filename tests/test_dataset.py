@@ -370,3 +370,37 @@ def test_a_plain_file_truncated_while_read_raises_instead_of_giving_zeros(tmp_pa
     # under their feeder threads: 'Exception in thread QueueFeederThread ... Bad file descriptor')
     assert multiprocessing.active_children() == []
     ds.close()
+
+
+@pytest.mark.parametrize("damage", ["past-end", "backward"])
+def test_a_damaged_offsets_index_is_corrupt_data_naming_the_sample(tmp_path, damage):
+    """A compressed field's offsets carry no checksum. One past the data raised the backend's
+    IndexError (and ``list(ds)`` took it for the end, returning 9 of 10 samples, silently); a
+    backward one a bare ValueError alone and a CorruptDataError in a batch."""
+    from solar.ingest import ingest
+
+    src, path = str(tmp_path / "x.npy"), str(tmp_path / "c.h5")
+    np.save(src, np.random.default_rng(0).standard_normal((10, 16, 16)).astype(np.float32))
+    ingest([src], path, rel_error=1e-3, progress=False)
+    with h5py.File(path, "r+") as f:
+        off = f["x/offsets"][:]
+        off[9 if damage == "past-end" else 4] = off[-1] + 10**6 if damage == "past-end" else off[3] - 5
+        f["x/offsets"][:] = off
+    bad = 8 if damage == "past-end" else 3
+    for read in (lambda ds: ds[9], lambda ds: list(ds), lambda ds: ds.__getitems__([0, 3, 5])):
+        ds = solar.H5Dataset(path)
+        with pytest.raises(solar.CorruptDataError, match=rf"field 'x': the offsets index .* damaged at sample {bad}"):
+            read(ds)
+        ds.close()
+
+
+def test_batch_indices_must_be_integers_like_a_single_index(raw_path):
+    ds = solar.H5Dataset(raw_path)
+    for bad, what in (([1.7, 2.9], "float64"), ([[1, 2], [3, 4]], "2-D"), (np.array([True, False]), "bool")):
+        with pytest.raises(solar.InputError, match=f"flat sequence of integers, got {what}"):
+            ds.__getitems__(bad)
+    with pytest.raises(IndexError, match="out of range"):
+        ds.__getitems__([2**70])
+    assert torch.equal(ds[torch.tensor(3)][0], ds[3][0]) and torch.equal(ds[np.int64(3)][0], ds[3][0])
+    assert len(ds.__getitems__([])) == 0
+    assert len(list(ds)) == len(ds)

@@ -100,9 +100,22 @@ def get_codec(spec=None) -> Codec:
     if isinstance(spec, Codec):
         return spec
     if isinstance(spec, str):
-        return registry.get(spec.partition("/")[0])()
+        return _registered(spec)()
     if isinstance(spec, dict):
         if "id" not in spec:
             raise ConfigError(f"codec config {spec!r} has no 'id' (e.g. {{'id': 'ebq'}})")
-        return registry.get(str(spec["id"]).partition("/")[0]).from_config(spec)
+        return _registered(str(spec["id"])).from_config(spec)
     raise ConfigError(f"codec= must be a name, a config dict or a Codec, got {type(spec).__name__}")
+
+
+class UnknownCodecError(ConfigError, LookupError):
+    """``codec=`` names no registered codec: a bad argument (``ConfigError``, a ``ValueError``, as
+    docs/codec.md says of every bad argument) and a failed lookup (the registry's ``LookupError``)."""
+
+
+def _registered(name: str) -> type:
+    """The codec class registered as ``name`` (:class:`UnknownCodecError` if none)."""
+    try:
+        return registry.get(name.partition("/")[0])
+    except LookupError as exc:
+        raise UnknownCodecError(f"codec={name!r}: {exc}") from None

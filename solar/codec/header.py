@@ -172,8 +172,12 @@ def _parse_static(buf: memoryview, what: str) -> tuple:
     if n < 6:
         raise _truncated(what, n)
     _, fmt, desc_len = _PREFIX.unpack_from(buf)
-    if fmt != FORMAT_VERSION:
-        raise CorruptDataError(f"{what}: unknown header format version {fmt}; upgrade solar")
+    if fmt > FORMAT_VERSION:
+        raise CorruptDataError(f"{what}: header format version {fmt} is newer than this solar reads "
+                               f"({FORMAT_VERSION}); upgrade solar")
+    if fmt != FORMAT_VERSION:  # no solar wrote it: damage, not a newer writer
+        raise CorruptDataError(f"{what}: invalid header format version {fmt}; the blob is corrupted or not "
+                               "a SOLAR codec blob")
     pos = 6 + desc_len
     if pos + 2 > n:
         raise _truncated(what, n)
