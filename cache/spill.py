@@ -134,6 +134,8 @@ class SpillTier(Tier):
 
     # -- the index of spilled values ---------------------------------------------------------------
     def _spill(self, key: Hashable, value: Any) -> bool:
+        if self.__dict__.get("_closed"):  # its directory is gone: a write would make it again, for good
+            return False
         arr = value if isinstance(value, np.ndarray) else None
         data = np.ascontiguousarray(arr).view(np.uint8).reshape(-1) if arr is not None else value
         name, cost = next(self._names), self.charge(_nbytes(data))
@@ -215,7 +217,10 @@ class SpillTier(Tier):
         return self.first.nbytes + self._used_second
 
     def close(self) -> None:
+        """Drop every value and remove the spill directory; afterwards values are kept in memory
+        only (a put that spilled made the directory again, and nothing removed it at exit)."""
         with self._lock:
+            self._closed = True
             self.first.clear()
             for key in list(self._spilled):
                 self._unspill(key)

@@ -78,3 +78,27 @@ def test_bench_without_a_name_reports_only_the_name(capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert err.strip().splitlines()[-1] == "solar bench: error: the following arguments are required: name"
+
+
+def test_demo_refuses_bad_arguments_in_one_line_before_writing(tmp_path, capsys):
+    """They were tracebacks with exit 1, some only after the dataset was written (--buffer 5)."""
+    import pytest
+
+    for argv, says in ((["--samples", "0"], "--samples: must be >= 1"), (["--batch-size", "0"], "--batch-size: must be >= 1"),
+                       (["--buffer", "5"], "--buffer: is a fraction of the dataset"), (["--size", "x"], "expected a number")):
+        with pytest.raises(SystemExit) as info:
+            main(["demo", "--out", str(tmp_path / "d"), "--no-progress", *argv])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and says in err and "Traceback" not in err
+        assert not (tmp_path / "d").exists()
+
+
+def test_solar_errors_from_a_command_are_one_line_with_exit_code_2(tmp_path, capsys, monkeypatch):
+    import solar.cli.demo as demo
+
+    def boom(args):
+        raise solar.ConfigError("buffer=5.0 is not a fraction; pass 0..1")
+
+    monkeypatch.setattr(demo, "run", boom)
+    assert main(["demo", "--out", str(tmp_path / "d")]) == 2
+    assert capsys.readouterr().err.strip() == "solar demo: buffer=5.0 is not a fraction; pass 0..1"

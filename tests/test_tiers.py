@@ -237,3 +237,18 @@ def test_spill_tier_forgets_files_removed_behind_its_back(tmp_path):
             os.unlink(os.path.join(_dir, f))
     assert tier.get("a") is None and "a" not in tier and tier.nbytes == 0
     assert tier.put("b", b"y" * 900)  # the room is back
+
+
+def test_a_closed_spill_tier_keeps_values_in_memory_only_and_its_directory_stays_gone(tmp_path):
+    """A put that spilled after close() made the directory again, which nothing removed."""
+    from solar.cache.spill import SpillTier
+
+    tier = SpillTier.on_disk(str(tmp_path), 100, 10_000, block=1)
+    big = np.zeros(200, np.uint8)
+    assert tier.put(1, big) and 1 not in tier.first  # spilled
+    root = tier.second.root
+    tier.close()
+    assert not os.path.exists(root) and 1 not in tier
+    assert tier.put(2, big) is False  # no room in memory, and no disk any more
+    assert tier.put(3, b"xyz") and tier.get(3) == b"xyz"
+    assert not os.path.exists(root)

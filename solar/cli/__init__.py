@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from solar import __version__
+from solar.errors import SolarError
 
 __all__ = ["main", "SUBCOMMANDS"]
 
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `solar ... | head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0
+    except SolarError as exc:  # SOLAR's own errors say what to do: one line, not a traceback
+        print(f"solar {name}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

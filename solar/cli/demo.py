@@ -22,18 +22,39 @@ import sys
 import time
 
 
+def _at_least(lo: float, kind=int):
+    """An argparse type: ``kind`` values >= ``lo`` (a one-line usage error, exit 2, otherwise:
+    before, --samples 0 or --batch-size 0 failed with a traceback, some after the MPI write)."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not v >= lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo:g}, got {text}")
+        return v
+    return parse
+
+
+def _fraction(text: str) -> float:
+    v = _at_least(0.0, float)(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"is a fraction of the dataset, 0..1, got {text}")
+    return v
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--samples", type=int, default=1024, help="number of samples (default 1024)")
-    parser.add_argument("--size", type=int, default=64, help="field edge length in pixels (default 64)")
+    parser.add_argument("--samples", type=_at_least(1), default=1024, help="number of samples (default 1024)")
+    parser.add_argument("--size", type=_at_least(1), default=64, help="field edge length in pixels (default 64)")
     parser.add_argument("--out", default="out/demo", help="output directory (default out/demo)")
-    parser.add_argument("--ranks", type=int, default=2, help="MPI ranks for the parallel write (default 2)")
+    parser.add_argument("--ranks", type=_at_least(1), default=2, help="MPI ranks for the parallel write (default 2)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--epochs", type=int, default=3, help="training epochs per loader (default 3; 0 skips training)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--buffer", type=float, default=0.5, help="SOLAR buffer, fraction of the dataset (default 0.5)")
-    parser.add_argument("--bandwidth", type=float, default=200e6, help="storage bytes/s for the process (default 200e6; 0: unthrottled)")
-    parser.add_argument("--latency", type=float, default=1e-3, help="seconds per storage request (default 1e-3)")
-    parser.add_argument("--workers", type=int, default=2, help="num_workers of the torch baseline (default 2)")
+    parser.add_argument("--epochs", type=_at_least(0), default=3, help="training epochs per loader (default 3; 0 skips training)")
+    parser.add_argument("--batch-size", type=_at_least(1), default=32)
+    parser.add_argument("--buffer", type=_fraction, default=0.5, help="SOLAR buffer, fraction of the dataset (default 0.5)")
+    parser.add_argument("--bandwidth", type=_at_least(0.0, float), default=200e6, help="storage bytes/s for the process (default 200e6; 0: unthrottled)")
+    parser.add_argument("--latency", type=_at_least(0.0, float), default=1e-3, help="seconds per storage request (default 1e-3)")
+    parser.add_argument("--workers", type=_at_least(0), default=2, help="num_workers of the torch baseline (default 2)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--write-only", action="store_true", help=argparse.SUPPRESS)
 
@@ -60,7 +81,8 @@ def _write(args: argparse.Namespace, path: str) -> str:
                "--seed", str(args.seed)] + (["--no-progress"] if args.no_progress else [])
         subprocess.run(cmd, check=True, env=env)
         return f"{args.ranks} MPI ranks, parallel HDF5 (driver='mpio')"
-    print("MPI or MPI-enabled h5py not available: writing serially", file=sys.stderr)
+    if args.ranks > 1:
+        print("MPI or MPI-enabled h5py not available: writing serially", file=sys.stderr)
     write_ptycho_h5(path, args.samples, args.size, args.seed, comm=None, progress=not args.no_progress)
     return "1 process, serial HDF5"
 
