@@ -268,10 +268,13 @@ def test_an_error_from_workers_still_rewinds_the_planner(h5path):
     with pytest.raises(RuntimeError, match="bad sample"):
         list(loader)
     armed["bad"] = None
-    planner = loader.solar_sampler._planner
+    buffer = loader.solar_sampler.buffer
     s.set_epoch(1)
     list(loader)
-    assert loader.solar_sampler._planner is planner  # rewound, not started over
+    # rewound, not started over (a new buffer). Not the planner's identity: when torch's workers
+    # took every step of the epoch before the error came back, the iteration had ended, and the
+    # next takes the plan made ahead, with the planner copy it was made on (a rare CI failure)
+    assert loader.solar_sampler.buffer is buffer
 
 
 def test_a_loop_that_cuts_every_epoch_short_still_fills_the_buffer(h5path):
