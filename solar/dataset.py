@@ -661,7 +661,24 @@ class H5Dataset(Dataset):
                     blobs, names = self._blobs(whole, spec)
                     for blob, name in zip(blobs, names or [None] * len(blobs)):
                         verify(blob, name=name)
+                        self._check_layout(spec, blob, name)
         return None
+
+    def _check_layout(self, spec: FieldSpec, blob, name) -> None:
+        """A blob decodes to the field's declared sample shape and dtype, or it is damage.
+
+        Why: a file whose blobs disagree with their field's attributes (hand-made, or damaged
+        where no checksum reaches) gave batches of the blobs' shape, an empty batch of the
+        declared one, and blobs of two shapes a bare ``torch.stack`` error naming nothing."""
+        from solar.codec import header_info
+
+        h = header_info(blob)
+        if h.shape != tuple(spec.sample_shape) or h.dtype != spec.dtype:
+            what = f"sample {name}" if name is not None else f"a sample of field {spec.name!r}"
+            raise CorruptDataError(
+                f"{what} decodes to {h.dtype} {h.shape}, but field {spec.name!r} of {self.path} declares "
+                f"{spec.dtype} {tuple(spec.sample_shape)}; the file is damaged or was not written by solar "
+                "ingest: re-create it")
 
     def _blobs(self, stored: StoredBatch, spec: FieldSpec) -> tuple[list[np.ndarray], list[str] | None]:
         """A codec field's blobs in ``stored`` (views: the codec reads arrays in place) and the
@@ -711,7 +728,11 @@ class H5Dataset(Dataset):
                 dec = decode_batch(blobs, device=self.device, names=names,
                                                 compile=self.decode_compile) if blobs else torch.empty(
                     (0, *spec.sample_shape), dtype=_torch_dtype(spec.dtype))
-                out[spec.name] = dec if isinstance(dec, torch.Tensor) else torch.stack(list(dec))
+                if not isinstance(dec, torch.Tensor) or tuple(dec.shape[1:]) != tuple(spec.sample_shape) \
+                        or dec.dtype != _torch_dtype(spec.dtype):  # (checked blob by blob only then)
+                    for blob, name in zip(blobs, names or [None] * len(blobs)):
+                        self._check_layout(spec, blob, name)
+                out[spec.name] = dec
         return out
 
     def _samples(self, tensors: dict[str, torch.Tensor], n: int) -> list:

@@ -404,3 +404,32 @@ def test_batch_indices_must_be_integers_like_a_single_index(raw_path):
     assert torch.equal(ds[torch.tensor(3)][0], ds[3][0]) and torch.equal(ds[np.int64(3)][0], ds[3][0])
     assert len(ds.__getitems__([])) == 0
     assert len(list(ds)) == len(ds)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_blobs_that_disagree_with_their_fields_declared_shape_are_corrupt_data(tmp_path, mixed):
+    """A compressed field's blobs must decode to its declared sample shape and dtype; batches came
+    back in the blobs' shape, and blobs of two shapes ended in a bare torch.stack error."""
+    from solar.ingest import ingest
+
+    src, path = str(tmp_path / "x.npy"), str(tmp_path / "c.h5")
+    np.save(src, np.random.default_rng(0).standard_normal((6, 8, 8)).astype(np.float32))
+    ingest([src], path, rel_error=1e-3, progress=False)
+    with h5py.File(path, "r+") as f:
+        if mixed:  # sample 2's blob replaced by one of another shape (its checksum made to match)
+            import solar.codec as sc
+
+            off = f["x/offsets"][:]
+            data = f["x/data"][:]
+            blobs = [data[off[i]:off[i + 1]].tobytes() for i in range(6)]
+            blobs[2] = sc.encode(np.zeros((4, 4), np.float32), abs_error=1e-3)
+            flat = np.frombuffer(b"".join(blobs), np.uint8)
+            del f["x/data"]
+            f["x"].create_dataset("data", data=flat, chunks=True, maxshape=(None,))
+            f["x/offsets"][:] = np.r_[0, np.cumsum([len(b) for b in blobs])]
+            f[checksum_key("x")][2] = sample_checksum(np.frombuffer(blobs[2], np.uint8))
+        else:
+            f["x"].attrs["sample_shape"] = np.array([4, 16])
+    ds = solar.H5Dataset(path)
+    with pytest.raises(solar.CorruptDataError, match=r"decodes to float32 \(.*\), but field 'x' .* declares"):
+        ds.__getitems__([0, 2, 4])
