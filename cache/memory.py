@@ -42,28 +42,23 @@ class MemoryTier(Tier):
         return self._counted(self._data.get(key))
 
     def put(self, key: Hashable, value: Any) -> bool:
+        return self._store(key, value, create=False)
+
+    def put_new(self, key: Hashable, value: Any) -> bool:
+        return self._store(key, value, create=True)
+
+    def _store(self, key: Hashable, value: Any, create: bool) -> bool:
         n = _nbytes(value)
         with self._lock:
             old = self._data.get(key)
+            if create and old is not None:
+                return False
             delta = n - (_nbytes(old) if old is not None else 0)
             if self.capacity_bytes is not None and self._used + delta > self.capacity_bytes:
                 self.stats.rejected += 1
                 return False
             self._data[key] = value
             self._used += delta
-            self.stats.bytes_in += n
-        return True
-
-    def put_new(self, key: Hashable, value: Any) -> bool:
-        n = _nbytes(value)
-        with self._lock:
-            if key in self._data:
-                return False
-            if self.capacity_bytes is not None and self._used + n > self.capacity_bytes:
-                self.stats.rejected += 1
-                return False
-            self._data[key] = value
-            self._used += n
             self.stats.bytes_in += n
         return True
 

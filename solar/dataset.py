@@ -660,19 +660,16 @@ class H5Dataset(Dataset):
                 if spec.kind == "codec":
                     blobs, names = self._blobs(whole, spec)
                     for blob, name in zip(blobs, names or [None] * len(blobs)):
-                        verify(blob, name=name)
-                        self._check_layout(spec, blob, name)
+                        self._check_layout(spec, verify(blob, name=name), name)
         return None
 
-    def _check_layout(self, spec: FieldSpec, blob, name) -> None:
-        """A blob decodes to the field's declared sample shape and dtype, or it is damage.
+    def _check_layout(self, spec: FieldSpec, h, name) -> None:
+        """A blob (its header ``h``: :func:`solar.codec.header_info`) decodes to the field's
+        declared sample shape and dtype, or it is damage.
 
         Why: a file whose blobs disagree with their field's attributes (hand-made, or damaged
         where no checksum reaches) gave batches of the blobs' shape, an empty batch of the
         declared one, and blobs of two shapes a bare ``torch.stack`` error naming nothing."""
-        from solar.codec import header_info
-
-        h = header_info(blob)
         if h.shape != tuple(spec.sample_shape) or h.dtype != spec.dtype:
             what = f"sample {name}" if name is not None else f"a sample of field {spec.name!r}"
             raise CorruptDataError(
@@ -730,8 +727,10 @@ class H5Dataset(Dataset):
                     (0, *spec.sample_shape), dtype=_torch_dtype(spec.dtype))
                 if not isinstance(dec, torch.Tensor) or tuple(dec.shape[1:]) != tuple(spec.sample_shape) \
                         or dec.dtype != _torch_dtype(spec.dtype):  # (checked blob by blob only then)
+                    from solar.codec import header_info
+
                     for blob, name in zip(blobs, names or [None] * len(blobs)):
-                        self._check_layout(spec, blob, name)
+                        self._check_layout(spec, header_info(blob), name)
                 out[spec.name] = dec
         return out
 

@@ -119,18 +119,22 @@ def _parse(blob, what: str) -> Parsed:
 
 def header_info(blob) -> HeaderInfo:
     """Descriptor, dtype, shape and bound of ``blob`` (header checksum verified, payload not)."""
-    blob = _as_blob(blob, "codec blob")
-    h: Header = read_header(blob)
+    return _info(read_header(_as_blob(blob, "codec blob")))
+
+
+def _info(h: Header) -> HeaderInfo:
     return HeaderInfo(h.descriptor, h.codec, h.version, h.dtype, h.shape, h.abs_error, h.nbytes, h.blob_len)
 
 
-def verify(blob, *, name: Any = None) -> None:
+def verify(blob, *, name: Any = None) -> HeaderInfo:
     """Check ``blob`` without decoding it: magic, header and payload checksums, sizes, and a codec
     (and version) this solar knows; xxh3 at memory speed: what a damaged or foreign blob fails first.
+    Returns what :func:`header_info` returns (read once, for a caller that checks the shape too).
 
     Raises :class:`CorruptDataError` naming ``name`` (e.g. a sample) when given."""
     p = _parse(blob, f"sample {name!r}" if name is not None else "codec blob")
     _codec_for(p).check_version(p)
+    return _info(p.header)
 
 
 def _codec_for(p: Parsed) -> Codec:
