@@ -37,13 +37,13 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from solar.errors import ConfigError, DatasetFormatError, SolarError, StorageError
+from solar.errors import ConfigError, DatasetFormatError, MissingDependencyError, SolarError, StorageError
 from solar.io_backends.npy_format import npy_header
 
 from .base import ArrayInfo, Backend
 from .hdf5 import HDF5Backend
 
-__all__ = ["FsspecBackend", "NpyStore", "write_npy_store", "npy_header"]
+__all__ = ["FsspecBackend", "NpyStore", "write_npy_store", "npy_header", "url_to_fs", "missing_protocol_error"]
 
 # NOTE [ fsspec after fork ]
 #     A forked child inherits the parent's asyncio event loop *and its epoll instance*, which the
@@ -187,6 +187,53 @@ def _storage_errors(url: str, doing: str, hdf5: bool = False) -> Iterator[None]:
                           "config_kwargs) against the fsspec implementation for this protocol") from exc
     except Exception as exc:  # noqa: BLE001 - classified by _storage_error, else re-raised as is
         err = _storage_error(url, exc, doing, hdf5)
+        if err is None:
+            raise
+        raise err from exc
+
+
+def missing_protocol_error(url: str, exc: ImportError | None = None) -> MissingDependencyError | None:
+    """The :class:`MissingDependencyError` for ``url`` when a protocol of it (each part of a
+    ``a::b://`` chain) lacks its package (NOTE [ What an fsspec protocol needs ] in
+    ``solar/capabilities.py``), naming the protocol, the package, fsspec's own hint and the pip
+    command; None when every protocol's packages are found and ``exc`` (an ImportError fsspec
+    raised for ``url``) names no module either."""
+    from fsspec.core import split_protocol
+    from fsspec.registry import known_implementations
+
+    from solar.capabilities import fsspec_protocol_missing, pip_name
+
+    protocols = [split_protocol(part)[0] or "file" for part in url.split("::")]
+    proto, missing = protocols[-1], []
+    for p in protocols:
+        missing = fsspec_protocol_missing(p) or []
+        if missing:
+            proto = p
+            break
+    if not missing and exc is not None:
+        # fsspec's ImportError for a class that does not import chains the ModuleNotFoundError
+        name = next((e.name for e in (exc, exc.__cause__, exc.__context__) if getattr(e, "name", None)), None)
+        missing = [name.partition(".")[0]] if name else []
+    if not missing:
+        return None
+    pkgs = list(dict.fromkeys(map(pip_name, missing)))
+    what = f"package {pkgs[0]}, which is" if len(pkgs) == 1 else f"packages {', '.join(pkgs)}, which are"
+    hint = known_implementations.get(proto, {}).get("err")
+    return MissingDependencyError(
+        f"{url}: the {proto}:// protocol needs the {what} not installed{f' (fsspec: {hint})' if hint else ''}; "
+        f"install it with `pip install {' '.join(pkgs)}`")
+
+
+def url_to_fs(url: str, **storage_options: Any):
+    """``fsspec.core.url_to_fs``, except that a protocol whose package is missing raises
+    :func:`missing_protocol_error` instead of fsspec's bare ImportError (or the
+    ModuleNotFoundError of a filesystem that imports its package when made: ``hdfs``)."""
+    from fsspec.core import url_to_fs as fsspec_url_to_fs
+
+    try:
+        return fsspec_url_to_fs(url, **storage_options)
+    except ImportError as exc:
+        err = None if isinstance(exc, MissingDependencyError) else missing_protocol_error(url, exc)
         if err is None:
             raise
         raise err from exc
@@ -405,8 +452,6 @@ class FsspecBackend(HDF5Backend):
         return (*super()._handle_attrs(), "_fs", "_fobj", "_npy")
 
     def _open(self) -> None:
-        from fsspec.core import url_to_fs
-
         self._keep_parent_handles()
         with _storage_errors(self.url, "opening it"):
             self._fs, path = url_to_fs(self.url, **self.options["storage_options"])
@@ -610,8 +655,6 @@ def write_npy_store(url: str, arrays: dict[str, np.ndarray], attrs: dict[str, di
         shard_rows: split each array into shards of this many rows (``None``: one file per key).
     """
     import io
-
-    from fsspec.core import url_to_fs
 
     fs, root = url_to_fs(url, **storage_options)
     root = root.rstrip("/")

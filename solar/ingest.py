@@ -42,8 +42,11 @@ NOTE [ Ingest crash safety ]
     fsynced before the rename (under MPI the collective flush is an ``MPI_File_sync``) and the
     directory after it. A finished ``OUT`` is only ever replaced with ``--overwrite``: ``--resume``
     reports one with this job's fingerprint (provenance) as already complete and writes nothing,
-    and refuses one written by a different job (or not by ``solar ingest``). One run writes an
-    output at a time (``OUT.ingest.lock``, :class:`_OutputLock`).
+    and refuses one written by a different job (or not by ``solar ingest``). Committed batches
+    are only ever discarded with ``--overwrite``: a run without ``--resume`` or ``--overwrite``
+    that finds ``OUT.tmp`` with committed batches in its journal stops before writing anything
+    and says how to go on (:func:`_refuse_to_discard`). One run writes an output at a time
+    (``OUT.ingest.lock``, :class:`_OutputLock`).
 """
 
 from __future__ import annotations
@@ -63,8 +66,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from solar.cache.disk import fsync_path
-from solar.errors import (ConfigError, CorruptDataError, DatasetFormatError, InputError, MPIUnavailableError,
-                          SolarError, StorageError)
+from solar.errors import (ConfigError, CorruptDataError, DatasetFormatError, InputError, MissingDependencyError,
+                          MPIUnavailableError, SolarError, StorageError)
 from solar.ingest_sources import Source, open_sources
 from solar.ingest_verify import verify_file
 from solar.layout import FORMAT, checksum_key, sample_checksum
@@ -595,6 +598,10 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
 
     Raises:
         InputError / ConfigError: before anything is written, naming the input.
+        InputError: also, without ``resume`` or ``overwrite``, when ``OUT.tmp`` holds batches that
+            an unfinished run committed (they are kept: ``resume`` continues them, ``overwrite``
+            discards them).
+        MissingDependencyError: an input URL's protocol lacks its package (e.g. pyarrow for hdfs).
         CorruptDataError: ``verify`` found a mismatch (the output is then not created).
         InputError: also when another run is writing ``output`` (``OUT.ingest.lock``).
     """
@@ -606,10 +613,15 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
             plan = _validate(inputs, output, fields, abs_error, rel_error, resume, overwrite, batch_size,
                              samples, storage_options)
             lock = _OutputLock(plan.output)
-            lock.acquire()
-        except (InputError, ConfigError) as exc:
+            lock.acquire()  # before looking at OUT.tmp: a run still writing it is named as such
+            if not (resume or overwrite):
+                _refuse_to_discard(plan.output)
+        except (InputError, ConfigError, MissingDependencyError) as exc:
             err = exc
-    plan, err = comm.bcast((plan, err), root=0)
+            if lock is not None:
+                lock.release()
+                lock = None
+    plan, err = comm.bcast((plan, err), root=0)  # every rank raises the verdict of rank 0
     if err is not None:
         raise err
     try:
@@ -688,7 +700,7 @@ def _ingest_run(plan, comm, parallel, t0, inputs, resume, overwrite, verify, pro
     if f is None:
         f = _create_tmp(tmp, plan, kw, need)
         if comm.rank == 0:
-            _journal_write(journal, _journal_record(fp, ids, 0, sizes, out))
+            _journal_write(journal, _journal_record(fp, ids, 0, sizes, out, 0))
     dxpl = None
     if parallel:
         dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
@@ -719,7 +731,7 @@ def _ingest_run(plan, comm, parallel, t0, inputs, resume, overwrite, verify, pro
                 f.flush()  # collective: every rank's bytes up to this batch are in the file now
                 last_commit = now
                 if comm.rank == 0:
-                    _journal_write(journal, _journal_record(fp, ids, b + 1, sizes, out))
+                    _journal_write(journal, _journal_record(fp, ids, b + 1, sizes, out, g1))
                 committed = b + 1  # every rank knows: the commit decision was broadcast
             bar.update(g1 - g0)
             if os.environ.get("SOLAR_INGEST_TEST_DELAY"):  # lets the crash test kill a rank mid-run
@@ -892,10 +904,45 @@ def _changed_inputs(old: Any, ids: list[list], when: str = "since that run") -> 
     return out
 
 
-def _journal_record(fp: str, ids: list[list] | None, batches_done: int, sizes: dict, out: str) -> dict:
+def _journal_record(fp: str, ids: list[list] | None, batches_done: int, sizes: dict, out: str,
+                    samples_done: int | None = None) -> dict:
     """The journal: what ``--resume`` continues (NOTE [ Ingest crash safety ]); ``inputs`` lets
-    it name an input that changed since (:func:`_changed_inputs`)."""
-    return {"fingerprint": fp, "batches_done": batches_done, "data_bytes": sizes, "output": out, "inputs": ids}
+    it name an input that changed since (:func:`_changed_inputs`); ``samples_done`` (the samples
+    of the committed batches) lets a run that would discard them say how many
+    (:func:`_refuse_to_discard`)."""
+    return {"fingerprint": fp, "batches_done": batches_done, "samples_done": samples_done, "data_bytes": sizes,
+            "output": out, "inputs": ids}
+
+
+def _refuse_to_discard(out: str) -> None:
+    """Raise :class:`InputError` when ``OUT.tmp`` holds batches that a run which did not finish
+    committed (its journal says how many), naming them and how to go on; called by rank 0 for a
+    run with neither ``--resume`` nor ``--overwrite``, which would otherwise recreate ``OUT.tmp``.
+
+    Why: a rerun of the same command that only forgot ``--resume`` would throw away every
+    committed batch (hours of work on a large ingest) without a word. ``OUT.tmp`` without a
+    journal, or a journal with no committed batch, has nothing to keep: the run starts over."""
+    tmp, journal = out + TMP_SUFFIX, out + JOURNAL_SUFFIX
+    rec = _journal_read(journal)
+    if not isinstance(rec, dict) or not os.path.exists(tmp):
+        return
+    try:
+        done = int(rec.get("batches_done") or 0)
+    except (TypeError, ValueError):
+        return
+    if done <= 0:
+        return
+    samples = rec.get("samples_done")
+    count = f"{done} committed batch(es)" + (f" ({samples} samples)" if isinstance(samples, int) else "")
+    ids = rec.get("inputs")  # [[url, size, stamp, digest], ...]; absent from older journals
+    urls = [str(i[0]) for i in ids if isinstance(i, list) and i] if isinstance(ids, list) else []
+    inputs = ""
+    if urls:
+        shown = ", ".join(redact_url(u) for u in urls[:3])
+        inputs = f" of {shown}" + (f" and {len(urls) - 3} more input(s)" if len(urls) > 3 else "")
+    raise InputError(f"{tmp} holds {count}{inputs} from an earlier run that did not finish ({journal}); rerun "
+                     "the same command with --resume to continue from there, or with --overwrite to discard them "
+                     "and start over")
 
 
 # -- storage failures (NOTE [ Ingest crash safety ]) -----------------------------------------------

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from solar.errors import DatasetFormatError, InputError
+from solar.errors import DatasetFormatError, InputError, MissingDependencyError
 from solar.layout import name_matches
 
 __all__ = ["Source", "FieldInfo", "open_sources", "parse_field_args", "input_kind", "digest_ranges"]
@@ -135,6 +135,7 @@ class Source:
 
             import fsspec
 
+            from solar.io_backends.fsspec import missing_protocol_error
             from solar.io_backends.npy_format import npy_array
 
             # the members are read without np.load (its header parser races other threads' ast
@@ -143,6 +144,11 @@ class Source:
                 with fsspec.open(self.url, "rb", **self.storage_options) as f, zipfile.ZipFile(f) as z:
                     self._handle = {name.removesuffix(".npy"): npy_array(z.read(name), f"{self.url}:{name}")
                                     for name in z.namelist()}
+            except ImportError as exc:  # the URL's protocol lacks its package: say which, and how to install it
+                err = None if isinstance(exc, MissingDependencyError) else missing_protocol_error(self.url, exc)
+                if err is None:
+                    raise
+                raise err from exc
             except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
                 raise DatasetFormatError(f"{self.url}: not a readable .npz archive ({type(exc).__name__}: {exc}); "
                                          "check the file (np.savez writes one)") from exc
@@ -175,7 +181,7 @@ class Source:
         if _is_local(path):
             st = os.stat(_local_path(path))
             return [st.st_size, st.st_mtime_ns]
-        from fsspec.core import url_to_fs
+        from solar.io_backends.fsspec import url_to_fs
 
         fs, p = url_to_fs(path, **self.storage_options)
         try:
@@ -226,7 +232,7 @@ class Source:
                     fh.seek(lo)
                     out.append(fh.read(hi - lo))
             return out
-        from fsspec.core import url_to_fs
+        from solar.io_backends.fsspec import url_to_fs
 
         fs, p = url_to_fs(path, **self.storage_options)
         return fs.cat_ranges([p] * len(ranges), [lo for lo, _ in ranges], [hi for _, hi in ranges], on_error="raise")

@@ -21,5 +21,7 @@ def run(args: argparse.Namespace) -> int:
     for key, value in caps.items():
         if isinstance(value, list):
             value = ", ".join(map(str, value)) or "-"
+        elif isinstance(value, dict):  # fsspec_protocols_missing: protocol -> what installs it
+            value = "; ".join(f"{k}: {v}" for k, v in value.items()) or "-"
         print(f"{key:<{width}}  {value}")
     return 0

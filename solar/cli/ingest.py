@@ -7,7 +7,8 @@ Examples::
     mpirun -n 8 solar ingest ... -o train.h5 --resume         # after a crash: continue
 
 Exit codes: 0 done, 2 bad input or options (nothing written; also an input that changed while the
-run read it, or that a read found unusable: no OUT), 3 verification failed, 4 storage or
+run read it, or that a read found unusable: no OUT; and a rerun without --resume or --overwrite
+that finds OUT.tmp with committed batches: they are kept), 3 verification failed, 4 storage or
 I/O failure during the run (an input server died, stalled or refused a read, the output's disk is
 full; ``--resume`` continues from the last committed batch), 1 other. Under mpirun the same codes
 are the job's: a rank that fails alone prints its message and ends the job with ``MPI_Abort`` of
@@ -41,7 +42,9 @@ def configure(p) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run from its last committed batch (an OUT this same job "
                         "finished is reported complete; any other existing OUT still needs --overwrite)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (atomically, at the end)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it exists (atomically, at the end), and start over even when OUT.tmp holds "
+                        "batches an interrupted run committed (without --resume or --overwrite such a run is refused)")
     p.add_argument("--verify", action="store_true",
                    help="read everything back before the rename: checksums, and values within the bound")
     p.add_argument("--batch-size", type=int, default=256, help="samples written per collective step (default 256)")
@@ -58,7 +61,8 @@ def configure(p) -> None:
 
 def run(args) -> int:
     from solar.dist import mpi_comm
-    from solar.errors import ConfigError, CorruptDataError, DatasetFormatError, InputError, MPIUnavailableError
+    from solar.errors import (ConfigError, CorruptDataError, DatasetFormatError, InputError, MissingDependencyError,
+                              MPIUnavailableError)
     from solar.ingest import TMP_SUFFIX, failure_lines, ingest
 
     comm = mpi_comm()
@@ -69,7 +73,7 @@ def run(args) -> int:
                      rel_error=args.rel_error, resume=args.resume, overwrite=args.overwrite, verify=args.verify,
                      batch_size=args.batch_size, samples=args.samples, progress=not args.no_progress,
                      storage_options=args.storage_options, commit_interval=args.commit_interval)
-    except (InputError, ConfigError, MPIUnavailableError) as exc:  # raised on every rank alike
+    except (InputError, ConfigError, MissingDependencyError, MPIUnavailableError) as exc:  # raised on every rank alike
         if rank == 0:
             print(f"solar ingest: {exc}", file=sys.stderr)
         return 2
