@@ -271,7 +271,7 @@ class StoredConcat(ConcatDataset):
         for k, slots, part in stored.parts:
             ds = self.parts[k][0]
             tensors = part.decoded if part.decoded is not None else ds.decode(part)
-            for j, sample in zip(slots.tolist(), ds._samples(tensors, part.n)):
+            for j, sample in zip(slots.tolist(), ds._items(part, tensors)):  # its own __getitem__
                 samples[j] = sample
         return samples
 

@@ -17,6 +17,23 @@ NOTE [ Stored vs decoded ]
     the codec's per-call cost (about 1.6x faster per sample on the CPU at 256 vs 32 samples) and
     overlaps decoding with the training step; the buffer still holds only compressed bytes.
 
+NOTE [ Subclass items ]
+    A subclass that overrides ``__getitem__`` (normalization, log-scaling, an extra target: a
+    common pattern) expects it called for every sample, as torch calls it for any map-style
+    dataset. But torch's fetcher calls ``__getitems__`` when a dataset has one (so does torch's
+    ``Subset``), and SOLAR's loader hands each step's loaded bytes to ``__getitems__``: the
+    override was bypassed by both loaders. So ``__getitems__`` (and the loader's ``Subset`` and
+    ``ConcatDataset`` views) first makes the batch's samples with H5Dataset's own methods, from
+    one coalesced read or the bytes the loader loaded (buffer hits included), then calls the
+    override once per sample in batch order, with the index torch would pass it (the file's
+    sample number, through a view). While it runs, ``super().__getitem__(i)`` returns the sample
+    already made for ``i`` (a copy if another place already had it), and reads ``i`` alone only
+    when the batch lacks it. The batch is kept per thread, so two threads' batches never mix.
+    One difference from torch: a ``transform`` runs once per place of the batch, so an override
+    that asks for another sample of its batch gets that sample's transformed copy, not a second
+    draw of a random transform. A subclass that overrides ``__getitems__`` itself is called as any
+    dataset is (the loader's views leave it to torch: ``solar.subset.drivable``).
+
 NOTE [ Collective-safe reads ]
     :meth:`fetch_stored` calls ``backend.read_ranges`` exactly once per field, in field order,
     whatever it has to read (an empty range list when everything hit). On a collective backend
@@ -174,6 +191,53 @@ class _Pending:
     at: np.ndarray
     mrank: np.ndarray
     datas: dict = field(default_factory=dict)
+
+
+_MISSING = object()
+
+#: Per thread, the batches whose samples a subclass's ``__getitem__`` is being called for
+#: (``stack``, innermost last): NOTE [ Subclass items ].
+_SERVING = threading.local()
+
+
+class _BatchItems:
+    """One batch's samples as H5Dataset makes them, which ``H5Dataset.__getitem__`` serves to a
+    subclass's override while the batch calls it (NOTE [ Subclass items ]).
+
+    ``rows``: the file's sample number of each place; ``place``: the place being made now.
+    Each place's sample is handed out as it is once, to its own place's first request; any
+    other request for it gets a copy of its tensors, so an override that changes its sample
+    in place does not change the copy another place asked for."""
+
+    def __init__(self, dataset: "H5Dataset", rows: list[int], samples: list) -> None:
+        self.dataset, self.rows, self.samples = dataset, rows, samples
+        self.place = 0
+        self._handed: set[int] = set()
+        self._first: dict[int, int] | None = None
+
+    def get(self, row: int) -> Any:
+        """The sample of the file's sample ``row`` (normalized), or ``_MISSING`` if the batch lacks it."""
+        if self.rows[self.place] == row and self.place not in self._handed:
+            self._handed.add(self.place)
+            return self.samples[self.place]
+        if self._first is None:
+            self._first = {}
+            for p, r in enumerate(self.rows):
+                self._first.setdefault(int(r), p)
+        p = self._first.get(row)
+        return _MISSING if p is None else _fresh(self.samples[p])
+
+
+def _fresh(sample: Any) -> Any:
+    """``sample`` with its tensors cloned (in tuples, lists and dicts, as samples come)."""
+    if isinstance(sample, torch.Tensor):
+        return sample.clone()
+    if isinstance(sample, (tuple, list)):
+        items = [_fresh(s) for s in sample]
+        return type(sample)(*items) if hasattr(sample, "_fields") else type(sample)(items)
+    if isinstance(sample, dict):
+        return type(sample)((k, _fresh(v)) for k, v in sample.items())
+    return sample
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
@@ -743,7 +807,8 @@ class H5Dataset(Dataset):
 
     # -- Dataset protocol ---------------------------------------------------------------------
     def __getitems__(self, indices: Sequence[int]) -> list:
-        """A batch of samples; torch's fetcher calls this once per batch (one coalesced read)."""
+        """A batch of samples; torch's fetcher calls this once per batch (one coalesced read).
+        A subclass's ``__getitem__`` is applied to each (NOTE [ Subclass items ])."""
         return self._getitems(indices)
 
     def _getitems(self, indices: Sequence[int], rows: np.ndarray | None = None) -> list:
@@ -751,14 +816,48 @@ class H5Dataset(Dataset):
         if stored is None:
             stored = self.fetch_stored(indices, rows=rows)
         tensors = stored.decoded if stored.decoded is not None else self.decode(stored)
-        return self._samples(tensors, stored.n)
+        return self._items(stored, tensors, indices if rows is None else None)
+
+    def _items(self, stored: StoredBatch, tensors: dict[str, torch.Tensor], asked: Sequence[int] | None = None) -> list:
+        """The samples of ``stored`` (``tensors``: its decoded fields): H5Dataset's own, or what a
+        subclass's ``__getitem__`` makes of them, called with ``asked`` (the indices the caller
+        gave) or else the file's sample numbers (NOTE [ Subclass items ])."""
+        samples = self._samples(tensors, stored.n)
+        if type(self).__getitem__ is H5Dataset.__getitem__:
+            return samples
+        stack = _SERVING.__dict__.setdefault("stack", [])
+        if stack and stack[-1].dataset is self:  # the override itself asked for a batch
+            return samples  # (super().__getitems__([i])): H5Dataset's own, or it recursed for ever
+        keys = stored.indices if asked is None else [operator.index(i) for i in asked]
+        served = _BatchItems(self, stored.indices, samples)
+        stack.append(served)
+        try:
+            out = []
+            for place, i in enumerate(keys):
+                served.place = place
+                out.append(self.__getitem__(i))
+            return out
+        finally:
+            stack.pop()
 
     def __getitem__(self, index: int):
         try:  # ints, numpy integers, 0-d integer tensors and arrays (as TensorDataset takes them)
             i = operator.index(index)
         except TypeError:
             raise InputError(f"{self.path}: H5Dataset indices are integers, got {type(index).__name__}") from None
-        return self.__getitems__([i])[0]
+        for served in reversed(_SERVING.__dict__.get("stack", ())):
+            if served.dataset is self:  # a subclass's override inside a batch: NOTE [ Subclass items ]
+                sample = served.get(i + self.num_samples if i < 0 else i)
+                if sample is not _MISSING:
+                    return sample
+                break
+        if type(self).__getitem__ is H5Dataset.__getitem__:
+            return self.__getitems__([i])[0]
+        # reached through a subclass's override (super().__getitem__) outside a batch, or for a
+        # sample its batch lacks: H5Dataset's own sample, read alone (its __getitems__ would
+        # call the override again)
+        stored = self.fetch_stored([i])
+        return self._samples(self.decode(stored), 1)[0]
 
     def __iter__(self):
         """Every sample in order. Without it ``for s in ds`` used the old sequence protocol,

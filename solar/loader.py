@@ -23,6 +23,17 @@ NOTE [ Resume ]
     out across the new ranks: NOTE [ Resumed tail ] in solar/schedule.py). After a resume the
     buffers start empty (a new process), so the rank assignment inside a global batch may differ
     from the uninterrupted run; each global batch's samples do not.
+
+    A state only fits a loader that draws the same order: the same dataset size, sampler and
+    batch sampler classes, and in ``schedule`` mode the same seed, shuffle and drop_last; in
+    ``passthrough`` mode the same shuffle (a ``RandomSampler`` or not), generator seed (the
+    ``generator=``'s, or the sampler's own, as the loader was built; unknown, and not recorded,
+    for torch's global RNG) and, mid-epoch, batch size (its position is a count of batches: 5
+    batches of 64 resumed with batches of 32 trained 160 samples twice). Anything else is
+    refused with a ``ValueError`` naming both values. States of version 1 lack some of these
+    keys; what a state lacks is not checked. A mid-epoch ``schedule`` state whose epoch is then
+    replaced (``set_epoch(e)`` with another ``e`` before the next iteration) is dropped with a
+    warning: the position belongs to its own epoch's order.
 """
 
 from __future__ import annotations
@@ -38,8 +49,20 @@ from solar.sampler import SolarBatchSampler, is_storage_backed
 
 __all__ = ["DataLoader"]
 
-STATE_VERSION = 1
+#: 2: states also record the sampler and batch sampler classes and, in passthrough mode,
+#: shuffle and the generator's seed (NOTE [ Resume ]); version 1 states still load.
+STATE_VERSION = 2
+_LOADABLE_VERSIONS = (1, 2)
 _END = object()
+
+
+class _DefaultBuffer(str):
+    """The type of :data:`DEFAULT_BUFFER`: ``"1GiB"``, told apart by identity from a buffer
+    the caller passed (an option given for a dataset SOLAR cannot drive is warned about)."""
+
+
+#: ``buffer=`` when the caller gives none: 1 GiB per rank.
+DEFAULT_BUFFER = _DefaultBuffer("1GiB")
 
 
 class _TrackedIter:
@@ -93,7 +116,10 @@ class DataLoader(tud.DataLoader):
     Keyword-only SOLAR options:
         buffer: per-rank buffer for storage-backed datasets: samples (``int``), bytes
             (``"2GiB"``) or a fraction of the dataset over all ranks (``0.5``); ``0`` disables it.
-            Default ``"1GiB"`` per rank (never more than the rank's share of the dataset).
+            Default ``"1GiB"`` per rank (never more than the rank's share of the dataset). A
+            buffer whose memory part is more than the node's available memory over its ranks is
+            refused (:func:`solar.memory.check_buffer_memory`); given for a dataset SOLAR cannot
+            drive, it is not used, with a warning.
         prefetch: steps read together in one coalesced pass on the background I/O thread, one
             pass ahead of the training loop (default 8, capped at 256 MB; 0 = each step inline).
         spill: ``(directory, size)`` on node-local disk (``("/local/nvme/solar", "100GiB")``):
@@ -110,7 +136,7 @@ class DataLoader(tud.DataLoader):
                  batch_sampler=None, num_workers: int = 0, collate_fn=None, pin_memory: bool = False,
                  drop_last: bool = False, timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
                  generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
-                 pin_memory_device: str = "", in_order: bool = True, buffer: Any = "1GiB", prefetch: int = 8,
+                 pin_memory_device: str = "", in_order: bool = True, buffer: Any = DEFAULT_BUFFER, prefetch: int = 8,
                  spill: Any = None, distributed: bool = False, seed: int = 0) -> None:
         self._auto_epoch = False
         if isinstance(dataset, (tud.Subset, tud.ConcatDataset)) and not is_storage_backed(dataset) and \
@@ -149,22 +175,46 @@ class DataLoader(tud.DataLoader):
             # torch forbids re-assigning batch_sampler after __init__ (its __setattr__ guard); this
             # one replacement happens inside __init__ by design.
             object.__setattr__(self, "batch_sampler", self.solar_sampler)
+            self._check_buffer_memory(buffer)
         else:
             from solar.sampler import parse_buffer, parse_spill
 
-            parse_spill(spill, parse_buffer(buffer))  # bad options fail here too, not only on storage-backed datasets
-            inner = _wrapped_storage(dataset) if self.batch_sampler is not None else None
-            if inner is not None:
+            spec = parse_buffer(buffer)
+            parse_spill(spill, spec)  # bad options fail here too, not only on storage-backed datasets
+            asked = [f"buffer={buffer!r}"] if buffer is not DEFAULT_BUFFER and not _zero(spec) else []
+            asked += [f"spill={spill!r}"] if spill is not None else []
+            message = _undriven(dataset, self.batch_sampler is not None,
+                                self._dataset_kind == tud.dataloader._DatasetKind.Map, " and ".join(asked))
+            if message is not None:
                 import warnings
 
-                warnings.warn(
-                    f"solar.DataLoader: the dataset is a {type(dataset).__name__} of {type(inner).__name__} "
-                    f"{getattr(inner, 'path', '')!s} that SOLAR's schedule, buffer and read-ahead cannot drive, so "
-                    "this loader runs as torch's would (correct, not faster). They drive an H5Dataset, Subsets "
-                    "(random_split) and ConcatDatasets of these, nested in any way: torch's own classes, not "
-                    "subclasses, over H5Datasets whose items are made by H5Dataset itself, with the same field "
-                    "names in every file, all read through parallel HDF5 or none",
-                    UserWarning, stacklevel=2)
+                warnings.warn(message, UserWarning, stacklevel=2)
+        # the order's seed as the loader was built (NOTE [ Resume ]): the sampler's own generator
+        # (a RandomSampler's is the loader's generator= when torch built it), else generator=
+        gen = getattr(self._order_sampler(), "generator", None)
+        gen = gen if isinstance(gen, torch.Generator) else self.generator
+        self._seed = int(gen.initial_seed()) if isinstance(gen, torch.Generator) else None
+
+    def _check_buffer_memory(self, buffer: Any) -> None:
+        """Refuse a buffer the node's memory cannot hold for each of its ranks (solar/memory.py).
+        What counts is what the buffer keeps in memory at most: what ``buffer=`` asks, but never
+        more than the rank's share of the dataset fills (SolarBatchSampler.capacity caps it);
+        a ``spill=`` part is disk. So a big buffer on a small dataset stays accepted."""
+        from solar.memory import check_buffer_memory
+
+        ss = self.solar_sampler
+        spec = ss.buffer_spec
+        if _zero(spec):
+            return
+        sizes = self.dataset.sample_nbytes()
+        if not len(sizes):
+            return
+        samples = ss.plan_config().capacity if ss.mode == "schedule" else ss.capacity(1, ss.batch_size or 1)
+        mean = float(sizes.mean())
+        fills = int(samples * mean)
+        in_memory = fills if spec.nbytes is None else min(spec.nbytes, fills)
+        option = f"buffer={buffer!r}" if buffer is not DEFAULT_BUFFER else f"the default buffer={buffer!r}"
+        check_buffer_memory(in_memory, option, samples, mean)
 
     # -- epochs ---------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -199,6 +249,16 @@ class DataLoader(tud.DataLoader):
                               done=False, rng=rng, next_rng=None, started=True, epoch=getattr(self.sampler, "epoch", None),
                               start=int(resume["position"]) if resume and resume.get("mode") == "schedule" else 0)
         if resume and resume.get("mode") == "schedule" and resume["epoch"] != self._progress["epoch"]:
+            if int(resume.get("position", 0)) > 0:  # (a state saved at an epoch's end never gets here)
+                import warnings
+
+                warnings.warn(
+                    f"solar.DataLoader: the loaded state stopped in epoch {resume['epoch']} at global position "
+                    f"{resume['position']}, but this iteration runs epoch {self._progress['epoch']} (set_epoch was "
+                    f"called after load_state_dict): epoch {self._progress['epoch']} runs from its start and the "
+                    f"rest of epoch {resume['epoch']} is not resumed. To resume it, iterate epoch "
+                    f"{resume['epoch']} first (set_epoch({resume['epoch']}), or call set_epoch before "
+                    "load_state_dict)", UserWarning, stacklevel=2)
             self._progress["start"] = 0
         replay = 0
         if resume and self.solar_sampler is None:
@@ -264,6 +324,23 @@ class DataLoader(tud.DataLoader):
             torch.set_rng_state(state)
 
     # -- resume ---------------------------------------------------------------------------------
+    def _user_batch_sampler(self) -> Any:
+        """The batch sampler torch built (or the ``batch_sampler=`` given), under SOLAR's wrapper;
+        None with ``batch_size=None``."""
+        return self.solar_sampler.inner if self.solar_sampler is not None else self.batch_sampler
+
+    def _order_sampler(self) -> Any:
+        """The sampler whose order the batches follow: the batch sampler's own when it has one
+        (a ``batch_sampler=`` argument), else the loader's."""
+        own = getattr(self._user_batch_sampler(), "sampler", None)
+        return own if own is not None else self.sampler
+
+    def _sampler_classes(self) -> dict[str, str | None]:
+        """The classes a state records and checks: ``sampler`` and ``batch_sampler``."""
+        inner = self._user_batch_sampler()
+        return {"sampler": _class_name(self._order_sampler()),
+                "batch_sampler": None if inner is None else _class_name(inner)}
+
     def _mode(self) -> str:
         return self.solar_sampler.mode if self.solar_sampler is not None else (
             "schedule" if isinstance(self.sampler, tud.DistributedSampler) and self.batch_size else "passthrough")
@@ -273,7 +350,7 @@ class DataLoader(tud.DataLoader):
         p = self._progress
         n = len(self.dataset) if hasattr(self.dataset, "__len__") else None
         state: dict[str, Any] = {"version": STATE_VERSION, "mode": self._mode(), "num_samples": n,
-                                 "batch_size": self.batch_size}
+                                 "batch_size": self.batch_size, **self._sampler_classes()}
         if state["mode"] == "schedule":
             s = self.sampler
             G = s.num_replicas * self.batch_size
@@ -286,14 +363,15 @@ class DataLoader(tud.DataLoader):
                          shuffle=bool(s.shuffle), drop_last=bool(s.drop_last), global_batch=G, epoch_done=bool(done))
         else:
             state.update(batches=int(p["batches"]) if p["started"] else 0, epoch_done=bool(p["done"]),
-                         rng=p["rng"] if p["started"] else None)
+                         rng=p["rng"] if p["started"] else None,
+                         shuffle=isinstance(self._order_sampler(), tud.RandomSampler), seed=self._seed)
             if p["done"] and p.get("next_rng") is not None:
                 state["next_rng"] = p["next_rng"]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` on the next iteration; raises ``ValueError`` if it does not fit."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        if not isinstance(state, dict) or state.get("version") not in _LOADABLE_VERSIONS:
             raise ConfigError("load_state_dict: not a solar.DataLoader state (missing or unknown 'version'); "
                               "pass what DataLoader.state_dict() returned")
         n = len(self.dataset) if hasattr(self.dataset, "__len__") else None
@@ -304,6 +382,13 @@ class DataLoader(tud.DataLoader):
         if state["mode"] != mode:
             raise ConfigError(f"load_state_dict: the state is from a '{state['mode']}' loader but this one is "
                               f"'{mode}'; use the same kind of sampler (DistributedSampler or not) as when it was saved")
+        if mode == "passthrough":
+            self._check_passthrough_state(state)
+        for key, value in self._sampler_classes().items():  # (version 1 states lack them: not checked)
+            if key in state and state[key] != value:
+                raise ConfigError(f"load_state_dict: the state is from a loader whose {key} is {state[key]} but "
+                                  f"this loader's {key} is {value}; the order it resumes would be another. Build "
+                                  f"the loader with the {key} it was saved with")
         if mode == "schedule":
             s = self.sampler
             for key in ("seed", "shuffle", "drop_last"):
@@ -322,6 +407,93 @@ class DataLoader(tud.DataLoader):
                 self._set_rng_state(state["next_rng"])
             return
         self._progress["resume"] = dict(state)
+
+    def _check_passthrough_state(self, state: dict[str, Any]) -> None:
+        """Refuse a passthrough state from a loader that draws another order (NOTE [ Resume ])."""
+        shuffle = isinstance(self._order_sampler(), tud.RandomSampler)
+        if "shuffle" in state and state["shuffle"] != shuffle:
+            raise ConfigError(f"load_state_dict: the state was saved with shuffle={state['shuffle']} but this loader "
+                              f"has shuffle={shuffle} (its sampler is a RandomSampler or not); the order it resumes "
+                              f"would be another. Build the loader with shuffle={state['shuffle']}")
+        if "seed" in state and state["seed"] != self._seed:
+            none = "no generator (it draws from torch's global RNG, whose seed a state cannot know)"
+            saved = f"generator seed {state['seed']}" if state["seed"] is not None else none
+            mine = f"generator seed {self._seed}" if self._seed is not None else none
+            raise ConfigError(f"load_state_dict: the state was saved with {saved} but this loader has {mine}; the "
+                              "order it resumes would be another. Build the loader with the generator it was saved "
+                              "with (generator=torch.Generator().manual_seed(seed), seeded before the loader is "
+                              "built)")
+        if not state["epoch_done"] and int(state["batches"]) and state.get("batch_size") != self.batch_size:
+            raise ConfigError(f"load_state_dict: the state was saved {state['batches']} batches into an epoch with "
+                              f"batch_size={state.get('batch_size')} but this loader has batch_size={self.batch_size}; "
+                              "counted in these batches, it would train some samples twice and skip others. Load it "
+                              f"into a loader with batch_size={state.get('batch_size')} (or start the epoch over "
+                              "without it)")
+
+
+def _class_name(obj: Any) -> str:
+    """``module.QualifiedName`` of ``obj``'s class, as states record samplers."""
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def _zero(spec: Any) -> bool:
+    """A parsed ``buffer=`` that keeps nothing (``0``, ``None``, ``"0B"``, ``0.0``)."""
+    return not (spec.samples or spec.nbytes or spec.fraction)
+
+
+def _undriven(dataset: Any, batched: bool, mapstyle: bool, asked: str) -> str | None:
+    """Why SOLAR's options are off for a dataset the loader does not drive, and what to do; None
+    when there is nothing to say (a plain dataset without SOLAR's options). ``asked``: the
+    SOLAR options the caller passed (``"buffer='2GiB'"``), or ``""``."""
+    unused = f" ({asked} not used)" if asked else ""
+    off_short = "SOLAR's schedule, buffer and read-ahead are off"
+    off = f"{off_short}: this loader runs as torch's would, its batches torch's, every sample read from storage " \
+          f"every epoch{unused}"
+    inner = _wrapped_storage(dataset) if batched else None
+    if inner is not None:
+        return (f"solar.DataLoader: the dataset is a {type(dataset).__name__} of {type(inner).__name__} "
+                f"{getattr(inner, 'path', '')!s} that SOLAR cannot drive, so {off}. SOLAR drives an H5Dataset "
+                "(a subclass that overrides __getitem__ too), Subsets (random_split) and ConcatDatasets of these, "
+                "nested in any way: torch's own classes, not subclasses, over H5Datasets that make their batches "
+                "with H5Dataset's own __getitems__, with the same field names in every file, all read through "
+                "parallel HDF5 or none")
+    held = _held_storage(dataset) if batched and mapstyle else None
+    if held is not None:
+        name, inner = held
+        return (f"solar.DataLoader: the dataset is a {type(dataset).__name__} holding {type(inner).__name__} "
+                f"{getattr(inner, 'path', '')!s} in its attribute {name!r}; SOLAR cannot see through it, so {off}. "
+                "To keep them, subclass H5Dataset and override __getitem__ (SOLAR applies it to every sample it "
+                "loads), or pass the H5Dataset itself to the loader (transform= for per-sample work, collate_fn= "
+                "for per-batch work)")
+    if not asked:
+        return None
+    why = "with batch_size=None the loader is torch's (SOLAR drives batched loaders)" if not batched else \
+        "an IterableDataset has no indices to plan" if not mapstyle else \
+        f"the dataset is a {type(dataset).__name__}, not storage-backed (SOLAR drives solar.H5Dataset, Subsets and " \
+        "ConcatDatasets of it)"
+    todo = "pass batch_size= to use them" if not batched else \
+        "for data in an HDF5 file, open it with solar.H5Dataset (subclass it and override __getitem__ for " \
+        "per-sample work)"
+    return f"solar.DataLoader: {asked} not used: {why}, so {off_short}. To use them, {todo}; otherwise leave " \
+        "the option out"
+
+
+def _held_storage(dataset: Any) -> tuple[str, Any] | None:
+    """``(attribute, dataset)`` for a storage-backed dataset (or a Subset / ConcatDataset of one)
+    that ``dataset``, which SOLAR cannot drive, holds in an attribute (directly, or among the
+    first items of a list, tuple or dict there), else None: a wrapper that turned SOLAR off."""
+    for name, value in list(getattr(dataset, "__dict__", {}).items()):
+        items = itertools.islice(value.values(), 16) if isinstance(value, dict) else \
+            value[:16] if isinstance(value, (list, tuple)) else [value]
+        for item in items:
+            try:
+                found = item if is_storage_backed(item) else _wrapped_storage(item)
+            except Exception:  # noqa: BLE001 - an attribute that fails to answer is not a dataset
+                continue
+            if found is not None:
+                return name, found
+    return None
 
 
 def _wrapped_storage(dataset) -> Any:

@@ -136,14 +136,15 @@ def distinct_rows(rows: np.ndarray, n: int) -> bool:
 
 
 def drivable(ds: Any) -> bool:
-    """An :class:`H5Dataset` whose items are made by H5Dataset's own methods. The wrappers read
-    and build samples through those (and through ``decode``/``transform``, which a subclass may
-    change); a subclass that makes its items otherwise is left to torch, as torch would run it."""
+    """An :class:`H5Dataset` whose batches are made by H5Dataset's own methods. The wrappers read
+    and build samples through those (and through ``decode``/``transform`` and ``__getitem__``,
+    which a subclass may change: NOTE [ Subclass items ] in solar/dataset.py); a subclass with
+    its own ``__getitems__`` is left to torch, which calls it."""
     t = type(ds)
     return isinstance(ds, H5Dataset) and all(getattr(t, m) is getattr(H5Dataset, m) for m in _ITEM_METHODS)
 
 
-_ITEM_METHODS = ("__getitem__", "__getitems__", "_getitems", "_samples")
+_ITEM_METHODS = ("__getitems__", "_getitems", "_items", "_samples")
 
 
 def stored_subset(dataset: Any, memo: dict | None = None) -> StoredSubset | None:
