@@ -313,7 +313,7 @@ def cmd_restore(args) -> int:
         n = reader.retry_if_removed(lambda: _export_safetensors(reader, args.output))
         print(f"wrote {n} tensors of step {reader.manifest.step} to {args.output} (safetensors)")
         return 0
-    state = reader.state_dict(map_location="cpu", progress=True)
+    state = reader.state_dict(map_location="cpu", progress=True, weights_only=not args.trust_pickle)
     _write_output(args.output, lambda tmp: torch.save(state, tmp))
     print(f"wrote step {reader.manifest.step} to {args.output} (torch.save)")
     return 0
@@ -374,6 +374,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         p.add_argument("-o", "--output", required=True)
         # no argparse default: an explicit --format is told apart from the default (see _output_format)
         p.add_argument("--format", choices=["pt", "safetensors"], default=None, help=fmt_help)
+        p.add_argument("--trust-pickle", action="store_true",
+                       help="unpickle the version's non-tensor objects with the full unpickler, not only through "
+                            "the allow-list of safe globals; only for a root you trust: unpickling can run "
+                            "arbitrary code")
         p.set_defaults(func=cmd_restore)
     p = sub.add_parser("gc", help="remove old versions and unreferenced chunks")
     p.add_argument("root")

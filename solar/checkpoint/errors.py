@@ -7,9 +7,12 @@ while ``except CheckpointError`` (or ``SolarError``) catches them with the rest.
 
 from __future__ import annotations
 
+import pickle
+
 from solar.errors import CheckpointError
 
-__all__ = ["CheckpointVersionRemovedError", "CheckpointReadOnlyError", "NotACheckpointRootError"]
+__all__ = ["CheckpointVersionRemovedError", "CheckpointReadOnlyError", "NotACheckpointRootError",
+           "UntrustedPickleError"]
 
 
 class CheckpointVersionRemovedError(CheckpointError, FileNotFoundError):
@@ -26,3 +29,8 @@ class NotACheckpointRootError(CheckpointError, FileNotFoundError):
 class CheckpointReadOnlyError(CheckpointError, PermissionError):
     """The checkpoint root cannot be written here (read-only mount, missing permissions), so
     saving, ``gc`` and ``verify --repair`` cannot run; reading it still works."""
+
+
+class UntrustedPickleError(CheckpointError, pickle.UnpicklingError):
+    """A pickled value in a checkpoint names a global off the allow-list of safe ones, so loading it
+    by default (``weights_only=True``) refuses it instead of running code its author chose."""

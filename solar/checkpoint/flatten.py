@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from solar.errors import InputError
+from solar.errors import CorruptDataError, InputError, SolarError
 
 __all__ = ["TensorRef", "BlobSource", "Flat", "flatten", "unflatten", "DTYPES", "dtype_name"]
 
@@ -251,35 +251,90 @@ def materialize(refs: list[TensorRef], blob_buffers: "list[torch.Tensor] | dict[
     return out
 
 
-def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    """Rebuild the state dict from its skeleton and the materialized tensors."""
+def unflatten(skeleton: Any, tensors: list[torch.Tensor], *, weights_only: bool = True,
+              where: str = "the checkpoint") -> Any:
+    """Rebuild the state dict from its skeleton and the materialized tensors.
 
-    def dec(obj: Any) -> Any:
+    A skeleton comes from whoever wrote the manifest, so it is decoded as untrusted data: a
+    malformed tagged value is a :class:`CorruptDataError` naming its key, and pickled leaves go
+    through the allow-list unpickler of :mod:`.safepickle` unless ``weights_only=False`` (the
+    full unpickler, which runs whatever code the pickle names: only for checkpoints you trust).
+
+    Raises:
+        UntrustedPickleError: a pickled leaf names a global off the allow-list (names the key,
+            the global and the opt-in); nothing of that pickle ran.
+        CorruptDataError: a malformed skeleton value (names the key); ``where`` starts the message.
+    """
+    from .errors import UntrustedPickleError
+    from .safepickle import UnsafeGlobalError, safe_loads
+
+    def bad(path: str, why: str) -> CorruptDataError:
+        return CorruptDataError(f"{where}: key {path or '<root>'!r} of the skeleton {why}; the manifest is damaged "
+                                "or was crafted: load another version or get the checkpoint from a source you trust")
+
+    def unpickle(val: Any, path: str) -> Any:
+        data = base64.b64decode(val, validate=True)
+        if not weights_only:
+            return pickle.loads(data)
+        try:
+            return safe_loads(data)
+        except UnsafeGlobalError as exc:
+            raise UntrustedPickleError(
+                f"{where}: key {path or '<root>'!r} holds a pickled value that calls {exc.qualname}, which is not on "
+                "the allow-list of safe globals (solar.checkpoint.safepickle.SAFE_GLOBALS); unpickling it could run "
+                "arbitrary code, so it was not unpickled. Only if you trust this checkpoint and who wrote it, load "
+                "it with weights_only=False (solar-ckpt restore --trust-pickle)") from None
+        except Exception as exc:  # noqa: BLE001 - any failure of the safe unpickler is bad data
+            raise bad(path, f"holds a pickle that cannot be unpickled safely ({type(exc).__name__}: {exc})") from exc
+
+    def tagged(tag: str, val: Any, path: str) -> Any:
+        if tag == "__tensor__":
+            if type(val) is not int or not 0 <= val < len(tensors):
+                raise bad(path, f"refers to tensor {val!r:.80}, but the version has {len(tensors)} tensors")
+            return tensors[val]
+        if tag == "__tuple__":
+            return tuple(dec(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(val))
+        if tag in ("__dict__", "__odict__"):
+            pairs = []
+            for k, v in val:
+                key = dec(k, path)
+                pairs.append((key, dec(v, f"{path}.{key}" if path else str(key))))
+            return OrderedDict(pairs) if tag == "__odict__" else dict(pairs)
+        if tag == "__float__":
+            return float(val)
+        if tag == "__dtype__":
+            return DTYPES[val]
+        if tag == "__device__":
+            return torch.device(val)
+        if tag == "__size__":
+            return torch.Size(val)
+        if tag == "__bytes__":
+            return base64.b64decode(val, validate=True)
+        return unpickle(val, path)
+
+    def dec(obj: Any, path: str) -> Any:
         if isinstance(obj, list):
-            return [dec(v) for v in obj]
+            return [dec(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(obj)]
         if not isinstance(obj, dict):
             return obj
         if len(obj) == 1:
             (tag, val), = obj.items()
-            if tag == "__tensor__":
-                return tensors[val]
-            if tag == "__tuple__":
-                return tuple(dec(v) for v in val)
-            if tag in ("__dict__", "__odict__"):
-                pairs = ((dec(k), dec(v)) for k, v in val)
-                return OrderedDict(pairs) if tag == "__odict__" else dict(pairs)
-            if tag == "__float__":
-                return float(val)
-            if tag == "__dtype__":
-                return DTYPES[val]
-            if tag == "__device__":
-                return torch.device(val)
-            if tag == "__size__":
-                return torch.Size(val)
-            if tag == "__bytes__":
-                return base64.b64decode(val)
-            if tag == "__pickle__":
-                return pickle.loads(base64.b64decode(val))
-        return {k: dec(v) for k, v in obj.items()}
+            if tag in _TAGS:
+                try:
+                    return tagged(tag, val, path)
+                except SolarError:  # from a nested value: it names its own key
+                    raise
+                except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:
+                    raise bad(path, f"has a malformed {tag} value ({type(exc).__name__}: {exc})") from exc
+        return {k: dec(v, f"{path}.{k}" if path else str(k)) for k, v in obj.items()}
 
-    return dec(skeleton)
+    try:
+        return dec(skeleton, "")
+    except RecursionError:
+        raise CorruptDataError(f"{where}: the skeleton is nested too deeply to be a state dict; the manifest is "
+                               "damaged or was crafted") from None
+
+
+#: the tags of :func:`flatten`'s one-key objects
+_TAGS = frozenset({"__tensor__", "__tuple__", "__dict__", "__odict__", "__float__", "__dtype__", "__device__",
+                   "__size__", "__bytes__", "__pickle__"})

@@ -195,12 +195,21 @@ class Reader:
         dev = _target_device(ref.device, map_location)
         return materialize([ref], {ref.blob: buf if dev.type == "cpu" else buf.to(dev)})[0]
 
-    def state_dict(self, map_location: Any = None, *, progress: bool = False) -> Any:
-        """The whole version as the state dict it was saved from."""
-        return self.retry_if_removed(lambda: self._state_dict(map_location, progress))
+    def state_dict(self, map_location: Any = None, *, progress: bool = False, weights_only: bool = True) -> Any:
+        """The whole version as the state dict it was saved from.
 
-    def _state_dict(self, map_location: Any, progress: bool) -> Any:
+        ``weights_only``: see :func:`load`.
+        """
+        return self.retry_if_removed(lambda: self._state_dict(map_location, progress, weights_only))
+
+    def _state_dict(self, map_location: Any, progress: bool, weights_only: bool) -> Any:
         m = self.manifest
+        where = f"step {m.step} of {self.store.root}"
+        if weights_only:
+            # the skeleton first, with placeholders for the tensors: a pickle off the allow-list (or
+            # a malformed value) is refused before any chunk is read. Not with the full unpickler:
+            # its pickles' code must run once, as torch.load's would
+            unflatten(m.skeleton, [None] * len(m.tensors), where=where)  # type: ignore[list-item]
         buffers = []
         bar = None
         if progress:
@@ -218,11 +227,11 @@ class Reader:
             if bar is not None:
                 bar.close()
         self._blobs.clear()
-        return unflatten(m.skeleton, materialize(m.tensors, buffers))
+        return unflatten(m.skeleton, materialize(m.tensors, buffers), weights_only=weights_only, where=where)
 
 
 def load(root: "str | os.PathLike", step: int | None = None, map_location: Any = None, *, verify: bool = True,
-         storage_options: dict | None = None) -> Any:
+         storage_options: dict | None = None, weights_only: bool = True) -> Any:
     """Load the state dict of version ``step`` (default: the newest complete one).
 
     Args:
@@ -232,15 +241,24 @@ def load(root: "str | os.PathLike", step: int | None = None, map_location: Any =
             ``torch.load``'s ``fn(storage, location)`` or ``fn(location) -> device``.
         verify: re-hash every chunk (default); corrupt data raises instead of being returned.
         storage_options: fsspec options for a URL ``root``.
+        weights_only: unpickle the skeleton's pickled values (objects other than tensors and plain
+            values) only through an allow-list of safe globals (containers, numbers, numpy arrays
+            and RNG states, enums of imported modules), as ``torch.load(weights_only=True)`` does.
+            ``False`` unpickles anything, which runs whatever code the pickle names: only for a
+            root you trust (one you wrote).
 
     Raises:
         CheckpointError: no such version, or nothing complete to load.
         CheckpointVersionRemovedError: an explicit ``step`` was removed by a writer's ``keep_last``
             retention while it was being read (with ``step=None`` the load starts over on the
             now-newest version instead, a few times).
-        CorruptDataError: a chunk is missing or does not match its digest (names it and its tensors).
+        CorruptDataError: a chunk is missing or does not match its digest (names it and its tensors),
+            or the manifest is malformed (names the entry).
+        UntrustedPickleError: with ``weights_only=True``, a pickled value names a global off the
+            allow-list (names the key, the global and the opt-in); nothing was unpickled.
     """
-    return Reader(root, step, verify=verify, storage_options=storage_options).state_dict(map_location)
+    return Reader(root, step, verify=verify, storage_options=storage_options).state_dict(
+        map_location, weights_only=weights_only)
 
 
 def list_versions(root: "str | os.PathLike", *, storage_options: dict | None = None) -> list[int]:

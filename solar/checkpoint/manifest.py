@@ -15,8 +15,9 @@ detectable: :func:`decode` raises :class:`~solar.errors.CorruptDataError` and re
 from __future__ import annotations
 
 import json
+import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -24,8 +25,8 @@ import xxhash
 
 from solar.errors import CorruptDataError
 
-from .chunking import DIGEST_SIZE
-from .flatten import TensorRef
+from .chunking import DIGEST_SIZE, HASHES, MAX_CHUNK_SIZE, chunk_count
+from .flatten import DTYPES, TensorRef
 
 __all__ = ["FORMAT", "Manifest", "BlobEntry", "encode", "decode"]
 
@@ -118,18 +119,135 @@ def decode(data: bytes, where: str = "manifest") -> Manifest:
     if xxhash.xxh3_128_digest(body) != bytes(mv[-len(END) - 16:-len(END)]):
         raise CorruptDataError(f"{where} fails its checksum; it is torn or was altered")
     (hlen,) = struct.unpack_from("<Q", body, 16)
+    if hlen > len(body) - 24:
+        raise CorruptDataError(f"{where} declares a {hlen} B header in {len(body) - 24} B; it is damaged or was crafted")
     try:
         h = json.loads(bytes(body[24:24 + hlen]))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise CorruptDataError(f"{where} has an unreadable header: {exc}") from exc
-    if h.get("format") != FORMAT:
-        raise CorruptDataError(f"{where} has format {h.get('format')!r}; this SOLAR reads {FORMAT}")
+    if not isinstance(h, dict) or h.get("format") != FORMAT:
+        got = h.get("format") if isinstance(h, dict) else None
+        raise CorruptDataError(f"{where} has format {got!r:.80}; this SOLAR reads {FORMAT}")
     raw = body[24 + hlen:]
     if len(raw) % DIGEST_SIZE:
         raise CorruptDataError(f"{where} has a digest table of {len(raw)} B, not a multiple of {DIGEST_SIZE}")
     digests = np.frombuffer(raw, dtype=np.uint8).reshape(-1, DIGEST_SIZE)
+    _check_header(h, len(raw) // DIGEST_SIZE, where)
     return Manifest(
         step=h["step"], hash=h["hash"], chunk_size=h["chunk_size"], skeleton=h["skeleton"],
         tensors=[TensorRef(**t) for t in h["tensors"]], blobs=[BlobEntry(**b) for b in h["blobs"]],
         digests=digests, root=h["root"], created=h["created"], parent=h["parent"], stats=h["stats"], meta=h.get("meta", {}),
     )
+
+
+#: the largest element count torch can index (``numel`` is an int64)
+_MAX_NUMEL = (1 << 63) - 1
+_TENSOR_REQUIRED = {f.name for f in fields(TensorRef) if f.default is MISSING}
+_TENSOR_KEYS = {f.name for f in fields(TensorRef)}
+_BLOB_REQUIRED = {f.name for f in fields(BlobEntry) if f.default is MISSING}
+_BLOB_KEYS = {f.name for f in fields(BlobEntry)}
+_HEADER_TYPES: dict[str, tuple] = {
+    "step": (int,), "hash": (str,), "chunk_size": (int,), "root": (str,), "created": (int, float),
+    "parent": (int, type(None)), "stats": (dict,), "tensors": (list,), "blobs": (list,),
+}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_header(h: Any, ndigests: int, where: str) -> None:
+    """Check a decoded header as a schema before anything is built or allocated from it.
+
+    A manifest that passes its checksum is intact, not trustworthy: whoever wrote the root chose
+    every number in it (a downloaded checkpoint). Every size a reader allocates or indexes by is
+    bounded here by something real, the digest table the manifest carries: each blob's chunk
+    count is ``ceil(nbytes / chunk_size)`` and its rows lie inside the table, and each tensor's
+    extent lies inside its blob. So a reader's allocations are bounded by the manifest's own size
+    times ``chunk_size`` (at most :data:`~.chunking.MAX_CHUNK_SIZE`).
+
+    Raises:
+        CorruptDataError: names ``where`` (the version) and the entry that is wrong.
+    """
+
+    def bad(entry: str, why: str) -> CorruptDataError:
+        return CorruptDataError(
+            f"{where} is invalid: {entry} {why}. The root is damaged or was crafted; do not use this version "
+            f"(load another step, or get the checkpoint again from a source you trust)")
+
+    if not isinstance(h, dict):
+        raise bad("the header", f"is a {type(h).__name__}, not an object")
+    missing = sorted(k for k in (*_HEADER_TYPES, "skeleton") if k not in h)
+    if missing:
+        raise bad("the header", f"lacks {', '.join(missing)}")
+    for key, types in _HEADER_TYPES.items():
+        v = h[key]
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            raise bad(f"{key!r}", f"is {v!r:.80}, not {' or '.join(t.__name__ for t in types)}")
+    if not isinstance(h.get("meta", {}), dict):
+        raise bad("'meta'", "is not an object")
+    if h["step"] < 0:
+        raise bad("'step'", f"is {h['step']}, not >= 0")
+    if h["hash"] not in HASHES:
+        raise bad("'hash'", f"is {h['hash']!r:.80}; known hashes: {sorted(HASHES)}")
+    chunk_size = h["chunk_size"]
+    if not 1 <= chunk_size <= MAX_CHUNK_SIZE:
+        raise bad("'chunk_size'", f"is {chunk_size}, outside 1 .. {MAX_CHUNK_SIZE}")
+    blobs = h["blobs"]
+    for i, b in enumerate(blobs):
+        entry = f"blobs[{i}] (blob {i})"
+        if not isinstance(b, dict):
+            raise bad(entry, "is not an object")
+        keys = set(b)
+        if not _BLOB_REQUIRED <= keys <= _BLOB_KEYS:
+            raise bad(entry, f"has keys {sorted(keys)}; expected {sorted(_BLOB_REQUIRED)} (and optionally "
+                             f"{sorted(_BLOB_KEYS - _BLOB_REQUIRED)})")
+        for k in ("nbytes", "first", "nchunks"):
+            if not _is_int(b[k]) or b[k] < 0:
+                raise bad(entry, f"has {k} {b[k]!r:.80}, not an int >= 0")
+        if not isinstance(b["root"], str) or not isinstance(b.get("device", "cpu"), str):
+            raise bad(entry, "has a root or device that is not a string")
+        want = chunk_count(b["nbytes"], chunk_size)
+        if b["nchunks"] != want:
+            raise bad(entry, f"has nchunks {b['nchunks']}, but its {b['nbytes']} B in chunks of {chunk_size} B "
+                             f"are {want}")
+        if b["first"] + b["nchunks"] > ndigests:
+            raise bad(entry, f"uses digest rows {b['first']} .. {b['first'] + b['nchunks'] - 1}, but the digest "
+                             f"table has {ndigests} rows")
+    for i, t in enumerate(h["tensors"]):
+        _check_tensor(i, t, blobs, bad)
+
+
+def _check_tensor(i: int, t: Any, blobs: list, bad) -> None:
+    """One tensor-table entry: known keys, a known dtype, non-negative geometry, inside its blob."""
+    if not isinstance(t, dict):
+        raise bad(f"tensors[{i}] (tensor {i})", "is not an object")
+    entry = f"tensors[{i}] (tensor {t['name']!r:.120})" if isinstance(t.get("name"), str) else f"tensors[{i}] (tensor {i})"
+    keys = set(t)
+    if not _TENSOR_REQUIRED <= keys <= _TENSOR_KEYS:
+        raise bad(entry, f"has keys {sorted(keys)}; expected {sorted(_TENSOR_REQUIRED)} (and optionally "
+                         f"{sorted(_TENSOR_KEYS - _TENSOR_REQUIRED)})")
+    if not isinstance(t["name"], str) or not isinstance(t["device"], str):
+        raise bad(entry, "has a name or device that is not a string")
+    if not all(isinstance(t.get(k, False), bool) for k in ("parameter", "requires_grad")):
+        raise bad(entry, "has a parameter or requires_grad flag that is not a bool")
+    if t["dtype"] not in DTYPES:
+        raise bad(entry, f"has dtype {t['dtype']!r:.80}, which is not one SOLAR stores")
+    if not _is_int(t["blob"]) or not 0 <= t["blob"] < len(blobs):
+        raise bad(entry, f"is in blob {t['blob']!r:.80}, but the version has {len(blobs)} blobs")
+    shape, stride = t["shape"], t["stride"]
+    if not (isinstance(shape, list) and isinstance(stride, list) and len(shape) == len(stride)
+            and all(_is_int(v) and v >= 0 for v in shape + stride)):
+        raise bad(entry, f"has shape {shape!r:.80} and stride {stride!r:.80}; they must be lists of equal length "
+                         "of ints >= 0")
+    itemsize = DTYPES[t["dtype"]].itemsize
+    offset = t["offset"]
+    if not _is_int(offset) or offset < 0 or offset % itemsize:
+        raise bad(entry, f"has offset {offset!r:.80}, not an int >= 0 that is a multiple of its {itemsize} B elements")
+    numel = math.prod(shape)
+    if numel > _MAX_NUMEL:
+        raise bad(entry, f"has shape {shape}, more elements than torch can index")
+    end = offset if numel == 0 else offset + (sum((s - 1) * st for s, st in zip(shape, stride)) + 1) * itemsize
+    nbytes = blobs[t["blob"]]["nbytes"]
+    if end > nbytes:
+        raise bad(entry, f"reaches byte {end} of blob {t['blob']}, which has {nbytes} B")
