@@ -71,6 +71,8 @@ from typing import Any, ClassVar, Iterator, Sequence
 
 import numpy as np
 
+from solar.failfast import agreed
+
 #: the ``disjoint`` promise of the running ``read_ranges`` call (per thread)
 _DISJOINT: contextvars.ContextVar[bool] = contextvars.ContextVar("solar_disjoint_read", default=False)
 
@@ -374,12 +376,12 @@ class Backend(ABC):
         failed, rank, kind, why = comm.allreduce(mine, op=MPI.MIN)  # the lowest failing rank, if any
         self.stats.extra["agreements"] = self.stats.extra.get("agreements", 0) + 1
         if problem is not None:
-            raise problem
+            raise agreed(problem)
         if failed == 0:
             cls = {"index": IndexError, "corrupt": CorruptDataError, "storage": StorageError}.get(kind, ValueError)
             what = {"corrupt": "found corrupt data", "storage": "failed to read"}.get(kind, "rejected its read request")
-            raise cls(f"{where or self.url}: rank {rank} of {comm.size} {what} ({why}); every rank stops here "
-                      f"instead of waiting in the next collective read: see rank {rank}'s error")
+            raise agreed(cls(f"{where or self.url}: rank {rank} of {comm.size} {what} ({why}); every rank stops "
+                             f"here instead of waiting in the next collective read: see rank {rank}'s error"))
 
     def union(self, mask: np.ndarray) -> np.ndarray:
         """``mask`` (bool) OR-ed over every rank: on a collective backend inside :func:`lockstep`

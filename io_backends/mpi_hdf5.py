@@ -28,15 +28,14 @@ NOTE [ Collective or independent transfer ]
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
-import weakref
 from typing import Any
 
 import numpy as np
 
 from solar.dist import collective_call, private_comm
+from solar.failfast import register_exit_close, replace_exit_close, unregister_exit_close, weak_close
 from solar.errors import ConfigError, MPIUnavailableError
 
 from .base import disjoint_read
@@ -64,6 +63,16 @@ def require_parallel_hdf5(what: str):
     if comm is None:
         raise MPIUnavailableError(f"{what}: mpi4py is not installed; pip install 'solar-loader[mpi]'; {_FIX}")
     return comm
+
+
+def _close_parked(handles: dict) -> None:
+    """Close the parked handles of a backend dropped without ``close()`` (datasets, then files)."""
+    handles.pop("_dsets", None)
+    for key in ("_vfile", "_file"):
+        f = handles.pop(key, None)
+        if f is not None:
+            f.close()  # h5py closes the file's open objects first
+    handles.clear()
 
 
 class MPIHDF5Backend(HDF5Backend):
@@ -139,24 +148,61 @@ class MPIHDF5Backend(HDF5Backend):
         return f
 
     def _open(self) -> None:
-        # Opening is collective: if one rank fails (missing file), make every rank fail rather
-        # than leave the others blocked inside H5Fopen's MPI_File_open.
-        if not os.path.exists(self.url):
-            raise FileNotFoundError(f"{self.url}: no such HDF5 file; check the path (every rank must see it)")
         if os.getpid() != self._origin_pid:  # a child reads through a serial handle: no MPI call
             super()._open()
             return
-        collective_call(super()._open)  # H5Fopen is collective: on the MPI thread, in order
-        # An mpio file still open when MPI_Finalize runs (mpi4py finalizes at exit) aborts the
-        # job; close it first. atexit runs handlers in reverse order, so this precedes mpi4py's.
-        ref = weakref.ref(self)
-        atexit.register(lambda: (b := ref()) is not None and b.close())
+        # H5Fopen is collective: on the MPI thread, in order, and only once every rank can open
+        collective_call(self._agreed_open)
+        # NOTE [ Fail fast ] in solar/failfast.py: an mpio file still open when MPI_Finalize runs
+        # aborts the job, and its close is collective, so it is closed at exit only once every
+        # rank has ended, in the order of the opens (the same on every rank)
+        self._exit_close = register_exit_close(weak_close(self, "close"))
+
+    def _agreed_open(self) -> None:
+        """Open once every rank has the file; else raise on every rank, naming the ranks without it.
+
+        A rank that raised alone (node-local staging missing on one node) left the others
+        waiting inside H5Fopen's MPI_File_open."""
+        import socket
+
+        from mpi4py import MPI
+
+        problem = ""
+        if not os.path.isfile(self.url):
+            problem = "no such file" if not os.path.exists(self.url) else "not a regular file"
+        elif not os.access(self.url, os.R_OK):
+            problem = "not readable"
+        comm = self.comm
+        if comm.allreduce(int(bool(problem)), op=MPI.SUM):
+            found = comm.allgather((comm.rank, socket.gethostname(), problem))
+            bad = [f"rank {r} on {host}: {why}" for r, host, why in found if why]
+            msg = (f"{self.url}: {len(bad)} of {comm.size} ranks cannot open it ({'; '.join(bad[:8])}"
+                   f"{' ...' if len(bad) > 8 else ''}); parallel HDF5 opens a file on every rank together, so every "
+                   "rank must see it at this path: stage it on every node, or give each rank its own copy "
+                   "with backend='hdf5'")
+            raise (FileNotFoundError if problem == "no such file" or not problem else PermissionError)(msg)
+        super()._open()
 
     def _close(self) -> None:
+        unregister_exit_close(self.__dict__.pop("_exit_close", 0))
         if not self._child:  # H5Fclose of an mpio file is collective too
             collective_call(self._close_handles)
         else:
             self._close_handles()
+
+    def __del__(self) -> None:
+        # Dropped without close(): its handles must not be freed here, at a point each rank's
+        # garbage collector picks alone (an mpio H5Fclose is collective), nor file before
+        # datasets (h5py's "Can't decrement id ref count" tracebacks). They are parked and
+        # closed at exit, in opening order, once every rank has ended (NOTE [ Fail fast ]).
+        try:
+            token = self.__dict__.pop("_exit_close", None)
+            if token is None or self._child or self._pid != os.getpid():
+                return
+            handles = {k: self.__dict__.pop(k) for k in self._handle_attrs() if k in self.__dict__}
+            replace_exit_close(token, lambda: _close_parked(handles))
+        except Exception:  # noqa: BLE001 - interpreter teardown: nothing left to do
+            pass
 
     def _close_handles(self) -> None:
         self.__dict__.pop("_dxpl", None)

@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
+from solar import failfast
+
 __all__ = ["DistInfo", "get_dist_info", "under_mpirun", "mpi_comm", "private_comm", "mpi_executor", "on_mpi_thread",
            "collective_call"]
 
@@ -106,8 +108,11 @@ def private_comm(comm=None):
     key = (os.getpid(), comm.py2f())
     with _COMMS_LOCK:
         dup = _COMMS.get(key)
-        if dup is None:
+        made = dup is None
+        if made:
             dup = _COMMS[key] = comm.Dup()
+    if made:
+        failfast.install(dup)  # NOTE [ Fail fast ] in solar/failfast.py (collective, as the Dup)
     return dup
 
 
@@ -116,12 +121,29 @@ def _note_thread() -> None:
     _EXECUTOR_IDENT = threading.get_ident()
 
 
+class _MPIExecutor(ThreadPoolExecutor):
+    """The MPI thread's executor; it tells the failure watch when a call starts and ends
+    (NOTE [ Fail fast ] in solar/failfast.py: a call still running long after another rank
+    ended can never return)."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        return super().submit(_tracked, fn, *args, **kwargs)
+
+
+def _tracked(fn: Callable[..., T], *args, **kwargs) -> T:
+    failfast.busy(getattr(fn, "__qualname__", None) or "SOLAR MPI call")
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        failfast.busy(None)
+
+
 def mpi_executor() -> ThreadPoolExecutor:
     """The single thread that makes SOLAR's collective MPI calls in this process (created on first use)."""
     global _EXECUTOR, _EXECUTOR_PID
     with _COMMS_LOCK:
         if _EXECUTOR is None or _EXECUTOR_PID != os.getpid():  # a forked child starts its own
-            _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="solar-mpi", initializer=_note_thread)
+            _EXECUTOR = _MPIExecutor(max_workers=1, thread_name_prefix="solar-mpi", initializer=_note_thread)
             _EXECUTOR_PID = os.getpid()
         return _EXECUTOR
 

@@ -39,11 +39,31 @@ def ranks_on_node() -> NodeRanks:
 
 
 def available_memory() -> int | None:
-    """Bytes this process can still allocate (``MemAvailable``, capped by a cgroup limit), or
-    None if unknown: ``solar plan``'s measure."""
-    from solar.cli.plan import available_memory as measure
-
-    return measure()
+    """Bytes this process can still allocate (MemAvailable, capped by a cgroup limit), or None if unknown."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, OSError, ValueError):
+            return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            avail = min(avail, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return avail
 
 
 def human(nbytes: float) -> str:

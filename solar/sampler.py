@@ -41,6 +41,7 @@ from torch.utils.data import BatchSampler, DistributedSampler
 
 from solar.dist import collective_call, mpi_executor
 from solar.errors import ConfigError
+from solar.failfast import abort_out_of_step, is_agreed
 from solar.prefetch import prefetch as _prefetch
 from solar.schedule import PlanConfig, Planner, capacity_for_bytes, owner_of
 
@@ -156,6 +157,27 @@ def _wait(req, comm, path: str) -> None:
                 RuntimeWarning, stacklevel=2)
             start = None
         time.sleep(0.0005)
+
+
+def _disagreement(path: str, names: list[str], gathered: list[list[int]], me: int) -> str:
+    """The message for ranks whose iterations disagree: each differing value and who has it."""
+    parts = []
+    for k, name in enumerate(names):
+        by_value: dict[int, list[int]] = {}
+        for rank, vals in enumerate(gathered):
+            by_value.setdefault(vals[k], []).append(rank)
+        if len(by_value) > 1:
+            has = "; ".join(f"{_ranks(r)} {v}" for v, r in sorted(by_value.items(), key=lambda kv: kv[1][0]))
+            parts.append(f"{name}: {has}")
+    return (f"solar.DataLoader over {path} (rank {me} of {len(gathered)}): the ranks disagree on what this iteration "
+            f"is, so their collective reads would never pair up ({' | '.join(parts)}). Every rank must build the "
+            "loader and its DistributedSampler with the same arguments (batch_size, seed, shuffle, drop_last, "
+            "buffer=, prefetch=, num_workers, fields) over the same dataset")
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8])) + (f" ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+    return f"rank {shown} has" if len(ranks) == 1 else f"ranks {shown} have"
 
 
 def _drop_frame_locals(exc: BaseException) -> None:
@@ -443,6 +465,8 @@ class SolarBatchSampler(BatchSampler):
             try:
                 return fetch_pass(group)
             except (IndexError, ValueError, OSError) as exc:
+                if must_agree and not is_agreed(exc):
+                    raise  # left the pass on this rank alone: see fetch_in_lockstep
                 if len(group) < 2:
                     return [failed(group[0], exc)]
                 _drop_frame_locals(exc)
@@ -451,8 +475,22 @@ class SolarBatchSampler(BatchSampler):
                 try:
                     out += fetch_pass([g])
                 except (IndexError, ValueError, OSError) as exc:
+                    if must_agree and not is_agreed(exc):
+                        raise
                     out.append(failed(g, exc))
             return out
+
+        def fetch_in_lockstep(group: list[tuple]) -> list[StepBatch]:
+            """A pass every rank makes together: an error that was not agreed (a bug, a
+            MemoryError, a data error met by this rank alone) leaves this rank's remaining
+            collective calls unmade while the others wait in them, so it ends the job (NOTE
+            [ Fail fast ] in solar/failfast.py); agreed errors are raised on every rank alike."""
+            try:
+                return fetch(group)
+            except BaseException as exc:
+                if not is_agreed(exc):
+                    abort_out_of_step(exc, "in a collective pass of the loader's read-ahead")
+                raise
 
         def failed(step: tuple, exc: BaseException) -> StepBatch:
             _drop_frame_locals(exc)
@@ -497,11 +535,14 @@ class SolarBatchSampler(BatchSampler):
         size = self.group_size(b)
         groups = _in_groups(steps, size)
         collective = self._collective
+        in_lockstep = collective and in_step
+        must_agree = in_lockstep and P > 1  # NOTE [ Fail fast ]: errors must be agreed to go on
         handed = 0
         # passes in step make collective calls: on the process's one MPI thread, shared by every
         # loader (NOTE [ SOLAR's own MPI traffic ] in solar/dist.py)
-        executor = mpi_executor() if collective and in_step else None
-        passes = _prefetch(groups, fetch, 1 if self.prefetch else 0, cancel=not collective, executor=executor,
+        executor = mpi_executor() if in_lockstep else None
+        passes = _prefetch(groups, fetch_in_lockstep if must_agree else fetch, 1 if self.prefetch else 0,
+                           cancel=not collective, executor=executor,
                            timeout=self.timeout)
         try:
             for group in passes:
@@ -650,21 +691,44 @@ class SolarBatchSampler(BatchSampler):
                     if not h:
                         self.buffer.delete(k)
 
+    def _agreed_values(self) -> dict[str, int]:
+        """What every rank's iteration must share: the plan's inputs, how passes are cut (each
+        pass makes collective calls) and the fields read. Integers, for one allreduce."""
+        import zlib
+
+        cfg = self.plan_config()
+        specs = getattr(self.dataset, "specs", ())
+        fields = repr([(s.name, tuple(s.sample_shape), str(s.dtype)) for s in specs]).encode()
+        return {"dataset size": cfg.num_samples, "world size": cfg.world_size, "batch_size": cfg.batch_size,
+                "seed": cfg.seed, "epoch (set_epoch)": int(self.sampler.epoch), "shuffle": int(cfg.shuffle), "DistributedSampler drop_last": int(cfg.drop_last),
+                "drop_last": int(cfg.drop_last_batch), "buffer capacity (samples)": cfg.capacity,
+                "steps per pass (prefetch=)": self.group_size(cfg.batch_size),
+                "decode ahead (num_workers == 0 on compressed data)": int(self._decode_ahead),
+                "fields (names, shapes, dtypes; crc32)": zlib.crc32(fields)}
+
     def _agree(self, steps: int, is_open: int) -> tuple[int, bool]:
         """Over all ranks of the collective backend: ``(steps if all ranks have it, else -1,
-        whether any rank's last iteration is open)``."""
+        whether any rank's last iteration is open)``; first checks that every rank iterates
+        with the same :meth:`_agreed_values`, else raises ``ConfigError`` on every rank naming
+        the ranks and values (ranks that disagree would pair different collective calls: a hang)."""
         from mpi4py import MPI
 
         comm = self.dataset.backend.comm
         path = getattr(self.dataset, "path", "")
+        values = self._agreed_values()
+        mine = np.array([v for x in values.values() for v in (x, -x)] + [-steps, steps, is_open], np.int64)
 
         def agree():
-            mine = np.array([-steps, steps, is_open], np.int64)
             out = np.empty_like(mine)
             _wait(comm.Iallreduce(mine, out, op=MPI.MAX), comm, path)
-            return out.tolist()
+            if not np.array_equal(out[:-3:2], -out[1:-3:2]):  # some value's max is not its min
+                return out, comm.allgather(list(values.values()))
+            return out, None
 
-        lo, hi, any_open = collective_call(agree)
+        out, gathered = collective_call(agree)
+        if gathered is not None:
+            raise ConfigError(_disagreement(path, list(values), gathered, comm.rank))
+        lo, hi, any_open = out[-3:].tolist()
         return (hi if -lo == hi else -1), bool(any_open)
 
     @property

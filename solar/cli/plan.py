@@ -16,6 +16,7 @@ import sys
 import time
 
 from solar.fileio import write_atomic, write_text_atomic
+from solar.memory import available_memory
 from solar.schedule import POLICIES
 
 #: A dump holds one [index, hit] pair per access; above this many accesses it is refused.
@@ -128,34 +129,6 @@ def check_output(option: str, path: str) -> None:
     if not os.access(parent, os.W_OK):
         raise ConfigError(f"{option} {path}: directory {parent} is not writable; fix its permissions "
                           f"or choose another {option} path")
-
-
-def available_memory() -> int | None:
-    """Bytes this process can still allocate (MemAvailable, capped by a cgroup limit), or None if unknown."""
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError):
-        pass
-    if avail is None:
-        try:
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (AttributeError, OSError, ValueError):
-            return None
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            used = int(f.read().strip())
-        if limit != "max":
-            avail = min(avail, max(0, int(limit) - used))
-    except (OSError, ValueError):
-        pass
-    return avail
 
 
 def plan_bytes(cfg, policy: str, accesses: int = 0) -> int:
