@@ -12,13 +12,19 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Hashable, Iterator
 
-__all__ = ["Tier", "TierStats", "TierFullError"]
+__all__ = ["Tier", "TierStats", "TierFullError", "UnsafePathError"]
 
 from solar.errors import SolarError
 
 
 class TierFullError(SolarError, MemoryError):
     """A value does not fit in the tier's byte budget."""
+
+
+class UnsafePathError(SolarError, OSError):
+    """A key's file is reached through a symlink out of the tier's root, or is a symlink or not a
+    regular file (a FIFO, a device): a root someone else prepared. Nothing was read or written
+    through it."""
 
 
 @dataclass

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import threading
 import uuid
 from abc import abstractmethod
 from typing import Any, Hashable, Iterator
 
-from .base import Tier, TierFullError
+from .base import Tier, TierFullError, UnsafePathError
 
-__all__ = ["DiskTier", "FileTier", "key_to_relpath", "relpath_to_key", "write_atomic"]
+__all__ = ["DiskTier", "FileTier", "key_to_relpath", "relpath_to_key", "write_atomic", "open_regular"]
+
+#: how a value file is opened for reading: never through a final symlink, and without blocking on
+#: a FIFO planted under its name (the type is checked on the open descriptor)
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 _TMP_MARK = ".tmp-"
 
@@ -112,6 +117,31 @@ def write_atomic(path: str, value: Any, *, fsync: bool = True, replace: bool = T
     if fsync:
         fsync_path(directory, directory=True)
     return view.nbytes
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file ``path``, not following a symlink there.
+
+    Raises:
+        FileNotFoundError, NotADirectoryError: nothing there.
+        IsADirectoryError: a directory there.
+        UnsafePathError: ``path`` is a symlink, a FIFO or a device.
+    """
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafePathError(errno.ELOOP, "is a symlink; a tier never reads through one", path) from None
+        if exc.errno == errno.ENXIO:  # a socket
+            raise UnsafePathError(exc.errno, "is not a regular file", path) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+        raise UnsafePathError(errno.EINVAL, "is not a regular file", path)
+    return fd
 
 
 def fsync_path(path: str, *, directory: bool = False) -> None:
@@ -292,15 +322,24 @@ class DiskTier(FileTier):
         capacity_bytes: byte budget, or ``None`` for "as much as the file system holds".
         fsync: fsync files and their directory on every put (durable against power loss; turning it
             off keeps atomicity against process crashes only).
+        mode: permissions of the root if it is created (less the umask); ``0o700`` for a cache of
+            a user's samples (the spill tier). An existing root keeps its own.
+
+    Paths are kept below the root: a directory in it that is a symlink out of it, or a value
+    file that is a symlink or not a regular file, raises :class:`~solar.cache.base.UnsafePathError`
+    instead of being read, written or deleted through.
     """
 
     name = "disk"
 
-    def __init__(self, root: str, capacity_bytes: int | None = None, *, fsync: bool = True) -> None:
+    def __init__(self, root: str, capacity_bytes: int | None = None, *, fsync: bool = True,
+                 mode: int = 0o777) -> None:
         super().__init__(capacity_bytes)
         self.root = os.path.abspath(os.fspath(root))
         self.fsync = fsync
-        os.makedirs(self.root, exist_ok=True)
+        os.makedirs(self.root, mode=mode, exist_ok=True)
+        # where the root really is: every value's directory must resolve to a path below it
+        self._real_root = os.path.realpath(self.root)
 
     @classmethod
     def example(cls, scratch_dir: str, capacity_bytes: int | None = None) -> "DiskTier":
@@ -309,30 +348,51 @@ class DiskTier(FileTier):
     def path(self, key: Hashable) -> str:
         return os.path.join(self.root, *key_to_relpath(key).split("/"))
 
+    def _inside(self, path: str) -> str:
+        """``path``, once its directory is known to resolve below the root.
+
+        A root is a directory tree someone else may have prepared (a downloaded checkpoint): a
+        directory in it that is a symlink (``chunks/ab -> /elsewhere``) would make writes, reads
+        and deletes land outside it. The final component is handled by each operation (reads
+        open it with ``O_NOFOLLOW``; writes rename over it, which replaces a symlink rather than
+        following it; unlink removes the link itself).
+
+        Raises:
+            UnsafePathError: the directory resolves elsewhere.
+        """
+        directory = os.path.dirname(path)
+        want = self._real_root + directory[len(self.root):]
+        if os.path.realpath(directory) != want:
+            raise UnsafePathError(errno.ELOOP, f"leads out of the tier's root {self.root} through a symlink "
+                                               "(a directory in it is a link); nothing is read or written there",
+                                  directory)
+        return path
+
     def _size(self, path: str) -> int:
         try:
-            return os.stat(path).st_size
+            st = os.lstat(path)
         except (FileNotFoundError, NotADirectoryError):
             return 0
+        return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
     def _read(self, path: str) -> bytes:
-        with open(path, "rb") as f:
+        with open(open_regular(self._inside(path)), "rb") as f:
             return f.read()
 
     def _write(self, path: str, view: memoryview) -> None:
-        write_atomic(path, view, fsync=self.fsync)
+        write_atomic(self._inside(path), view, fsync=self.fsync)
 
     exclusive_create = True  # link(2) of a finished temporary fails if the name exists
 
     def _create(self, path: str, view: memoryview) -> bool:
         try:
-            write_atomic(path, view, fsync=self.fsync, replace=False)
+            write_atomic(self._inside(path), view, fsync=self.fsync, replace=False)
         except FileExistsError:
             return False
         return True
 
     def _unlink(self, path: str) -> None:
-        os.unlink(path)
+        os.unlink(self._inside(path))
 
     def _list(self, head: str) -> Iterator[str]:
         top = os.path.join(self.root, *head.split("/")) if head else self.root
@@ -344,9 +404,9 @@ class DiskTier(FileTier):
                     yield name if rel == "." else f"{rel}/{name}".replace(os.sep, "/")
 
     def read_into(self, key: Hashable, out: memoryview) -> int | None:
-        path = self.path(key)
+        path = self._inside(self.path(key))
         try:
-            f = open(path, "rb", buffering=0)
+            f = open(open_regular(path), "rb", buffering=0)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             self._count_read(None)
             return None
@@ -364,7 +424,12 @@ class DiskTier(FileTier):
         return done
 
     def exists(self, key: Hashable) -> bool:
-        return os.path.isfile(self.path(key))
+        """Whether ``key`` has a regular file below the root (a symlink there is not a value)."""
+        path = self._inside(self.path(key))
+        try:
+            return stat.S_ISREG(os.lstat(path).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
 
     def cleanup_temp(self) -> int:
         """Remove temporaries left by killed writers; return how many. Call only while no writer runs."""

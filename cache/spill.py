@@ -107,9 +107,12 @@ class SpillTier(Tier):
         from .disk import DiskTier
 
         directory = os.path.abspath(os.fspath(directory))
+        # 0700: the files hold the user's samples, and the directory may be on a shared node-local
+        # disk; an existing ``directory`` (e.g. /tmp) keeps its mode, the tier's own one is private
+        os.makedirs(directory, mode=0o700, exist_ok=True)
         remove_stale(directory)
         root = os.path.join(directory, f"solar-spill-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        second = DiskTier(root, None, fsync=False)  # the budget is the SpillTier's, over both parts
+        second = DiskTier(root, None, fsync=False, mode=0o700)  # the budget is the SpillTier's, over both parts
         if block is None:
             block = os.statvfs(root).f_bsize
         total = None if memory_bytes is None or disk_bytes is None else memory_bytes + disk_bytes

@@ -13,12 +13,17 @@ be redirected onto another file by a symlink planted at a predictable temporary 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import tempfile
 from typing import Callable
 
-__all__ = ["flock_or_holder", "write_atomic", "write_text_atomic"]
+__all__ = ["flock_or_holder", "open_lock_file", "UnsafeLockFileError", "write_atomic", "write_text_atomic"]
+
+#: the most a lock owner record (JSON of host, pid, time) takes; a bigger file is not a lock
+_LOCK_RECORD_MAX = 4096
 
 
 def write_atomic(path: str, write: Callable[[str], None], suffix: str = "") -> None:
@@ -64,6 +69,53 @@ def write_text_atomic(path: str, text: str) -> None:
             f.write(text)
 
     write_atomic(path, write)
+
+
+class UnsafeLockFileError(OSError):
+    """The lock file's name holds something a lock never is (a symlink, a hard link to another
+    file, a FIFO, a file that is no owner record); it was not written."""
+
+
+def open_lock_file(path: str, mode: int = 0o644) -> int:
+    """A read-write descriptor of the lock file ``path``, created if missing, for :func:`flock_or_holder`.
+
+    The directory holding it may come from someone else (a downloaded checkpoint root), and the
+    owner record is written into the file, so the file is opened only if it is safe to write:
+    never through a symlink (``O_NOFOLLOW``; a ``.lock -> ~/.bashrc`` would have been truncated),
+    only a regular file (a FIFO is not opened for blocking I/O) with no other hard link, and, if
+    this call did not create it, only one that holds a lock owner record (a JSON object) or
+    nothing. A lock the caller did not create is thus never truncated unless it is a lock.
+
+    Raises:
+        UnsafeLockFileError: any of the above fails (nothing was written).
+        OSError: the open itself failed (e.g. ``PermissionError``).
+    """
+    flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)  # ours: made now, nothing to check
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeLockFileError(errno.ELOOP, "is a symlink, not a lock file", path) from None
+        if exc.errno in (errno.EISDIR, errno.ENXIO):
+            raise UnsafeLockFileError(exc.errno, "is not a regular file", path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeLockFileError(errno.EINVAL, "is not a regular file", path)
+        if st.st_nlink != 1:
+            raise UnsafeLockFileError(errno.EMLINK, f"has {st.st_nlink} hard links (a lock file has one)", path)
+        head = os.pread(fd, _LOCK_RECORD_MAX + 1, 0)
+        if len(head) > _LOCK_RECORD_MAX or not (head.strip() == b"" or head.lstrip().startswith(b"{")):
+            raise UnsafeLockFileError(errno.EINVAL, "holds something other than a lock owner record", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def flock_or_holder(fd: int, owner: dict) -> str | None:

@@ -28,7 +28,7 @@ import numpy as np
 
 from solar.cache.base import Tier
 from solar.errors import CheckpointError, CheckpointLockedError, CorruptDataError
-from solar.fileio import flock_or_holder
+from solar.fileio import UnsafeLockFileError, flock_or_holder, open_lock_file
 
 from .errors import CheckpointReadOnlyError, CheckpointVersionRemovedError, NotACheckpointRootError
 from .manifest import Manifest, decode, encode
@@ -81,6 +81,19 @@ def _writes_to(root: str, path: str) -> Iterator[None]:
         if _is_not_writable(exc):
             raise not_writable(root, exc.filename or path, exc) from exc
         raise
+
+
+@contextlib.contextmanager
+def _no_links_out(root: str, kind: type = CheckpointError) -> Iterator[None]:
+    """Re-raise a tier's refusal of a planted symlink or special file as ``kind`` naming the root."""
+    from solar.cache.base import UnsafePathError
+
+    try:
+        yield
+    except UnsafePathError as exc:
+        raise kind(f"checkpoint root {root}: {exc.filename} {exc.strerror}. The root holds a symlink or special "
+                   "file where SOLAR keeps its own files (it may come from someone else); nothing was read or written "
+                   "through it: remove it, or get the checkpoint again from a source you trust") from None
 
 
 def open_tier(root: "str | os.PathLike | Tier", *, durable: bool = True, **storage_options) -> Tier:
@@ -197,7 +210,13 @@ class _Lock:
         path = os.path.join(local, ".lock")
         with _writes_to(self.store.root, path):
             os.makedirs(local, exist_ok=True)
-            return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                return open_lock_file(path)
+            except UnsafeLockFileError as exc:
+                raise CheckpointError(
+                    f"checkpoint root {self.store.root}: its lock file {path} {exc.strerror}; SOLAR does not write "
+                    f"through it (the root may come from someone else). A lock file is a regular file a writer "
+                    f"creates: check what {path} is, remove it, then retry") from None
 
     def release(self) -> None:
         if self.fd is not None:
@@ -303,7 +322,8 @@ class CheckpointStore:
 
     # -- chunks --
     def has_chunk(self, digest: bytes) -> bool:
-        return self.tier.exists(chunk_key(digest))
+        with _no_links_out(self.root):
+            return self.tier.exists(chunk_key(digest))
 
     def put_chunk(self, digest: bytes, data) -> int:
         """Store one chunk; return the bytes written.
@@ -317,7 +337,8 @@ class CheckpointStore:
         if not self.tier.persistent:
             view = memoryview(bytes(view))  # a memory tier keeps the object: never the reused staging buffer
         try:
-            ok = self.tier.put(chunk_key(digest), view)
+            with _no_links_out(self.root):
+                ok = self.tier.put(chunk_key(digest), view)
         except TierFullError as exc:
             raise CheckpointError(f"cannot write checkpoint chunk {digest.hex()} to {self.root}: {exc}") from exc
         if not ok:
@@ -336,10 +357,12 @@ class CheckpointStore:
                 continue
 
     def delete_chunk(self, digest: bytes) -> bool:
-        return self.tier.delete(chunk_key(digest))
+        with _no_links_out(self.root):
+            return self.tier.delete(chunk_key(digest))
 
     def mark_damaged(self, digest: bytes) -> None:
-        self.tier.put(f"{_DAMAGED}{digest.hex()}", b"")
+        with _no_links_out(self.root):
+            self.tier.put(f"{_DAMAGED}{digest.hex()}", b"")
 
     def damaged_digests(self) -> set[bytes]:
         out = set()
@@ -351,10 +374,12 @@ class CheckpointStore:
         return out
 
     def clear_damaged(self, digest: bytes) -> None:
-        self.tier.delete(f"{_DAMAGED}{digest.hex()}")
+        with _no_links_out(self.root):
+            self.tier.delete(f"{_DAMAGED}{digest.hex()}")
 
     def read_chunk_into(self, digest: bytes, out: memoryview) -> int:
-        n = self.tier.read_into(chunk_key(digest), out)
+        with _no_links_out(self.root, CorruptDataError):
+            n = self.tier.read_into(chunk_key(digest), out)
         if n is None:
             raise CorruptDataError(f"chunk {digest.hex()} is missing from {self.root}")
         return n
@@ -375,7 +400,8 @@ class CheckpointStore:
 
         data = encode(m)
         try:
-            ok = self.tier.put(manifest_key(m.step), data)
+            with _no_links_out(self.root):
+                ok = self.tier.put(manifest_key(m.step), data)
         except TierFullError as exc:
             raise CheckpointError(f"cannot commit step {m.step} to {self.root}: {exc}; earlier versions are intact") from exc
         if not ok:
@@ -405,11 +431,13 @@ class CheckpointStore:
         Raises:
             CorruptDataError: the manifest is torn or altered.
         """
-        data = self.tier.get(manifest_key(step))
+        with _no_links_out(self.root, CorruptDataError):
+            data = self.tier.get(manifest_key(step))
         return None if data is None else decode(data, f"manifest of step {step} in {self.root}")
 
     def delete_manifest(self, step: int) -> bool:
-        return self.tier.delete(manifest_key(step))
+        with _no_links_out(self.root):
+            return self.tier.delete(manifest_key(step))
 
     def listed_manifests(self) -> "ListedManifests":
         """Every manifest the store lists, read: the good ones, the damaged ones, the vanished ones.
@@ -490,7 +518,11 @@ class CheckpointStore:
         ``gc`` deletes a version's manifest before its chunks, so a chunk missing while its manifest
         is still here is damage, and one whose manifest is gone was collected while being read.
         """
-        data = self.tier.get(manifest_key(m.step))
+        try:
+            with _no_links_out(self.root, CorruptDataError):
+                data = self.tier.get(manifest_key(m.step))
+        except CorruptDataError:
+            return True  # still there, replaced by a link: damage, reported as such
         if data is None:
             return False
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from solar.cache.base import UnsafePathError
 from solar.errors import CorruptDataError
 
 from . import merkle
@@ -139,6 +140,8 @@ def _verify(store: CheckpointStore, step: int | None, progress: bool) -> VerifyR
             n = store.tier.read_into(chunk_key(d), view)
         except ValueError:  # tiers refuse a value bigger than the buffer (sized for the largest chunk)
             detail = f"larger than expected ({size} B)"
+        except UnsafePathError as exc:  # a planted symlink or FIFO: never read through
+            detail = f"{exc.strerror}, not a chunk file"
         else:
             if n is None:
                 detail = "missing"
