@@ -15,13 +15,15 @@ import numpy as np
 from solar.errors import ConfigError, MissingDependencyError
 
 __all__ = ["DIGEST_SIZE", "HASHES", "hasher", "hash_chunks", "chunk_spans", "chunk_count", "Span", "ChunkSpans",
-           "DEFAULT_CHUNK_SIZE", "MAX_CHUNK_SIZE"]
+           "DEFAULT_CHUNK_SIZE", "MIN_CHUNK_SIZE", "MAX_CHUNK_SIZE"]
 
 DIGEST_SIZE = 16
 DEFAULT_CHUNK_SIZE = 1 << 20  # 1 MiB: 1% of a 1 GiB state is ~10 chunks; 1e5 chunks index 100 GiB
 #: the largest chunk a manifest may declare: one chunk is read into one buffer, so this bounds
 #: what a single chunk read allocates (a manifest is checked against it before anything is read)
 MAX_CHUNK_SIZE = 1 << 30
+#: the smallest: below it the 16 B digest per chunk stops being small next to the chunk
+MIN_CHUNK_SIZE = 1 << 10
 
 
 def _xxh3_128() -> Callable[[memoryview], bytes]:

@@ -166,7 +166,16 @@ class Reader:
             return self._blobs[i]
         m = self.manifest
         entry = m.blobs[i]
-        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+        try:
+            # bounded by the manifest (decode checks nbytes against its digest rows and chunk_size),
+            # and pages are touched only as chunks arrive: a size the chunks do not back fails on
+            # the first short chunk
+            buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+        except RuntimeError as exc:  # torch reports a refused allocation as RuntimeError
+            raise CheckpointError(
+                f"cannot allocate blob {i} of step {m.step} in {self.store.root} ({entry.nbytes} B, tensors "
+                f"{', '.join(m.tensors_of_blob(i)) or '(none)'}): {str(exc).splitlines()[0]}; load it on a machine "
+                "with more memory, or read single tensors with Reader.tensor") from exc
         view = memoryview(buf.numpy()) if entry.nbytes else memoryview(bytearray())
         digests = m.blob_digests(i)
         for j, (a, e) in enumerate(chunk_spans(entry.nbytes, m.chunk_size)):

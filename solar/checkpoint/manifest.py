@@ -25,7 +25,7 @@ import xxhash
 
 from solar.errors import CorruptDataError
 
-from .chunking import DIGEST_SIZE, HASHES, MAX_CHUNK_SIZE, chunk_count
+from .chunking import DIGEST_SIZE, HASHES, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, chunk_count
 from .flatten import DTYPES, TensorRef
 
 __all__ = ["FORMAT", "Manifest", "BlobEntry", "encode", "decode"]
@@ -156,6 +156,19 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_device(v: Any) -> bool:
+    """Whether ``v`` is a device string torch parses (``"cpu"``, ``"cuda:1"``)."""
+    if not isinstance(v, str):
+        return False
+    import torch
+
+    try:
+        torch.device(v)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
 def _check_header(h: Any, ndigests: int, where: str) -> None:
     """Check a decoded header as a schema before anything is built or allocated from it.
 
@@ -188,11 +201,11 @@ def _check_header(h: Any, ndigests: int, where: str) -> None:
         raise bad("'meta'", "is not an object")
     if h["step"] < 0:
         raise bad("'step'", f"is {h['step']}, not >= 0")
-    if h["hash"] not in HASHES:
+    if h["hash"] not in HASHES:  # a str (checked above), so hashable
         raise bad("'hash'", f"is {h['hash']!r:.80}; known hashes: {sorted(HASHES)}")
     chunk_size = h["chunk_size"]
-    if not 1 <= chunk_size <= MAX_CHUNK_SIZE:
-        raise bad("'chunk_size'", f"is {chunk_size}, outside 1 .. {MAX_CHUNK_SIZE}")
+    if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:  # the writer's range
+        raise bad("'chunk_size'", f"is {chunk_size}, outside the range {MIN_CHUNK_SIZE} .. {MAX_CHUNK_SIZE} a writer uses")
     blobs = h["blobs"]
     for i, b in enumerate(blobs):
         entry = f"blobs[{i}] (blob {i})"
@@ -205,8 +218,9 @@ def _check_header(h: Any, ndigests: int, where: str) -> None:
         for k in ("nbytes", "first", "nchunks"):
             if not _is_int(b[k]) or b[k] < 0:
                 raise bad(entry, f"has {k} {b[k]!r:.80}, not an int >= 0")
-        if not isinstance(b["root"], str) or not isinstance(b.get("device", "cpu"), str):
-            raise bad(entry, "has a root or device that is not a string")
+        if not isinstance(b["root"], str) or not _is_device(b.get("device", "cpu")):
+            raise bad(entry, f"has root {b['root']!r:.80} and device {b.get('device')!r:.80}; they must be a hex "
+                             "string and a torch device string")
         want = chunk_count(b["nbytes"], chunk_size)
         if b["nchunks"] != want:
             raise bad(entry, f"has nchunks {b['nchunks']}, but its {b['nbytes']} B in chunks of {chunk_size} B "
@@ -227,11 +241,11 @@ def _check_tensor(i: int, t: Any, blobs: list, bad) -> None:
     if not _TENSOR_REQUIRED <= keys <= _TENSOR_KEYS:
         raise bad(entry, f"has keys {sorted(keys)}; expected {sorted(_TENSOR_REQUIRED)} (and optionally "
                          f"{sorted(_TENSOR_KEYS - _TENSOR_REQUIRED)})")
-    if not isinstance(t["name"], str) or not isinstance(t["device"], str):
-        raise bad(entry, "has a name or device that is not a string")
+    if not isinstance(t["name"], str) or not _is_device(t["device"]):
+        raise bad(entry, f"has device {t['device']!r:.80}, not a torch device string")
     if not all(isinstance(t.get(k, False), bool) for k in ("parameter", "requires_grad")):
         raise bad(entry, "has a parameter or requires_grad flag that is not a bool")
-    if t["dtype"] not in DTYPES:
+    if not isinstance(t["dtype"], str) or t["dtype"] not in DTYPES:
         raise bad(entry, f"has dtype {t['dtype']!r:.80}, which is not one SOLAR stores")
     if not _is_int(t["blob"]) or not 0 <= t["blob"] < len(blobs):
         raise bad(entry, f"is in blob {t['blob']!r:.80}, but the version has {len(blobs)} blobs")

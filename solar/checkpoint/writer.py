@@ -28,7 +28,7 @@ import torch
 from solar.errors import CheckpointError, ConfigError
 
 from . import merkle
-from .chunking import DEFAULT_CHUNK_SIZE, chunk_spans, hash_chunks, hasher
+from .chunking import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, chunk_spans, hash_chunks, hasher
 from .collect import collect
 from .flatten import BlobSource, Flat, flatten
 from .manifest import BlobEntry, Manifest
@@ -274,7 +274,7 @@ class CheckpointWriter:
         storage_options: dict | None = None,
         durable: bool = True,
     ) -> None:
-        if chunk_size < 1024 or chunk_size > (1 << 30):
+        if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
             raise ConfigError(f"chunk_size must be between 1 KiB and 1 GiB, got {chunk_size}")
         if keep_last is not None and keep_last < 1:
             raise ConfigError(f"keep_last must be >= 1 or None, got {keep_last}")
