@@ -9,7 +9,7 @@ exports and garbage-collects. See ``docs/checkpoint.md``.
 from __future__ import annotations
 
 from .collect import GcReport, gc
-from .errors import CheckpointReadOnlyError, CheckpointVersionRemovedError, NotACheckpointRootError
+from .errors import CheckpointReadOnlyError, CheckpointVersionRemovedError, NotACheckpointRootError, UntrustedPickleError
 from .loader import Reader, list_versions, load
 from .manifest import Manifest
 from .store import CheckpointStore
@@ -31,4 +31,5 @@ __all__ = [
     "CheckpointVersionRemovedError",
     "CheckpointReadOnlyError",
     "NotACheckpointRootError",
+    "UntrustedPickleError",
 ]
