@@ -132,14 +132,14 @@ def test_device_argument_forms():
 
 def test_mixed_batch_decodes_like_single_blobs():
     """A batch mixing nibble/int8 codes and per-level cubic/linear choices decodes in one group."""
-    from solar.codec.ebq import _METAS
+    from solar.codec.ebq_meta import EbqMeta
     from solar.codec.header import read_header
     from solar.synthetic import ptycho_block
 
     _, xs = ptycho_block(0, 24, size=64)  # amplitude/phase pairs: encoders disagree per sample
     eb = 1e-2 * float(xs.max() - xs.min())
     blobs = [sc.encode(x, abs_error=eb, codec={"id": "ebq", "predictor": "fine"}) for x in xs]
-    metas = [_METAS[6].unpack(read_header(b).meta) for b in blobs]
+    metas = [EbqMeta.unpack(6, read_header(b).meta) for b in blobs]
     assert len({m[2] for m in metas}) > 1 and len({m[6] for m in metas}) > 1  # the mix is really there
     batch = sc.decode_batch(blobs)
     for b, x, y in zip(blobs, xs, batch):

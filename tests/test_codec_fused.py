@@ -16,7 +16,7 @@ import torch
 
 import solar.codec as sc
 from solar.codec import fused
-from solar.codec.ebq import _METAS
+from solar.codec.ebq_meta import EbqMeta
 from solar.codec.header import read_header
 from solar.testing.codecs import assert_within_bound
 
@@ -33,7 +33,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def meta(blob: bytes) -> tuple:
     h = read_header(blob)
-    return _METAS[h.version].unpack(h.meta)
+    return EbqMeta.unpack(h.version, h.meta)
 
 
 def test_compiled_matches_eager_on_golden_fixtures():

@@ -168,10 +168,10 @@ def test_fuzz_compiled_decoder_forged_payloads():
     """Resealed payload forgeries keep the header (so the compiled graph is reused) and reach
     the graph's unpacking, side values and escapes: the compiled decode must give exactly what
     the eager decode gives, the same tensor or the same CorruptDataError."""
-    from solar.codec.ebq import _METAS
+    from solar.codec.ebq_meta import EbqMeta
 
     corpus = _fine_corpus()
-    metas = [_METAS[6].unpack(read_header(b).meta) for _, b in corpus]
+    metas = [EbqMeta.unpack(6, read_header(b).meta) for _, b in corpus]
     assert [m[2] for m in metas] == [0, 1, 2] and all(m[8] for m in metas) and metas[0][12]  # + side, escapes
     for x, blob in corpus:  # compile outside the address-space cap
         assert torch_equal_bits(sc.decode(blob, compile=True), sc.decode(blob, compile=False))

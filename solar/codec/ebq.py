@@ -14,7 +14,8 @@ corrections, ``G * u (+ offset)``, patch exact outliers.
 
 Payload: ``codes | escapes | outliers``, each section compressed on its own. ``escapes`` holds
 int64 position deltas then int64 residuals; ``outliers`` int64 position deltas then the verbatim
-values. The private header metadata is :data:`_METAS` (per format version).
+values. The private header metadata is :class:`~solar.codec.ebq_meta.EbqMeta` (every format
+version's layout read into one named tuple).
 
 Format versions (all still decode; golden fixtures in ``tests/fixtures/codec``):
 
@@ -39,8 +40,7 @@ Format versions (all still decode; golden fixtures in ``tests/fixtures/codec``):
 from __future__ import annotations
 
 import math
-import struct
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -51,27 +51,15 @@ from . import fused
 from . import lossless as ll
 from . import predict as pr
 from .base import Codec, Parsed
+from .ebq_meta import NIBBLES, WIDTHS, EbqMeta, code_len, fold_axes
 from .header import pack_header
+from .predict import Predictor
 from .quantize import Quantized, quantize
 from .torch_ops import (TORCH_DTYPES, copy_rows_, dequantize, join_planes, patch_, scratch, take_rows, unpack_nibbles,
                         unzigzag_)
 
 __all__ = ["EBQCodec"]
 
-# Private metadata per format version. v1: predictor, lossless, code_bytes, qint_bytes, step,
-# offset, codes_clen, n_esc, esc_clen, n_out, out_clen. v2 adds ``cubic_levels`` (bit l = cubic
-# interpolation on level l) after offset. v3 appends ``n_side`` (nibble mode: count of residuals
-# carried by the int8 side stream). v4 appends ``fold`` (leading axes treated as a batch), v5
-# ``kshift`` (the ``fine`` predictor's K = 2**kshift; ``step`` is then the unit u = bin / K).
-# v6 has v5's layout; only the interpolation pass order differs (innermost axis first).
-_METAS = {1: struct.Struct("<BBBBddQQQQQ"), 2: struct.Struct("<BBBBddQQQQQQ"), 3: struct.Struct("<BBBBddQQQQQQQ"),
-          4: struct.Struct("<BBBBddQQQQQQQB"), 5: struct.Struct("<BBBBddQQQQQQQBB"),
-          6: struct.Struct("<BBBBddQQQQQQQBB")}
-#: Leading axes of at most this size (channels: amplitude/phase, velocity components) are folded
-#: into the batch: each channel is predicted on its own instead of from its neighbour channel.
-_FOLD_MAX = 4
-_WIDTHS = (1, 2, 4, 8)
-_FMAX = {4: float(np.finfo(np.float32).max), 8: float(np.finfo(np.float64).max)}
 _INT = {4: (np.int32, torch.int32), 8: (np.int64, torch.int64)}
 #: A residual width is used when at most this fraction of residuals must escape it.
 _ESCAPE_FRACTION = 1 / 64
@@ -112,7 +100,7 @@ def _codes(r: np.ndarray, nibble: bool = False) -> tuple[int, np.ndarray, np.nda
     """
     if nibble:
         c, esc, n_side = _nibbles(r)
-        return 0, c, esc, n_side
+        return NIBBLES, c, esc, n_side
     if r.size == 0 or (np.count_nonzero((r < -127) | (r > 127)) <= r.size * _ESCAPE_FRACTION):
         c, esc = _int8(r)
         return 1, c, esc, 0
@@ -161,14 +149,6 @@ def _fine(array: np.ndarray, eb: float, qz: Quantized, bshape: tuple[int, ...]):
     return r, mask, _KSHIFT, u, outliers, int(np.abs(G).max(initial=0))
 
 
-def _fold(shape: tuple[int, ...]) -> int:
-    """How many leading axes are small enough to be channels (at least one axis stays spatial)."""
-    k = 0
-    while k < len(shape) - 1 and shape[k] <= _FOLD_MAX:
-        k += 1
-    return k
-
-
 def _zigzag(r: np.ndarray) -> np.ndarray:
     r = r.astype(np.int64, copy=False)
     return ((r << 1) ^ (r >> 63)).view(np.uint64)
@@ -176,7 +156,7 @@ def _zigzag(r: np.ndarray) -> np.ndarray:
 
 def _choose_width(u: np.ndarray) -> int:
     limit = u.size * _ESCAPE_FRACTION
-    for w in _WIDTHS[:-1]:
+    for w in WIDTHS[:-1]:
         if np.count_nonzero(u >= (1 << (8 * w)) - 1) <= limit:
             return w
     return 8
@@ -236,12 +216,12 @@ class EBQCodec(Codec):
 
     def _pack_raw(self, array: np.ndarray, abs_error: float) -> bytes:
         data = ll.compress(np.ascontiguousarray(array).tobytes(), self.lossless, self.level)
-        meta = _METAS[6].pack(0, ll.LOSSLESS_IDS[self.lossless], array.dtype.itemsize, 0, 0.0, 0.0, 0,
-                              len(data), 0, 0, 0, 0, 0, 0, 0)
-        return self._blob(array, abs_error, meta, [data])
+        meta = EbqMeta(Predictor.RAW, ll.LOSSLESS_IDS[self.lossless], array.dtype.itemsize, 0, 0.0, 0.0, 0,
+                       codes_len=len(data), n_esc=0, esc_len=0, n_out=0, out_len=0, n_side=0, fold=0, kshift=0)
+        return self._blob(array, abs_error, meta.pack(), [data])
 
     def _pack(self, array: np.ndarray, abs_error: float, qz: Quantized, name: str) -> bytes | None:
-        fold = _fold(qz.q.shape)
+        fold = fold_axes(qz.q.shape)
         q = qz.q.reshape((-1,) + (qz.q.shape[fold:] or (1,)))
         mask, kshift, step, outliers, qmax = 0, 0, qz.step, qz.outliers, int(np.abs(qz.q).max(initial=0))
         if name == "fine":
@@ -273,76 +253,36 @@ class EBQCodec(Codec):
             if outliers.size else b""
         qint = 4 if qmax <= (1 << 26) else 8
         pid = pr.PREDICTOR_IDS[name if name in ("lorenzo", "fine") else "interp"]
-        meta = _METAS[6].pack(pid, ll.LOSSLESS_IDS[self.lossless], w, qint, step, qz.offset, mask,
-                              len(s_codes), esc_pos.size, len(s_esc), outliers.size, len(s_out), n_side, fold, kshift)
-        return self._blob(array, abs_error, meta, [s_codes, s_esc, s_out])
+        meta = EbqMeta(pid, ll.LOSSLESS_IDS[self.lossless], w, qint, step, qz.offset, cubic_levels=mask,
+                       codes_len=len(s_codes), n_esc=esc_pos.size, esc_len=len(s_esc), n_out=outliers.size,
+                       out_len=len(s_out), n_side=n_side, fold=fold, kshift=kshift)
+        return self._blob(array, abs_error, meta.pack(), [s_codes, s_esc, s_out])
 
     # ------------------------------------------------------------------ decoder
-    def _meta(self, blob: Parsed) -> tuple:
-        """Validated metadata as the v4 tuple (v1 blobs: ``cubic_levels`` from the predictor id)."""
+    def _meta(self, blob: Parsed) -> EbqMeta:
+        """The blob's checked metadata, every version read into the newest layout's fields
+        (parsed once per blob, then cached on it)."""
         if blob.meta is None:
-            blob.meta = self._parse_meta(blob)
+            self.check_version(blob)
+            blob.meta = EbqMeta.parse(blob.header, blob.what)
         return blob.meta
-
-    def _parse_meta(self, blob: Parsed) -> tuple:
-        self.check_version(blob)
-        h, what = blob.header, blob.what
-        fmt = _METAS[h.version]
-        if len(h.meta) != fmt.size:
-            raise CorruptDataError(f"{what}: ebq metadata is {len(h.meta)} bytes, expected {fmt.size}")
-        m = fmt.unpack(h.meta)
-        if h.version == 1:
-            m = m[:6] + ((1 << 64) - 1 if m[0] == 2 else 0,) + m[6:]
-        if h.version < 3:
-            m = m + (0,)
-        if h.version < 4:
-            m = m + (0,)
-        if h.version < 5:
-            m = m + (0,)
-        pred, lossless, w, qint, step, offset, _, c_len, n_esc, e_len, n_out, o_len, n_side, fold, kshift = m
-        n = h.size
-        bad = None
-        if pred not in pr.PREDICTORS or lossless not in ll.LOSSLESS or (pred in (1, 2, 4)) and (pred == 4) != (h.version >= 2):
-            bad = f"unknown predictor {pred} or lossless stage {lossless}"
-        elif c_len + e_len + o_len != h.payload_len:
-            bad = "section lengths do not add up to the payload length"
-        elif pred == 0:
-            if w != h.dtype.itemsize or n_esc or n_out or e_len or o_len:
-                bad = "inconsistent lossless-mode metadata"
-        elif (w not in _WIDTHS and not (w == 0 and h.version >= 3)) or qint not in _INT or (qint == 4 and w == 8):
-            bad = f"invalid code width {w} / integer width {qint}"
-        elif (pred == 5) != (kshift > 0) or kshift > 16 or (pred == 5 and h.version < 5):
-            bad = f"invalid fine-predictor resolution {kshift} for predictor {pred}"
-        elif fold > max(len(h.shape) - 1, 0) or fold > _fold(h.shape):
-            bad = f"invalid folded axis count {fold} for shape {h.shape}"
-        elif n_side > n or (n_side and w != 0):
-            bad = f"impossible side-stream count {n_side} for {n} values"
-        elif not (0 < step <= _FMAX[h.dtype.itemsize] and abs(offset) <= _FMAX[h.dtype.itemsize]):
-            bad = f"invalid step {step} / offset {offset}"
-        elif n_esc > n or n_out > n or (n_esc == 0) != (e_len == 0) or (n_out == 0) != (o_len == 0):
-            bad = f"impossible escape/outlier counts {n_esc}/{n_out} for {n} values"
-        if bad:
-            raise CorruptDataError(f"{what}: corrupted ebq header metadata ({bad})")
-        name = ll.LOSSLESS[lossless]  # sizes must be reachable before anything is allocated
-        ll.check_expansion(c_len, h.nbytes if pred == 0 else _code_len(w, n) + n_side, name, what)
-        ll.check_expansion(e_len, n_esc * 16, name, what)
-        ll.check_expansion(o_len, n_out * (8 + h.dtype.itemsize), name, what)
-        return m
 
     def group_key(self, blob: Parsed):
         """Blobs decoded together: int8 and nibble codes mix (both become an int8 stream), and so
         do per-level cubic/linear choices of the interpolation predictors (selected per row)."""
-        pred, _, w, qint, _, _, mask, *_, fold, kshift = self._meta(blob)
+        m = self._meta(blob)
         v2 = blob.header.version >= 2
-        wkey = "int8" if v2 and w in (0, 1) else w
-        return (pred, wkey, qint, None if v2 and pred in (4, 5) else mask, fold, kshift)
+        wkey = "int8" if v2 and m.width in (NIBBLES, 1) else m.width
+        levels = None if v2 and m.predictor.per_level else m.cubic_levels
+        return (m.predictor, wkey, m.qint, levels, m.fold, m.kshift)
 
     def decode_group(self, blobs: Sequence[Parsed], device, out=None):
         metas = [self._meta(b) for b in blobs]
-        if len(blobs) > 1 and metas[0][0] in (4, 5) and len({m[6] for m in metas}) > 1 and not self._fusable(blobs[0]):
+        levels = [m.cubic_levels for m in metas]
+        if len(blobs) > 1 and metas[0].predictor.per_level and len(set(levels)) > 1 and not self._fusable(blobs[0]):
             # mixed per-level cubic/linear choices: decode in an order where equal choices are
             # contiguous row slices (one prediction kind each), then put rows back in input order
-            order = pr.mask_order([m[6] for m in metas])
+            order = pr.mask_order(levels)
             return self._decode_sorted([blobs[i] for i in order], device, out, order)
         return self._decode_sorted(blobs, device, out)
 
@@ -354,89 +294,28 @@ class EBQCodec(Codec):
         """
         h0 = blobs[0].header
         metas = [self._meta(b) for b in blobs]
-        pred, _, w, qint = metas[0][:4]
+        m0 = metas[0]
+        dev = torch.device(device)
+        if m0.predictor == Predictor.RAW:
+            return _into(out, _decode_raw(blobs, metas, dev))
         shape = h0.shape or (1,)
         n, B = math.prod(shape), len(blobs)
-        dev = torch.device(device)
-        if pred == 0:
-            raw = np.empty((B, n), h0.dtype)
-            for i, (b, m) in enumerate(zip(blobs, metas)):
-                raw[i] = np.frombuffer(ll.decompress(b.payload, ll.LOSSLESS[m[1]], h0.nbytes, b.what), h0.dtype)
-            return _into(out, torch.from_numpy(raw).to(dev).view((B,) + h0.shape))
-        np_int, t_int = _INT[qint]
-        int8_stream = h0.version >= 2 and w in (0, 1)
-        kinds = [m[2] for m in metas] if int8_stream else [w] * B
-        rows = {k: [i for i, kk in enumerate(kinds) if kk == k] for k in sorted(set(kinds))}
-        planes = {k: np.empty((len(r), _code_len(k, n)), np.uint8) for k, r in rows.items()}
-        slot = {i: j for r in rows.values() for j, i in enumerate(r)}
-        esc_idx, esc_val, out_idx, out_val, sides, esc, outl = [], [], [], [], [], [], []
-        steps = np.empty(B, h0.dtype)
-        offs = np.empty(B, h0.dtype)
-        for i, (b, m) in enumerate(zip(blobs, metas)):
-            _, lid, wi, _, steps[i], offs[i], _, c_len, n_esc, e_len, n_out, o_len, n_side, _, _ = m
-            name, p = ll.LOSSLESS[lid], b.payload
-            nb = _code_len(wi, n)
-            raw = np.frombuffer(ll.decompress(p[:c_len], name, nb + n_side, b.what), np.uint8)
-            planes[wi][slot[i]] = raw[:nb]
-            if n_side:
-                sides.append(raw[nb:])
-            if n_esc:
-                esc.append((p[c_len:c_len + e_len], name, n_esc, b.what, i))
-            if n_out:
-                outl.append((p[c_len + e_len:], name, n_out, b.what, i if order is None else int(order[i])))
-        if esc:  # all blobs' sparse sections checked and placed with a few array ops (not per blob)
-            pos, val = _sparse_group(esc, np.dtype("<i8"), n, limit=1 << 31 if qint == 4 else None)
-            esc_idx, esc_val = [pos], [val.astype(np_int)]
-        if outl:
-            pos, val = _sparse_group(outl, h0.dtype, n)
-            out_idx, out_val = [pos], [val]
-        marks = side = None
-        if 0 in planes:  # where the side values go: found on the packed bytes, before they leave the CPU
-            marks = _nibble_markers(planes[0])
-            side = np.concatenate(sides) if sides else np.empty(0, np.uint8)
-            if marks.size != side.size:
-                raise CorruptDataError(
-                    f"{blobs[0].what}: nibble stream has {marks.size} side markers for {side.size} "
-                    "side values; corrupted payload")
-        # folded leading (channel) axes: each channel is one more batch row of the predictor
-        fold = metas[0][13]
-        lead = math.prod(shape[:fold])
-        Bp, inner_shape = B * lead, shape[fold:]
-        K = 1 << metas[0][14]
-        masks = np.repeat(np.array([m[6] for m in metas], dtype=np.uint64), lead)
-        rev = h0.version >= 6
+        int8_stream = h0.version >= 2 and m0.width in (NIBBLES, 1)
+        g = _gather(blobs, metas, n, order, int8_stream)
+        lead = math.prod(shape[:m0.fold])  # folded channels: each is one more batch row of the predictor
+        lay = _Layout(shape, lead, shape[m0.fold:], np.repeat(np.array([m.cubic_levels for m in metas], np.uint64), lead),
+                      1 << m0.kshift, h0.version >= 6, _INT[m0.qint][1])
+        dtype = TORCH_DTYPES[h0.dtype.itemsize]
         if n and self._fusable(blobs[0]):
-            x = self._decode_fused(planes, rows, kinds, marks, side, esc_idx, esc_val, masks, steps, lead,
-                                   inner_shape, K, rev, t_int, TORCH_DTYPES[h0.dtype.itemsize], dev)
+            x = self._decode_fused(g, lay, dtype, dev)
             if x is not None:
-                if offs.any():
-                    x.add_(torch.from_numpy(offs).to(dev).view(B, 1))
-                patch_(x.view(-1), *_cat(out_idx, out_val, dev))
+                if g.offs.any():
+                    x.add_(torch.from_numpy(g.offs).to(dev).view(B, 1))
+                patch_(x.view(-1), *_cat(g.out_idx, g.out_val, dev))
                 return _into(out, x.view((B,) + h0.shape))
         # ---- from here on: one sequence of tensor ops for the whole group, on `device`
-        t = _code_stream(planes, rows, kinds, marks, side, n, dev)
-        if int8_stream and pred in (4, 5):
-            # int8 codes go straight into the predictor (widened inside its adds); escapes are
-            # corrections (true residual - marker) applied pass by pass
-            escapes = None
-            if esc_idx:
-                escapes = (np.concatenate(esc_idx), np.concatenate(esc_val).astype(np.int64) + 128)
-            # widened once up front: one contiguous conversion pass is ~3x cheaper on a CPU than
-            # letting every pass's add promote int8 on the fly
-            codes = scratch.get("codes", B * n, t_int, dev).view(B, n)
-            codes.copy_(t.view(torch.int8))
-            q = pr.interp_decode(codes.view(Bp, n // lead), inner_shape, masks, t_int, escapes, K, rev)
-        else:
-            if int8_stream:
-                r = t.view(torch.int8).reshape(B, n).to(t_int)
-            else:
-                r = unzigzag_(join_planes(t.view(B, w, n), t_int))
-            patch_(r.view(-1), *_cat(esc_idx, esc_val, dev))
-            if pred == 3:
-                q = pr.lorenzo_reconstruct(r.view((Bp,) + inner_shape))
-            else:
-                r = pr.natural_to_stream(r, shape) if h0.version == 1 else r.view(Bp, n // lead)
-                q = pr.interp_decode(r, inner_shape, masks, K=K, reverse=rev)
+        q = _eager_integers(g, m0, int8_stream, h0.version, lay, dev)
+        steps, offs = g.steps, g.offs
         if order is not None:  # back to input order (int rows into scratch; the output is written once)
             inv = np.argsort(order)
             q = take_rows(q.reshape(B, n).contiguous(), inv, scratch.get("unsorted", B * n, q.dtype, dev).view(B, n))
@@ -444,20 +323,20 @@ class EBQCodec(Codec):
         q = q.view((B,) + shape)  # Lorenzo's result is a padded strided view: never flattened (a copy)
         bshape = (B,) + (1,) * len(shape)
         offset = None if not offs.any() else torch.from_numpy(offs).to(dev).view(bshape)
-        x = dequantize(q, torch.from_numpy(steps).to(dev).view(bshape), offset, TORCH_DTYPES[h0.dtype.itemsize])
-        patch_(x.view(-1), *_cat(out_idx, out_val, dev))
+        x = dequantize(q, torch.from_numpy(steps).to(dev).view(bshape), offset, dtype)
+        patch_(x.view(-1), *_cat(g.out_idx, g.out_val, dev))
         return _into(out, x.view((B,) + h0.shape))
 
     def _fusable(self, blob: Parsed) -> bool:
         """Whether ``blob``'s group takes the compiled graph: codes of the interpolation
         predictors (the graph selects cubic/linear per row, so no mask-sorted batch), of any
         width (nibbles, int8, or wider byte planes)."""
-        pred, _, w, *_ = self._meta(blob)
-        return fused.enabled() and pred in (4, 5) and blob.header.version >= 2 and w in (0,) + _WIDTHS
+        m = self._meta(blob)
+        return fused.enabled() and m.predictor.per_level and blob.header.version >= 2 \
+            and m.width in (NIBBLES,) + WIDTHS
 
     @staticmethod
-    def _decode_fused(planes, rows, kinds, marks, side, esc_idx, esc_val, masks, steps, lead, inner_shape, K, rev,
-                      t_int, dtype, dev):
+    def _decode_fused(g: _Gathered, lay: _Layout, dtype, dev):
         """Decode with the compiled graph -> ``(B, n)`` floats, or None (then decode eagerly).
 
         A group of nibble blobs goes in packed (unpacked inside the graph), an int8 group as is,
@@ -465,6 +344,9 @@ class EBQCodec(Codec):
         escapes become one sparse list of residual corrections added inside the graph. A group
         mixing nibble and int8 blobs is first joined into one int8 stream.
         """
+        planes, rows, kinds, marks, side, esc_idx, esc_val = g[:7]
+        masks, steps, lead, inner_shape, K, rev, t_int = lay.masks, g.steps, lay.lead, lay.inner_shape, lay.K, \
+            lay.reverse, lay.t_int
         n = math.prod(inner_shape) * lead
         B = len(kinds)
         pos, corr = [np.zeros(2, np.int64)], [np.zeros(2, np.int64)]  # >= 2 entries: one graph for all
@@ -477,13 +359,13 @@ class EBQCodec(Codec):
             # through the eager decoder's join/unzigzag (so a forged position replaces, as eagerly)
             corr.append(np.concatenate(esc_val).astype(np.int64) - (
                 -128 if width <= 1 else _wide_codes(planes[width].reshape(B, width, n), at, n, t_int)))
-        if width == 0:
-            w2 = 2 * planes[0].shape[1]  # markers are positions in the (B, w2) unpacked stream
+        if width == NIBBLES:
+            w2 = 2 * planes[NIBBLES].shape[1]  # markers are positions in the (B, w2) unpacked stream
             r, c = np.divmod(marks, w2)
             keep = c < n  # a marker on the padding nibble of an odd-length blob is dropped, as eagerly
             pos.append(r[keep] * n + c[keep])
             corr.append(side.view(np.int8)[keep].astype(np.int64) + 8)  # side value - marker (-8)
-            codes = torch.from_numpy(planes[0]).to(dev).view(torch.int8)
+            codes = torch.from_numpy(planes[NIBBLES]).to(dev).view(torch.int8)
         elif width >= 2:
             codes = torch.from_numpy(planes[width]).to(dev).view(B, width, n)
         else:
@@ -495,6 +377,109 @@ class EBQCodec(Codec):
                       torch.from_numpy(np.repeat(steps, lead)).to(dev).view(B * lead, 1),
                       n, lead, inner_shape, K, rev, t_int, dtype, width)
         return None if x is None else x.view(B, n)
+
+
+class _Gathered(NamedTuple):
+    """A group's sections after the CPU lossless stage, before any tensor op."""
+
+    planes: dict  # code width -> (rows of that width, code bytes) uint8 array
+    rows: dict  # code width -> the group rows with that width
+    kinds: list  # per row: its code width
+    marks: np.ndarray | None  # nibble codes: flat positions of the side markers in the unpacked stream
+    side: np.ndarray | None  # nibble codes: the side values, in marker order
+    esc_idx: list  # escapes: flat positions in (B, n) and true residuals (at most one array each)
+    esc_val: list
+    out_idx: list  # exact outliers: flat positions in (B, n), in input order, and verbatim values
+    out_val: list
+    steps: np.ndarray  # per row, in the decoded (sorted) order
+    offs: np.ndarray
+
+
+class _Layout(NamedTuple):
+    """How a group's integers are predicted."""
+
+    shape: tuple[int, ...]  # one blob's shape (at least 1-d)
+    lead: int  # rows per blob: the product of the folded leading (channel) axes
+    inner_shape: tuple[int, ...]  # the predicted axes
+    masks: np.ndarray  # per predictor row: its blob's cubic_levels
+    K: int  # units per bin (1 unless ``fine``)
+    reverse: bool  # interpolation passes refine the innermost axis first (ebq/6+)
+    t_int: torch.dtype
+
+
+def _gather(blobs: Sequence[Parsed], metas: list[EbqMeta], n: int, order, int8_stream: bool) -> _Gathered:
+    """Decompress every blob's sections and check the sparse ones for the whole group at once."""
+    h0, m0, B = blobs[0].header, metas[0], len(blobs)
+    kinds = [m.width for m in metas] if int8_stream else [m0.width] * B
+    rows = {k: [i for i, kk in enumerate(kinds) if kk == k] for k in sorted(set(kinds))}
+    planes = {k: np.empty((len(r), code_len(k, n)), np.uint8) for k, r in rows.items()}
+    slot = {i: j for r in rows.values() for j, i in enumerate(r)}
+    esc_idx, esc_val, out_idx, out_val, sides, esc, outl = [], [], [], [], [], [], []
+    steps = np.empty(B, h0.dtype)
+    offs = np.empty(B, h0.dtype)
+    for i, (b, m) in enumerate(zip(blobs, metas)):
+        steps[i], offs[i] = m.step, m.offset
+        name, p, c_len, e_len = ll.LOSSLESS[m.lossless], b.payload, m.codes_len, m.esc_len
+        nb = code_len(m.width, n)
+        raw = np.frombuffer(ll.decompress(p[:c_len], name, nb + m.n_side, b.what), np.uint8)
+        planes[m.width][slot[i]] = raw[:nb]
+        if m.n_side:
+            sides.append(raw[nb:])
+        if m.n_esc:
+            esc.append((p[c_len:c_len + e_len], name, m.n_esc, b.what, i))
+        if m.n_out:
+            outl.append((p[c_len + e_len:], name, m.n_out, b.what, i if order is None else int(order[i])))
+    if esc:  # all blobs' sparse sections checked and placed with a few array ops (not per blob)
+        pos, val = _sparse_group(esc, np.dtype("<i8"), n, limit=1 << 31 if m0.qint == 4 else None)
+        esc_idx, esc_val = [pos], [val.astype(_INT[m0.qint][0])]
+    if outl:
+        pos, val = _sparse_group(outl, h0.dtype, n)
+        out_idx, out_val = [pos], [val]
+    marks = side = None
+    if NIBBLES in planes:  # where the side values go: found on the packed bytes, before they leave the CPU
+        marks = _nibble_markers(planes[NIBBLES])
+        side = np.concatenate(sides) if sides else np.empty(0, np.uint8)
+        if marks.size != side.size:
+            raise CorruptDataError(
+                f"{blobs[0].what}: nibble stream has {marks.size} side markers for {side.size} "
+                "side values; corrupted payload")
+    return _Gathered(planes, rows, kinds, marks, side, esc_idx, esc_val, out_idx, out_val, steps, offs)
+
+
+def _decode_raw(blobs: Sequence[Parsed], metas: list[EbqMeta], dev) -> torch.Tensor:
+    """Blobs of the RAW predictor: the values themselves behind the lossless stage."""
+    h0 = blobs[0].header
+    raw = np.empty((len(blobs), h0.size), h0.dtype)
+    for i, (b, m) in enumerate(zip(blobs, metas)):
+        raw[i] = np.frombuffer(ll.decompress(b.payload, ll.LOSSLESS[m.lossless], h0.nbytes, b.what), h0.dtype)
+    return torch.from_numpy(raw).to(dev).view((len(blobs),) + h0.shape)
+
+
+def _eager_integers(g: _Gathered, m0: EbqMeta, int8_stream: bool, version: int, lay: _Layout, dev):
+    """The group's quantized integers, ``(B * lead, *inner_shape)``, by eager tensor ops."""
+    B, n = len(g.kinds), math.prod(lay.shape)
+    rows = (B * lay.lead, n // lay.lead)
+    t = _code_stream(g.planes, g.rows, g.kinds, g.marks, g.side, n, dev)
+    if int8_stream and m0.predictor.per_level:
+        # int8 codes go straight into the predictor (widened inside its adds); escapes are
+        # corrections (true residual - marker) applied pass by pass
+        escapes = None
+        if g.esc_idx:
+            escapes = (np.concatenate(g.esc_idx), np.concatenate(g.esc_val).astype(np.int64) + 128)
+        # widened once up front: one contiguous conversion pass is ~3x cheaper on a CPU than
+        # letting every pass's add promote int8 on the fly
+        codes = scratch.get("codes", B * n, lay.t_int, dev).view(B, n)
+        codes.copy_(t.view(torch.int8))
+        return pr.interp_decode(codes.view(rows), lay.inner_shape, lay.masks, lay.t_int, escapes, lay.K, lay.reverse)
+    if int8_stream:
+        r = t.view(torch.int8).reshape(B, n).to(lay.t_int)
+    else:
+        r = unzigzag_(join_planes(t.view(B, m0.width, n), lay.t_int))
+    patch_(r.view(-1), *_cat(g.esc_idx, g.esc_val, dev))
+    if m0.predictor == Predictor.LORENZO:
+        return pr.lorenzo_reconstruct(r.view((rows[0],) + lay.inner_shape))
+    r = pr.natural_to_stream(r, lay.shape) if version == 1 else r.view(rows)
+    return pr.interp_decode(r, lay.inner_shape, lay.masks, K=lay.K, reverse=lay.reverse)
 
 
 def _wide_codes(planes: np.ndarray, at: np.ndarray, n: int, itype) -> np.ndarray:
@@ -510,7 +495,7 @@ def _code_stream(planes: dict, rows: dict, kinds: list, marks, side, n: int, dev
     parts = {}
     for k, arr in planes.items():
         t = torch.from_numpy(arr).to(dev, non_blocking=True)
-        if k == 0:
+        if k == NIBBLES:
             t = unpack_nibbles(t.view(torch.int8))
             t.view(-1)[torch.from_numpy(marks).to(dev)] = torch.from_numpy(side).to(dev).view(torch.int8)
             t = t[:, :n]
@@ -538,11 +523,6 @@ def _nibble_markers(packed: np.ndarray) -> np.ndarray:
     pc = p[c]
     which = np.stack([(pc & 0x0F) == 0x08, (pc & 0xF0) == 0x80], axis=1)
     return (2 * c[:, None] + np.arange(2))[which]
-
-
-def _code_len(w: int, n: int) -> int:
-    """Bytes of the fixed-width part of the codes section (nibbles: two codes per byte)."""
-    return (n + 1) // 2 if w == 0 else n * w
 
 
 def _deltas(pos: np.ndarray) -> np.ndarray:

@@ -44,7 +44,6 @@ FORMAT_VERSION = 1
 MAX_NDIM = 8
 #: Hard cap on the element count a header may declare (2**40 values = 4 TiB of float32).
 MAX_ELEMENTS = 1 << 40
-MAX_META = 4096
 DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<f8")}
 _DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 

@@ -8,13 +8,23 @@ compressed length could produce, so a forged header cannot make it allocate tera
 from __future__ import annotations
 
 import threading
+from enum import IntEnum
 
 from solar.errors import ConfigError, CorruptDataError, MissingDependencyError
 
-__all__ = ["LOSSLESS", "compress", "decompress", "check_expansion", "default_lossless"]
+__all__ = ["Lossless", "LOSSLESS", "compress", "decompress", "check_expansion", "default_lossless"]
 
-#: id in the blob -> name. Never renumber: ids are part of the on-disk format.
-LOSSLESS = {0: "none", 1: "lz4", 2: "zstd"}
+
+class Lossless(IntEnum):
+    """The lossless-stage id in a blob's metadata. Never renumber: ids are part of the on-disk format."""
+
+    NONE = 0
+    LZ4 = 1
+    ZSTD = 2
+
+
+#: id in the blob -> name (the ``lossless=`` option's spelling).
+LOSSLESS = {int(s): s.name.lower() for s in Lossless}
 LOSSLESS_IDS = {v: k for k, v in LOSSLESS.items()}
 #: The largest expansion each format can produce (lz4: 255x; zstd: ~32768x for RLE blocks).
 _MAX_RATIO = {"none": 1, "lz4": 256, "zstd": 40000}

@@ -25,15 +25,33 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import IntEnum
 from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["PREDICTORS", "Step", "interp_plan", "predict_odd", "interp_stream", "interp_decode",
+__all__ = ["Predictor", "PREDICTORS", "Step", "interp_plan", "predict_odd", "interp_stream", "interp_decode",
            "natural_to_stream", "lorenzo_residuals", "lorenzo_reconstruct", "scan_layout"]
 
-#: id in the blob -> name. Never renumber: ids are part of the on-disk format.
-PREDICTORS = {0: "raw", 1: "linear", 2: "cubic", 3: "lorenzo", 4: "interp", 5: "fine"}
+
+class Predictor(IntEnum):
+    """The predictor id in an ebq blob's metadata. Never renumber: ids are part of the on-disk format."""
+
+    RAW = 0  # no prediction: the values themselves through the lossless stage
+    LINEAR = 1  # ebq/1 only: linear interpolation on every level
+    CUBIC = 2  # ebq/1 only: cubic interpolation on every level
+    LORENZO = 3  # prefix-sum predictor on pre-quantized integers
+    INTERP = 4  # ebq/2+: linear or cubic per level, chosen by the metadata's ``cubic_levels``
+    FINE = 5  # ebq/5+: interpolation from reconstructed values, K = 2**kshift units per bin
+
+    @property
+    def per_level(self) -> bool:
+        """Whether the interpolation kind is chosen per level (``cubic_levels``), not per blob."""
+        return self in (Predictor.INTERP, Predictor.FINE)
+
+
+#: id in the blob -> name (the ``predictor=`` option's spelling).
+PREDICTORS = {int(p): p.name.lower() for p in Predictor}
 PREDICTOR_IDS = {v: k for k, v in PREDICTORS.items()}
 
 
