@@ -39,7 +39,7 @@ NOTE [ Resume ]
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.data as tud
@@ -54,6 +54,8 @@ __all__ = ["DataLoader"]
 STATE_VERSION = 2
 _LOADABLE_VERSIONS = (1, 2)
 _END = object()
+#: What the loader yields: solar.DataLoader[T] annotates and subclasses as torch's DataLoader[T] does.
+T_co = TypeVar("T_co", covariant=True)
 
 
 class _DefaultBuffer(str):
@@ -108,7 +110,7 @@ class _SkipOnce:
         return itertools.islice(iter(self.inner), skip, None)
 
 
-class DataLoader(tud.DataLoader):
+class DataLoader(tud.DataLoader[T_co]):
     """Drop-in ``torch.utils.data.DataLoader``; see the module docstring.
 
     Positional and keyword arguments are torch's, with torch's defaults and behaviour.
