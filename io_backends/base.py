@@ -11,43 +11,6 @@ NOTE [ Backends and processes ]
     ``fork`` (the pid is checked): h5py handles and MPI communicators do not survive fork, and
     pickling a backend (to send it to a DataLoader worker) carries only its arguments.
 
-NOTE [ Collective request checks ]
-    On a collective backend every rank must make the same read calls. A request that one rank
-    rejects (a row or sample index out of range, unsorted ranges, a wrong ``out``) would make that
-    rank raise alone, and the others would pair their next collective read with a different call
-    of it and hang. So every check guarding a collective call ends in :meth:`Backend.agree`: one
-    small ``allreduce`` over the backend's ``comm`` tells every rank whether any rank's request
-    was bad, *before* anyone enters the collective read, and every rank raises: the bad rank its
-    own error, the others one of the same built-in type (``IndexError``/``ValueError``) naming
-    the rank that failed and why. Serial backends raise at once and make no MPI call.
-
-    Only calls the ranks make in *lockstep* agree: the loader's passes over a ``DistributedSampler``
-    (``H5Dataset.fetch_steps`` runs inside :func:`lockstep`; its sample checks, each field's read
-    and the checksum and decode checks agree) and any ``disjoint=True`` read (the collective
-    transfer). An independent read agrees nothing itself, even in lockstep: a dataset's lazily
-    cached reads (offsets, checksums) are made by some ranks only. Every other read (``ds[i]``,
-    ``__getitems__`` from a user's loop or torch's ``DataLoader``, a direct ``read_ranges``) uses
-    the independent transfer, which makes no MPI call, so a rank may read alone (rank 0 plotting a sample, each rank its own subset) and a bad request raises on the rank
-    that made it. Before, every read agreed, and such ordinary code hung in the allreduce.
-
-    A pass agrees *once* on what failed after its collective reads (NOTE [ One agreement per
-    pass ]): only the checks *before* a collective call need an allreduce of their own.
-
-NOTE [ One agreement per pass ]
-    A failure that shows only after a collective read has returned on every rank (a read error
-    on one rank, a checksum mismatch) need not be agreed at once: the failing
-    rank can keep making the pass's remaining collective calls, with stand-in data, and every
-    rank learns of it at the pass's end. So ``H5Dataset`` and ``StoredConcat`` read a pass's
-    files and fields inside :meth:`Backend.agreement_at_end`, and their post-read checks call
-    ``agree(problem, later=True)``, which inside it records the rank's first problem and returns
-    (the caller then substitutes zeros for what it failed to read and goes on, so its collective
-    calls stay in step); the block's end makes one allreduce, before the pass evicts or puts
-    anything in a buffer, and every rank raises as :meth:`Backend.agree` does. A pass over
-    three files of two checksummed fields made twelve such allreduces, now one
-    (``stats.extra["agreements"]`` counts them). Checks *before* a
-    collective call (a bad request) still agree at once: a rank that skipped the call would
-    leave the others waiting in it.
-
 NOTE [ Disjoint collective reads ]
     Open MPI 4.1's default MPI-IO (OMPIO, fcoll ``dynamic``/``dynamic_gen2``) returns zeros for
     parts of a collective read whose ranks' selections overlap (93 of 200 such reads of small
@@ -71,7 +34,7 @@ from typing import Any, ClassVar, Iterator, Sequence
 
 import numpy as np
 
-from solar.failfast import agreed
+from solar.collective import agree, lockstep
 
 #: the ``disjoint`` promise of the running ``read_ranges`` call (per thread)
 _DISJOINT: contextvars.ContextVar[bool] = contextvars.ContextVar("solar_disjoint_read", default=False)
@@ -87,34 +50,7 @@ def disjoint_read() -> bool:
     return _DISJOINT.get()
 
 
-#: whether the running reads are made by every rank in step (NOTE [ Collective request checks ])
-_LOCKSTEP: contextvars.ContextVar[bool] = contextvars.ContextVar("solar_lockstep", default=False)
-
-
-@contextlib.contextmanager
-def lockstep() -> Iterator[None]:
-    """Within the block every rank makes the same read calls in the same order (the loader's
-    passes), so :meth:`Backend.agree` may synchronize them; outside it, checks raise locally."""
-    token = _LOCKSTEP.set(True)
-    try:
-        yield
-    finally:
-        _LOCKSTEP.reset(token)
-
-
-class _Later:
-    """The open :meth:`Backend.agreement_at_end` block: this rank's first deferred problem."""
-
-    __slots__ = ("problem",)
-
-    def __init__(self) -> None:
-        self.problem: Exception | None = None
-
-
-#: the running pass's deferred agreement (NOTE [ One agreement per pass ]), per thread
-_LATER: contextvars.ContextVar[_Later | None] = contextvars.ContextVar("solar_agree_later", default=None)
-
-__all__ = ["Backend", "ArrayInfo", "IOStats", "normalize_ranges", "lockstep"]
+__all__ = ["Backend", "ArrayInfo", "IOStats", "normalize_ranges"]
 
 
 @dataclass(frozen=True)
@@ -287,7 +223,9 @@ class Backend(ABC):
         self.ensure_open()
         info = self.info(key)
         problem = None
-        try:  # on a collective backend every rank learns of a bad request: NOTE [ Collective request checks ]
+        # on a collective backend every rank learns of a bad request:
+        # NOTE [ Collective request checks ] in solar/collective.py
+        try:
             rng = normalize_ranges(ranges)
             total = int((rng[:, 1] - rng[:, 0]).sum()) if len(rng) else 0
             if len(rng) and rng[-1, 1] > info.shape[0]:
@@ -304,7 +242,7 @@ class Backend(ABC):
             problem = exc
         if disjoint:
             with lockstep():  # a collective transfer follows: every rank is in this call
-                self.agree(problem)
+                agree(self, problem)
         elif problem is not None:  # an independent read: nothing to keep in step (the caller agrees)
             raise problem
         if out is None:
@@ -317,84 +255,6 @@ class Backend(ABC):
         self.stats.rows_read += total
         self.stats.bytes_read += total * info.row_nbytes
         return out
-
-    @contextlib.contextmanager
-    def agreement_at_end(self, where: str | None = None) -> Iterator[None]:
-        """Within the block ``agree(problem, later=True)`` records this rank's first problem and
-        returns; the block's end agrees on it once, as :meth:`agree` (NOTE [ One agreement per
-        pass ]). A block inside another joins it. An exception leaving the block is not agreed
-        (as it was not before: only the problems handed to ``agree`` are)."""
-        if _LATER.get() is not None:
-            yield
-            return
-        later = _Later()
-        token = _LATER.set(later)
-        try:
-            yield
-        finally:
-            _LATER.reset(token)
-        self.agree(later.problem, where)
-
-    def agree(self, problem: Exception | None, where: str | None = None, later: bool = False) -> None:
-        """Raise ``problem`` -- on a collective backend, on every rank if any rank has one.
-
-        A check guarding a collective call must not fail on one rank alone: the others would
-        wait in the collective read for it (see NOTE [ Collective request checks ]). Serial
-        backends raise ``problem`` (if any) at once and make no MPI call; collective ones make
-        one small ``allreduce`` over :attr:`comm`, so every rank must call this at the same point;
-        that is, only inside :func:`lockstep` (elsewhere ``problem`` is raised on this rank alone).
-
-        ``where`` names what the other ranks' error is about (default: this backend's URL).
-        ``later=True`` (a check after a collective read that every rank has made): inside
-        :meth:`agreement_at_end` on a collective backend in lockstep, record ``problem`` and
-        return; the caller must then go on with stand-in data, making the same calls as the other
-        ranks (NOTE [ One agreement per pass ]). Elsewhere, as ``later=False``.
-
-        Raises:
-            IndexError / CorruptDataError / ValueError: ``problem`` on the rank that has it; on
-                the other ranks an error of the same kind naming the lowest failing rank and its
-                message (any other exception type is reported to them as a ValueError).
-        """
-        if not (self.collective and _LOCKSTEP.get()):
-            if problem is not None:
-                raise problem
-            return
-        pending = _LATER.get() if later else None
-        if pending is not None:
-            if pending.problem is None:
-                pending.problem = problem
-            return
-        from mpi4py import MPI
-
-        from solar.errors import CorruptDataError, StorageError
-
-        comm = self.comm
-        kind = ("index" if isinstance(problem, IndexError) else
-                "corrupt" if isinstance(problem, CorruptDataError) else
-                "storage" if isinstance(problem, OSError) else "value")
-        mine = (0, comm.rank, kind, str(problem)) if problem is not None else (1, comm.rank, "", "")
-        failed, rank, kind, why = comm.allreduce(mine, op=MPI.MIN)  # the lowest failing rank, if any
-        self.stats.extra["agreements"] = self.stats.extra.get("agreements", 0) + 1
-        if problem is not None:
-            raise agreed(problem)
-        if failed == 0:
-            cls = {"index": IndexError, "corrupt": CorruptDataError, "storage": StorageError}.get(kind, ValueError)
-            what = {"corrupt": "found corrupt data", "storage": "failed to read"}.get(kind, "rejected its read request")
-            raise agreed(cls(f"{where or self.url}: rank {rank} of {comm.size} {what} ({why}); every rank stops "
-                             f"here instead of waiting in the next collective read: see rank {rank}'s error"))
-
-    def union(self, mask: np.ndarray) -> np.ndarray:
-        """``mask`` (bool) OR-ed over every rank: on a collective backend inside :func:`lockstep`
-        (one small ``allreduce`` over :attr:`comm`, so every rank must call it at the same point,
-        as :meth:`agree`); elsewhere ``mask`` itself. Lets ranks skip together what none needs."""
-        mask = np.ascontiguousarray(mask, dtype=bool)
-        if not (self.collective and _LOCKSTEP.get()):
-            return mask
-        from mpi4py import MPI
-
-        out = np.empty(mask.shape, np.uint8)
-        self.comm.Allreduce(mask.astype(np.uint8), out, op=MPI.MAX)
-        return out.astype(bool)
 
     @abstractmethod
     def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:

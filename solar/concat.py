@@ -42,6 +42,8 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Subset
 
+from solar.collective import agree, agreement_at_end, union
+from solar.collective import lockstep as _lockstep
 from solar.dataset import H5Dataset, StoredBatch, as_indices
 from solar.errors import CorruptDataError
 
@@ -137,15 +139,13 @@ class StoredConcat(ConcatDataset):
                     lockstep: bool = True, rows=None) -> list:
         """:meth:`H5Dataset.fetch_steps` over the files (NOTE [ Several files ]); ``rows``: as
         there (a ``Subset`` of this concatenation)."""
-        from solar.io_backends.base import lockstep as _lockstep
-
         n = len(self) if rows is None else len(rows)
         lengths = [len(s) for s in steps]
         flat = as_indices([i for s in steps for i in s], self.path, n)
         disjoint = disjoint and self.distinct
         with _lockstep() if (lockstep or disjoint) else contextlib.nullcontext():
             bad = (flat < -n) | (flat >= n)
-            self.backend.agree(None if not bad.any() else IndexError(  # every rank raises, or none
+            agree(self.backend, None if not bad.any() else IndexError(  # every rank raises, or none
                 f"{self.path}: sample index {int(flat[bad][0])} out of range for {n} samples "
                 f"({f'valid: -{n}..{n - 1}' if n else 'the dataset is empty'}); check the sampler or the "
                 "indices passed"), where=self.path)
@@ -159,14 +159,14 @@ class StoredConcat(ConcatDataset):
             places = [by_member[cut[k]:cut[k + 1]] for k in range(len(self.parts))]
             # the parts some rank reads in this pass: in lockstep on a collective backend every
             # rank makes the calls of each (one allreduce), elsewhere this rank's own
-            busy = np.flatnonzero(self.backend.union(np.diff(cut) > 0)).tolist()
+            busy = np.flatnonzero(union(self.backend, np.diff(cut) > 0)).tolist()
             pending = {}
             for k in busy:  # 1. every file's hits (the same order on every rank)
                 ds, local = self.parts[k]
                 pending[k] = ds._gather(flat[places[k]], buffer, keep,
                                         _Rows(n, int(self.bounds[k]), rows, local, self.perm),
                                         checked=True)  # (agreed above; a part's positions map into it)
-            with self.backend.agreement_at_end(self.path):  # 2. every file's reads, their
+            with agreement_at_end(self.backend, self.path):  # 2. every file's reads, their
                 self._load(busy, pending, disjoint)  # failures agreed once (NOTE [ One agreement per pass ])
             self.parts[0][0]._evict(buffer, evict)  # 3. the pass's evictions (keys: positions)
             whole = {k: self.parts[k][0]._finish(pending[k], buffer, shared) for k in busy}  # 4. puts
@@ -175,7 +175,7 @@ class StoredConcat(ConcatDataset):
                 decoded = {k: self.parts[k][0]._ready(w, decode) for k, w in whole.items() if w.n}
             except CorruptDataError as exc:  # one rank's damaged blob stops every rank
                 problem = exc
-            self.backend.agree(problem, where=self.path)
+            agree(self.backend, problem, where=self.path)
         edges = np.r_[0, np.cumsum(lengths)]
         out: list = [[] for _ in steps]
         for k, at in enumerate(places):

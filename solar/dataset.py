@@ -55,7 +55,8 @@ from torch.utils.data import Dataset
 
 from solar.cache import TierStats
 from solar.errors import ConfigError, CorruptDataError, InputError
-from solar.io_backends.base import lockstep as _lockstep
+from solar.collective import agree, agreement_at_end
+from solar.collective import lockstep as _lockstep
 from solar.layout import FieldSpec, checksum_key, describe_fields, sample_checksum
 
 __all__ = ["H5Dataset", "StoredBatch", "StepBatch", "coalesce"]
@@ -399,7 +400,7 @@ class H5Dataset(Dataset):
     def _check_index(self, idx: np.ndarray, n: int | None = None) -> None:
         """Reject indices outside ``[-n, n)`` (``n``: ``num_samples``, or the length of a
         subset's rows); on a collective backend every rank raises if any rank's indices are bad
-        (see NOTE [ Collective request checks ] in ``io_backends/base.py``), so no rank is left
+        (see NOTE [ Collective request checks ] in ``solar/collective.py``), so no rank is left
         waiting in the collective read."""
         of = "" if n is None else " of a Subset"
         n = self.num_samples if n is None else n
@@ -409,7 +410,7 @@ class H5Dataset(Dataset):
             valid = f"valid: -{n}..{n - 1}" if n else "the dataset is empty"
             problem = IndexError(f"{self.path}: sample index {int(bad)}{of} out of range for {n} "
                                  f"samples ({valid}); check the sampler or the indices passed")
-        self.backend.agree(problem)
+        agree(self.backend, problem)
 
     def _runs(self, spec: FieldSpec, rows: np.ndarray) -> np.ndarray:
         """Row runs to request: coalesced, then merged across gaps of at most ``sieve_bytes``.
@@ -503,7 +504,7 @@ class H5Dataset(Dataset):
             buf = self._read(spec.data_key, want, disjoint, split)
         except (OSError, CorruptDataError) as exc:  # e.g. a damaged chunk on one rank: every rank
             problem = exc                           # raises (in lockstep), none waits in the next call
-        self.backend.agree(problem, later=True)
+        agree(self.backend, problem, later=True)
         if problem is not None:  # agreed at the pass's end: go on with zeros, in step with the
             info = self.backend.info(spec.data_key)  # other ranks (NOTE [ One agreement per pass ])
             buf = np.zeros((int((want[:, 1] - want[:, 0]).sum()), *info.row_shape), info.dtype)
@@ -530,7 +531,7 @@ class H5Dataset(Dataset):
                 self._verify(spec, rows, data, runs, disjoint, split)
             except (OSError, CorruptDataError) as exc:
                 problem = exc
-            self.backend.agree(problem, later=True)
+            agree(self.backend, problem, later=True)
         if spec.kind == "raw" and not data.dtype.isnative:  # torch holds native byte order only
             data = data.astype(data.dtype.newbyteorder("="))
         return data
@@ -584,7 +585,7 @@ class H5Dataset(Dataset):
         every file's hits before any eviction and evicts before any put, as one file does.
         """
         pending = self._gather(indices, buffer, keep, rows)
-        with self.backend.agreement_at_end():  # before anything leaves or enters the buffer
+        with agreement_at_end(self.backend):  # before anything leaves or enters the buffer
             self._load(pending, disjoint)
         self._evict(buffer, evict)
         return self._finish(pending, buffer, shared)
@@ -701,7 +702,7 @@ class H5Dataset(Dataset):
             tensors = self._ready(whole, decode)
         except CorruptDataError as exc:  # one rank's damaged blob stops every rank (collective reads)
             problem = exc
-        self.backend.agree(problem)
+        agree(self.backend, problem)
         return [whole.part(a, b, tensors) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def _ready(self, whole: StoredBatch, decode: bool) -> dict[str, torch.Tensor] | None:

@@ -179,7 +179,7 @@ class DataLoader(tud.DataLoader[T_co]):
             object.__setattr__(self, "batch_sampler", self.solar_sampler)
             self._check_buffer_memory(buffer)
         else:
-            from solar.sampler import parse_buffer, parse_spill
+            from solar.options import parse_buffer, parse_spill
 
             spec = parse_buffer(buffer)
             parse_spill(spill, spec)  # bad options fail here too, not only on storage-backed datasets

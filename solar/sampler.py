@@ -31,153 +31,28 @@ NOTE [ Buffer and workers ]
 from __future__ import annotations
 
 import os
-import re
 import weakref
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
 from torch.utils.data import BatchSampler, DistributedSampler
 
+from solar.collective import agree_iteration
 from solar.dist import collective_call, mpi_executor
 from solar.errors import ConfigError
+from solar.options import parse_buffer, parse_spill
 from solar.failfast import abort_out_of_step, is_agreed
 from solar.prefetch import prefetch as _prefetch
 from solar.schedule import PlanConfig, Planner, capacity_for_bytes, owner_of
 
-__all__ = ["SolarBatchSampler", "parse_buffer", "is_storage_backed"]
+__all__ = ["SolarBatchSampler", "is_storage_backed"]
 
 #: Upper bound of the stored bytes one prefetch pass reads (two passes are in flight at most).
 GROUP_BYTES = 256 << 20
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def is_storage_backed(dataset: Any) -> bool:
     """True for datasets SOLAR can drive (they implement ``fetch_stored``, like ``H5Dataset``)."""
     return callable(getattr(dataset, "fetch_stored", None)) and callable(getattr(dataset, "sample_nbytes", None))
-
-
-@dataclass(frozen=True)
-class BufferSpec:
-    """A parsed ``buffer=`` option: ``samples`` per rank, or ``nbytes`` per rank, or a ``fraction``
-    of the dataset summed over ranks."""
-
-    samples: int | None = None
-    nbytes: int | None = None
-    fraction: float | None = None
-
-
-def parse_buffer(value: Any) -> BufferSpec:
-    """``int`` samples per rank, ``"2GiB"``/``"500MB"`` bytes per rank, or a float fraction in (0, 1]
-    of the dataset held by all ranks together; ``0``/``None`` disables the buffer."""
-    if value is None:
-        return BufferSpec(samples=0)
-    if isinstance(value, bool):
-        raise ConfigError(f"buffer= takes samples, bytes or a fraction, got {value!r}")
-    if isinstance(value, (int, np.integer)):
-        if value < 0:
-            raise ConfigError(f"buffer={value} is negative; pass a number of samples per rank >= 0, "
-                              "a size like '2GiB', or a fraction of the dataset like 0.5")
-        return BufferSpec(samples=int(value))
-    if isinstance(value, float):
-        if not 0 <= value <= 1:
-            raise ConfigError(f"buffer={value} as a float is a fraction of the dataset and must be in [0, 1]; "
-                              "pass an int for samples per rank or a string like '2GiB' for bytes")
-        return BufferSpec(fraction=value)
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-        if m and m.group(2).lower() in _UNITS:
-            return BufferSpec(nbytes=int(float(m.group(1)) * _UNITS[m.group(2).lower()]))
-    raise ConfigError(f"buffer={value!r} is not understood; use samples per rank (int), bytes per rank "
-                      "('2GiB', '500MB') or a fraction of the dataset (0.5)")
-
-
-@dataclass(frozen=True)
-class SpillSpec:
-    """A parsed ``spill=`` option: a directory on node-local disk and a byte budget per rank."""
-
-    directory: str
-    nbytes: int
-
-
-def parse_spill(value: Any, buffer: BufferSpec) -> SpillSpec | None:
-    """``None``, ``(directory, size)`` or ``{"dir": ..., "size": ...}`` with ``size`` as in
-    ``buffer=`` (``"100GiB"`` or bytes): the rank buffer spills to files there (NOTE in
-    ``cache/spill.py``). It extends a byte budget, so ``buffer=`` must be bytes too."""
-    if value is None:
-        return None
-    pair = (value.get("dir"), value.get("size")) if isinstance(value, dict) and set(value) == {"dir", "size"} \
-        else value
-    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], (str, os.PathLike))):
-        raise ConfigError(f"spill={value!r}: pass (directory, size) on node-local disk, e.g. "
-                          "spill=('/local/nvme/solar', '100GiB') or {'dir': ..., 'size': ...}")
-    size = pair[1]
-    try:  # bytes: a number (1.5e9) or a string with a unit ('100GiB'); never samples, unlike buffer=
-        nbytes = parse_buffer(size).nbytes if isinstance(size, str) else size
-    except ConfigError:
-        nbytes = None
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float, np.integer)) or not nbytes >= 1:
-        raise ConfigError(f"spill size {size!r} is not a positive byte size; use bytes (1.5e9) or a string "
-                          "like '100GiB'")
-    if buffer.nbytes is None:
-        raise ConfigError("spill= extends the buffer's byte budget onto disk, so give buffer= in bytes too "
-                          "(e.g. buffer='4GiB', or buffer='0B' to keep every sample on disk), not "
-                          f"{'samples' if buffer.samples is not None else 'a fraction'}")
-    directory = os.fspath(pair[0])
-    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
-        raise ConfigError(f"spill directory {directory} is not a writable directory; create it on node-local "
-                          "disk (e.g. /local/nvme/$USER) or pass spill=None")
-    return SpillSpec(directory, int(nbytes))
-
-
-#: Seconds an iteration waits for the other ranks to start it before saying why it may never end.
-WAIT_WARN_S = 60.0
-
-
-def _wait(req, comm, path: str) -> None:
-    """Complete the request, warning once if the other ranks do not join within WAIT_WARN_S.
-
-    Every rank must iterate a loader over a DistributedSampler on parallel HDF5 (its passes are
-    collective). A loop only some ranks run (``if rank == 0: validate(loader)``) waited here
-    forever without a word; the wait itself is right (a rank may be slower), the silence was not.
-    """
-    import time
-    import warnings
-
-    start = time.monotonic()
-    while not req.Test():
-        if start is not None and time.monotonic() - start > WAIT_WARN_S:
-            warnings.warn(
-                f"solar.DataLoader over {path} (rank {comm.rank} of {comm.size}): waited {WAIT_WARN_S:.0f} s for "
-                "the other ranks to start this iteration. Over a DistributedSampler on parallel HDF5 every rank "
-                "must iterate the loader together; for a loop only some ranks run (validation on rank 0), build "
-                "that loader without a DistributedSampler, or open its H5Dataset with backend='hdf5'",
-                RuntimeWarning, stacklevel=2)
-            start = None
-        time.sleep(0.0005)
-
-
-def _disagreement(path: str, names: list[str], gathered: list[list[int]], me: int) -> str:
-    """The message for ranks whose iterations disagree: each differing value and who has it."""
-    parts = []
-    for k, name in enumerate(names):
-        by_value: dict[int, list[int]] = {}
-        for rank, vals in enumerate(gathered):
-            by_value.setdefault(vals[k], []).append(rank)
-        if len(by_value) > 1:
-            has = "; ".join(f"{_ranks(r)} {v}" for v, r in sorted(by_value.items(), key=lambda kv: kv[1][0]))
-            parts.append(f"{name}: {has}")
-    return (f"solar.DataLoader over {path} (rank {me} of {len(gathered)}): the ranks disagree on what this iteration "
-            f"is, so their collective reads would never pair up ({' | '.join(parts)}). Every rank must build the "
-            "loader and its DistributedSampler with the same arguments (batch_size, seed, shuffle, drop_last, "
-            "buffer=, prefetch=, num_workers, fields) over the same dataset")
-
-
-def _ranks(ranks: list[int]) -> str:
-    shown = ", ".join(map(str, ranks[:8])) + (f" ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
-    return f"rank {shown} has" if len(ranks) == 1 else f"ranks {shown} have"
 
 
 def _drop_frame_locals(exc: BaseException) -> None:
@@ -708,28 +583,13 @@ class SolarBatchSampler(BatchSampler):
 
     def _agree(self, steps: int, is_open: int) -> tuple[int, bool]:
         """Over all ranks of the collective backend: ``(steps if all ranks have it, else -1,
-        whether any rank's last iteration is open)``; first checks that every rank iterates
-        with the same :meth:`_agreed_values`, else raises ``ConfigError`` on every rank naming
-        the ranks and values (ranks that disagree would pair different collective calls: a hang)."""
-        from mpi4py import MPI
-
+        whether any rank's last iteration is open)``, once every rank is known to iterate with
+        the same :meth:`_agreed_values` (NOTE [ One agreement per iteration ] in solar/collective.py)."""
         comm = self.dataset.backend.comm
         path = getattr(self.dataset, "path", "")
         values = self._agreed_values()
-        mine = np.array([v for x in values.values() for v in (x, -x)] + [-steps, steps, is_open], np.int64)
-
-        def agree():
-            out = np.empty_like(mine)
-            _wait(comm.Iallreduce(mine, out, op=MPI.MAX), comm, path)
-            if not np.array_equal(out[:-3:2], -out[1:-3:2]):  # some value's max is not its min
-                return out, comm.allgather(list(values.values()))
-            return out, None
-
-        out, gathered = collective_call(agree)
-        if gathered is not None:
-            raise ConfigError(_disagreement(path, list(values), gathered, comm.rank))
-        lo, hi, any_open = out[-3:].tolist()
-        return (hi if -lo == hi else -1), bool(any_open)
+        found = collective_call(agree_iteration, comm, path, values, steps, is_open)
+        return found.steps, found.any_open
 
     @property
     def _collective(self) -> bool:

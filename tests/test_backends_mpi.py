@@ -95,7 +95,7 @@ def test_filtered_sparse_and_empty_datasets_read_right_under_the_default_transfe
 
 @pytest.mark.timeout(90, method="thread")  # a hang (the bug) ends the MPI job instead of stalling it
 def test_a_bad_request_on_one_rank_fails_every_rank_instead_of_hanging(comm, shared_tmp):
-    """NOTE [ Collective request checks ] in io_backends/base.py: a sample index or row range out of
+    """NOTE [ Collective request checks ] in solar/collective.py: a sample index or row range out of
     range (or a wrong out=) on one rank used to raise there alone while the other ranks entered the
     collective read and hung; now, in lockstep (the loader's passes), every rank raises, and the
     ranks stay in step afterwards."""
@@ -103,7 +103,7 @@ def test_a_bad_request_on_one_rank_fails_every_rank_instead_of_hanging(comm, sha
 
     import solar
     from solar.ingest import ingest
-    from solar.io_backends.base import lockstep
+    from solar.collective import lockstep
 
     path = os.path.join(shared_tmp, "checked.h5")
     x = np.arange(40 * 3, dtype=np.float32).reshape(40, 3)

@@ -1,0 +1,95 @@
+"""The loader's own options: ``buffer=`` and ``spill=``, parsed once into specs.
+
+``buffer=`` takes samples per rank (``int``), bytes per rank (``"2GiB"``) or a fraction of the
+dataset over all ranks (``float``); ``spill=`` extends a byte budget onto node-local disk. Bad
+values are ``ConfigError`` naming the option and what to pass.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from solar.errors import ConfigError
+
+__all__ = ["BufferSpec", "SpillSpec", "parse_buffer", "parse_spill"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """A parsed ``buffer=`` option: ``samples`` per rank, or ``nbytes`` per rank, or a ``fraction``
+    of the dataset summed over ranks."""
+
+    samples: int | None = None
+    nbytes: int | None = None
+    fraction: float | None = None
+
+
+def parse_buffer(value: Any) -> BufferSpec:
+    """``int`` samples per rank, ``"2GiB"``/``"500MB"`` bytes per rank, or a float fraction in (0, 1]
+    of the dataset held by all ranks together; ``0``/``None`` disables the buffer."""
+    if value is None:
+        return BufferSpec(samples=0)
+    if isinstance(value, bool):
+        raise ConfigError(f"buffer= takes samples, bytes or a fraction, got {value!r}")
+    if isinstance(value, (int, np.integer)):
+        if value < 0:
+            raise ConfigError(f"buffer={value} is negative; pass a number of samples per rank >= 0, "
+                              "a size like '2GiB', or a fraction of the dataset like 0.5")
+        return BufferSpec(samples=int(value))
+    if isinstance(value, float):
+        if not 0 <= value <= 1:
+            raise ConfigError(f"buffer={value} as a float is a fraction of the dataset and must be in [0, 1]; "
+                              "pass an int for samples per rank or a string like '2GiB' for bytes")
+        return BufferSpec(fraction=value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return BufferSpec(nbytes=int(float(m.group(1)) * _UNITS[m.group(2).lower()]))
+    raise ConfigError(f"buffer={value!r} is not understood; use samples per rank (int), bytes per rank "
+                      "('2GiB', '500MB') or a fraction of the dataset (0.5)")
+
+
+@dataclass(frozen=True)
+class SpillSpec:
+    """A parsed ``spill=`` option: a directory on node-local disk and a byte budget per rank."""
+
+    directory: str
+    nbytes: int
+
+
+def parse_spill(value: Any, buffer: BufferSpec) -> SpillSpec | None:
+    """``None``, ``(directory, size)`` or ``{"dir": ..., "size": ...}`` with ``size`` as in
+    ``buffer=`` (``"100GiB"`` or bytes): the rank buffer spills to files there (NOTE in
+    ``cache/spill.py``). It extends a byte budget, so ``buffer=`` must be bytes too."""
+    if value is None:
+        return None
+    pair = (value.get("dir"), value.get("size")) if isinstance(value, dict) and set(value) == {"dir", "size"} \
+        else value
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], (str, os.PathLike))):
+        raise ConfigError(f"spill={value!r}: pass (directory, size) on node-local disk, e.g. "
+                          "spill=('/local/nvme/solar', '100GiB') or {'dir': ..., 'size': ...}")
+    size = pair[1]
+    try:  # bytes: a number (1.5e9) or a string with a unit ('100GiB'); never samples, unlike buffer=
+        nbytes = parse_buffer(size).nbytes if isinstance(size, str) else size
+    except ConfigError:
+        nbytes = None
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float, np.integer)) or not nbytes >= 1:
+        raise ConfigError(f"spill size {size!r} is not a positive byte size; use bytes (1.5e9) or a string "
+                          "like '100GiB'")
+    if buffer.nbytes is None:
+        raise ConfigError("spill= extends the buffer's byte budget onto disk, so give buffer= in bytes too "
+                          "(e.g. buffer='4GiB', or buffer='0B' to keep every sample on disk), not "
+                          f"{'samples' if buffer.samples is not None else 'a fraction'}")
+    directory = os.fspath(pair[0])
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+        raise ConfigError(f"spill directory {directory} is not a writable directory; create it on node-local "
+                          "disk (e.g. /local/nvme/$USER) or pass spill=None")
+    return SpillSpec(directory, int(nbytes))
