@@ -48,13 +48,13 @@ NOTE [ Resumed tail ]
     DataLoader's ``drop_last=True``, dropped, as every rank's batch in it is partial. Without a
     change of world size or batch the last step is already whole and nothing changes.
 
-Baselines for comparison (``policy="lru"`` and ``policy="fifo"``) are simulated step by step in
-Python; they exist for ``solar plan`` and ``bench/plan`` only.
+:class:`Planner` plans the ``solar`` policy. The baselines it is compared with (``policy="lru"``
+and ``policy="fifo"``, for ``solar plan`` and ``bench/plan``) are simulated step by step by
+:class:`solar.testing.baselines.BaselinePlanner`.
 """
 
 from __future__ import annotations
 
-import collections
 import math
 from dataclasses import dataclass, field
 
@@ -127,7 +127,7 @@ def owner_of(indices: np.ndarray, world_size: int, batch_size: int, capacity: in
 
     Indices ``< P*C`` are owned: full rounds of ``b``-blocks go round-robin over ranks
     (``(i // b) % P``); the remaining ``P * (C % b)`` indices are dealt out one by one
-    (``i % P``). Every rank owns exactly ``C`` samples. See NOTE [ Pinned residency ... ].
+    (``i % P``). Every rank owns exactly ``C`` samples. See NOTE [ Pinned residency: why the bound is reached ].
     """
     P, b, C = world_size, batch_size, capacity
     i = np.asarray(indices)
@@ -162,7 +162,7 @@ def capacity_for_bytes(sizes: np.ndarray, budget: int, world_size: int, batch_si
 
     def fits(c: int) -> bool:
         # per-rank owned bytes from the prefix sums, by owner_of's two parts: O(N/b + P*b) per
-        # capacity tried instead of owner_of over every index (17-36 s at N = 10^7 in an audit)
+        # capacity tried, where owner_of over every index would be O(N) per capacity tried
         m = min(n, P * c)
         end1 = min(P * b * (c // b), m)  # b-blocks dealt round-robin: block k -> rank k % P
         starts = np.arange(0, end1, b)
@@ -198,9 +198,8 @@ class PlanConfig:
         shuffle: DistributedSampler's ``shuffle``.
         drop_last: DistributedSampler's ``drop_last`` (truncate instead of padding).
         drop_last_batch: DataLoader's ``drop_last`` (drop each rank's last partial batch).
-        policy: ``"solar"`` (pinned residency + remap every step), or the baselines ``"lru"``
-            (per-rank LRU, remap to the holder every step) and ``"fifo"`` (SOLAR's released code:
-            per-rank FIFO, remap only in the first ``P*C // G`` steps of an epoch).
+        policy: ``"solar"`` (pinned residency + remap every step; :class:`Planner`), or the
+            baselines ``"lru"`` and ``"fifo"`` (:class:`solar.testing.baselines.BaselinePlanner`).
     """
 
     num_samples: int
@@ -215,12 +214,9 @@ class PlanConfig:
 
     def __post_init__(self) -> None:
         N, P, b, C = self.num_samples, self.world_size, self.batch_size, self.capacity
-        if not isinstance(N, (int, np.integer)) or N <= 0:
-            raise ConfigError(f"num_samples must be a positive integer, got {N!r}")
-        if not isinstance(P, (int, np.integer)) or P <= 0:
-            raise ConfigError(f"world_size must be a positive integer, got {P!r}")
-        if not isinstance(b, (int, np.integer)) or b <= 0:
-            raise ConfigError(f"batch_size must be a positive integer, got {b!r}")
+        for name, value in (("num_samples", N), ("world_size", P), ("batch_size", b)):
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(C, (int, np.integer)) or C < 0:
             raise ConfigError(f"buffer capacity must be >= 0 samples per rank, got {C!r}; "
                               "pass 0 to disable the buffer")
@@ -347,9 +343,9 @@ class EpochPlan:
         s = self.samples
         if not len(s):
             return out
-        # Only the few positions holding a repeated sample are sorted (a full argsort was about
-        # 30% of planning at N = 4e6): a scatter finds each sample's first position (the last
-        # write of a reversed scatter wins), the positions that are not it are the repeats.
+        # Only the few positions holding a repeated sample are sorted (an argsort of all N would
+        # dominate planning): a scatter finds each sample's first position (the last write of a
+        # reversed scatter wins), the positions that are not it are the repeats.
         pos = np.arange(len(s), dtype=index_dtype(len(s)))
         first = np.empty(int(s.max()) + 1, dtype=pos.dtype)
         first[s[::-1]] = pos[::-1]
@@ -415,7 +411,7 @@ def _grouped_accept(items: np.ndarray, key: np.ndarray, free: np.ndarray) -> np.
 
 
 def _assign_pinned(samples: np.ndarray, G: int, P: int, owner: np.ndarray, resident: np.ndarray):
-    """Vectorized assignment of one run of steps. See NOTE [ Pinned residency ... ]."""
+    """Vectorized assignment of one run of steps. See NOTE [ Pinned residency: why the bound is reached ]."""
     n = len(samples)
     step = np.arange(n, dtype=samples.dtype) // G
     quota = _step_quota(n, G, P)
@@ -465,28 +461,28 @@ class Planner:
     from empty buffers, which is what a freshly started or resumed process has.
     """
 
-    #: move ownership with the next epoch's order (NOTE [ Rebalancing ... ]); off = plain pinning
+    #: move ownership with the next epoch's order (NOTE [ Rebalancing with the next epoch's order ]);
+    #: off = plain pinning
     rebalance: bool = True
+    #: the policies this class plans (the baselines' simulator plans the others)
+    policies: tuple[str, ...] = ("solar",)
 
     def __init__(self, config: PlanConfig) -> None:
+        if config.policy not in self.policies:
+            raise ConfigError(f"Planner plans policy 'solar', not {config.policy!r}; the baselines 'lru' and 'fifo' "
+                              "are simulated by solar.testing.baselines.BaselinePlanner")
         self.config = config
-        c = config
-        self._resident = np.zeros(c.num_samples, dtype=bool)  # solar policy: resident on owner
-        self._owner = owner_of(np.arange(c.num_samples, dtype=index_dtype(c.num_samples, c.world_size)), c.world_size,
-                               c.batch_size, c.capacity)
-        self._planned = 0  # plans made so far (the first is the fill epoch of the baselines)
-        if c.policy != "solar":
-            self._caches = [collections.OrderedDict() for _ in range(c.world_size)]
-            self._holder: dict[int, int] = {}
+        self._order_cache: tuple[int, np.ndarray] | None = None  # the last epoch's order (see order())
+        self.reset()
 
     def owners(self, indices: np.ndarray) -> np.ndarray:
         """Current owner (keeper) of each index, -1 for none. Starts as :func:`owner_of`; the
-        rebalancing moves ownership between samples (see NOTE [ Rebalancing ... ])."""
+        rebalancing moves ownership between samples (see NOTE [ Rebalancing with the next epoch's order ])."""
         return self._owner[np.asarray(indices, dtype=np.int64)]
 
     def order(self, epoch: int) -> np.ndarray:
         c = self.config
-        cached = self.__dict__.get("_order_cache")
+        cached = self._order_cache
         if cached is not None and cached[0] == epoch:
             return cached[1]
         out = global_order(c.num_samples, c.world_size, c.seed, epoch, c.shuffle, c.drop_last)[: c.epoch_length]
@@ -499,20 +495,19 @@ class Planner:
         if start < 0 or start > c.epoch_length:
             raise ConfigError(f"resume position {start} is outside epoch {epoch} (0..{c.epoch_length})")
         samples, self._first_dup, self._pad_at = self._tail(epoch, start)
-        self._start = start
+        return self._plan_epoch(epoch, start, samples)
+
+    def _plan_epoch(self, epoch: int, start: int, samples: np.ndarray) -> EpochPlan:
+        """The plan of ``samples``, positions ``start..`` of ``epoch`` (from :meth:`_tail`)."""
+        c = self.config
         G, P = c.global_batch, c.world_size
-        if c.policy == "solar":
-            res0, own0 = self._resident.copy(), self._owner.copy()
-            rank, hit, keep = self._plan_pinned(samples, G, P)
-            plan = EpochPlan(epoch, start, G, P, samples, rank, hit, keep)
-            if self.rebalance and P > 1 and c.capacity:
-                self._rebalance(plan, self.order(epoch + 1))
-            changed = np.flatnonzero((res0 != self._resident) | (own0 != self._owner))
-            plan.undo = (changed, res0[changed], own0[changed])  # O(changes), not O(N), is kept
-        else:
-            rank, hit, keep = self._plan_baseline(samples, G, P, epoch)
-            plan = EpochPlan(epoch, start, G, P, samples, rank, hit, keep)
-        self._planned += 1
+        res0, own0 = self._resident.copy(), self._owner.copy()
+        rank, hit, keep = self._plan_pinned(samples, G, P)
+        plan = EpochPlan(epoch, start, G, P, samples, rank, hit, keep)
+        if self.rebalance and P > 1 and c.capacity:
+            self._rebalance(plan, self.order(epoch + 1))
+        changed = np.flatnonzero((res0 != self._resident) | (own0 != self._owner))
+        plan.undo = (changed, res0[changed], own0[changed])  # O(changes), not O(N), is kept
         return plan
 
     def _tail(self, epoch: int, start: int) -> tuple[np.ndarray, int, int]:
@@ -537,64 +532,66 @@ class Planner:
         N, P, G = c.num_samples, c.world_size, c.global_batch
         samples = plan.samples
         dt = index_dtype(N, P)
-        kn = np.full(N, -1, dtype=dt)  # step of each sample's first occurrence in the next epoch
-        kn[nxt[::-1]] = np.arange(len(nxt) - 1, -1, -1, dtype=dt) // G
+        next_step = np.full(N, -1, dtype=dt)  # step of each sample's first occurrence in the next epoch
+        next_step[nxt[::-1]] = np.arange(len(nxt) - 1, -1, -1, dtype=dt) // G
         room = _step_quota(len(nxt), G, P).reshape(-1).copy()
-        res = np.flatnonzero(self._resident & (kn >= 0)).astype(dt)
-        cell = kn[res] * P + self._owner[res]
+        res = np.flatnonzero(self._resident & (next_step >= 0)).astype(dt)
+        cell = next_step[res] * P + self._owner[res]
         room -= np.bincount(cell, minlength=room.size)
         if room.min(initial=0) >= 0:
             return  # nothing would overflow next epoch
         once = np.bincount(samples, minlength=N) == 1  # appears once this epoch (no padding repeat)
         first_pos = np.full(N, -1, dtype=dt)
         first_pos[samples] = np.arange(len(samples), dtype=dt)  # position of each (once-appearing) sample
-        ke = np.where(first_pos >= 0, first_pos // G, -1)  # and its step, this epoch
+        this_step = np.where(first_pos >= 0, first_pos // G, -1)  # and its step, this epoch
         # drop candidates: residents of overflowing next-epoch cells, earliest used this epoch first
-        cand = res[(room[cell] < 0) & once[res] & (ke[res] >= 0)]
-        ccell = kn[cand] * P + self._owner[cand]
-        cand, ccell = cand[np.lexsort((ke[cand], ccell))], ccell[np.lexsort((ke[cand], ccell))]
-        drops = cand[_grouped_accept(np.arange(len(cand)), ccell, -np.minimum(room, 0))]
+        cand = res[(room[cell] < 0) & once[res] & (this_step[res] >= 0)]
+        drop_cell = next_step[cand] * P + self._owner[cand]
+        o = np.lexsort((this_step[cand], drop_cell))
+        cand, drop_cell = cand[o], drop_cell[o]
+        drops = cand[_grouped_accept(np.arange(len(cand)), drop_cell, -np.minimum(room, 0))]
         # adoption candidates: plain reads this epoch of unowned samples, landing next epoch in a
         # (step, rank) cell with room
         pos = np.flatnonzero(~plan.hit & ~plan.keep).astype(dt)
-        u = samples[pos]
-        ok = (self._owner[u] < 0) & once[u] & (kn[u] >= 0)
-        pos, u = pos[ok], u[ok]
-        ucell = kn[u] * P + plan.rank[pos]
-        pos, u, ucell = pos[room[ucell] > 0], u[room[ucell] > 0], ucell[room[ucell] > 0]
+        read_sample = samples[pos]
+        ok = (self._owner[read_sample] < 0) & once[read_sample] & (next_step[read_sample] >= 0)
+        pos, read_sample = pos[ok], read_sample[ok]
+        read_cell = next_step[read_sample] * P + plan.rank[pos]
+        ok = room[read_cell] > 0
+        pos, read_sample, read_cell = pos[ok], read_sample[ok], read_cell[ok]
         ev_step, ev_rank, ev_sample, rel, rel_step = [], [], [], [], []
         by_rank = np.argsort(plan.rank[pos], kind="stable")  # positions stay ascending within a rank
-        pos, u, ucell = pos[by_rank], u[by_rank], ucell[by_rank]
+        pos, read_sample, read_cell = pos[by_rank], read_sample[by_rank], read_cell[by_rank]
         bounds = np.searchsorted(plan.rank[pos], np.arange(P + 1))
         drop_owner = self._owner[drops]
         for r in np.unique(drop_owner).tolist():
             d = drops[drop_owner == r]
-            up, uu, uc = (a[bounds[r]:bounds[r + 1]] for a in (pos, u, ucell))
-            if not len(up):
+            r_pos, r_sample, r_cell = (a[bounds[r]:bounds[r + 1]] for a in (pos, read_sample, read_cell))
+            if not len(r_pos):
                 continue
-            d = d[np.argsort(ke[d], kind="stable")]
-            ustep = up // G
-            # drop i takes the first unused read at or after its own step: j_i = max(ss_i, j_{i-1} + 1)
-            ss = np.searchsorted(ustep, ke[d], side="left")
-            j = np.maximum.accumulate(ss - np.arange(len(d))) + np.arange(len(d))
-            m = j < len(up)
+            d = d[np.argsort(this_step[d], kind="stable")]
+            r_step = r_pos // G
+            # drop i takes the first unused read at or after its own step: j_i = max(earliest_i, j_{i-1} + 1)
+            earliest = np.searchsorted(r_step, this_step[d], side="left")
+            j = np.maximum.accumulate(earliest - np.arange(len(d))) + np.arange(len(d))
+            m = j < len(r_pos)
             d, j = d[m], j[m]
-            okr = _grouped_accept(np.arange(len(j)), uc[j], room)
-            d, j = d[okr], j[okr]
-            room -= np.bincount(uc[j], minlength=room.size)
-            plan.keep[up[j]] = True
-            self._owner[uu[j]] = r
-            self._resident[uu[j]] = True
+            fits = _grouped_accept(np.arange(len(j)), r_cell[j], room)
+            d, j = d[fits], j[fits]
+            room -= np.bincount(r_cell[j], minlength=room.size)
+            plan.keep[r_pos[j]] = True
+            self._owner[r_sample[j]] = r
+            self._resident[r_sample[j]] = True
             self._owner[d] = -1
             self._resident[d] = False
             # a dropped sample first loaded this epoch is simply not kept; the others are evicted
             loaded_now = plan.keep[first_pos[d]]
             plan.keep[first_pos[d[loaded_now]]] = False
-            ev_step.append(ustep[j][~loaded_now])
+            ev_step.append(r_step[j][~loaded_now])
             ev_rank.append(np.full(int((~loaded_now).sum()), r, dtype=np.int64))
             ev_sample.append(d[~loaded_now])
             rel.append(d[loaded_now])
-            rel_step.append(ustep[j][loaded_now])
+            rel_step.append(r_step[j][loaded_now])
         if ev_step:
             plan.evict_step = np.concatenate(ev_step)
             plan.evict_rank = np.concatenate(ev_rank)
@@ -636,14 +633,10 @@ class Planner:
 
     def reset(self) -> None:
         """Forget residency (buffers emptied, e.g. a new process)."""
-        self._resident[:] = False
         c = self.config
+        self._resident = np.zeros(c.num_samples, dtype=bool)  # resident on its owner
         self._owner = owner_of(np.arange(c.num_samples, dtype=index_dtype(c.num_samples, c.world_size)), c.world_size,
                                c.batch_size, c.capacity)
-        self._planned = 0
-        if self.config.policy != "solar":
-            self._caches = [collections.OrderedDict() for _ in range(self.config.world_size)]
-            self._holder = {}
 
     def _plan_pinned(self, samples: np.ndarray, G: int, P: int):
         own = self.owners(samples)
@@ -662,59 +655,3 @@ class Planner:
             out[0][lo:hi], out[1][lo:hi], out[2][lo:hi] = r, h, k
             self._resident[samples[lo:hi][k]] = True
         return tuple(out)
-
-    def _plan_baseline(self, samples: np.ndarray, G: int, P: int, epoch: int):
-        """Step-by-step simulation of per-rank LRU / SOLAR-released FIFO (slow; for comparison)."""
-        c = self.config
-        caches, holder, C, b = self._caches, self._holder, c.capacity, c.batch_size
-        n = len(samples)
-        rank = np.empty(n, dtype=np.int64)
-        hit = np.zeros(n, dtype=bool)
-        first_epoch = self._planned == 0
-        remap_steps = (P * C) // G
-        for k, lo in enumerate(range(0, n, G)):
-            batch = samples[lo:lo + G].tolist()
-            q = len(batch) // P
-            quota = [q + (1 if r < len(batch) % P else 0) for r in range(P)]
-            remap = c.policy == "lru" or (not first_epoch and k < remap_steps)
-            if remap:
-                cnt = [0] * P
-                rest = []
-                for j, s in enumerate(batch):
-                    r = holder.get(s)
-                    if r is not None and cnt[r] < quota[r]:
-                        cnt[r] += 1
-                        rank[lo + j] = r
-                        hit[lo + j] = True
-                    else:
-                        rest.append((s, j))
-                rest.sort()
-                free = [r for r in range(P) for _ in range(quota[r] - cnt[r])]
-                for (s, j), r in zip(rest, free):
-                    rank[lo + j] = r
-            else:
-                for j, s in enumerate(batch):
-                    r = j % P
-                    rank[lo + j] = r
-                    hit[lo + j] = holder.get(s) == r
-            if c.policy == "lru":  # hits were served at the step's start: refresh them first
-                for j, s in enumerate(batch):
-                    if hit[lo + j]:
-                        caches[int(rank[lo + j])].move_to_end(s)
-            for j, s in enumerate(batch):
-                if hit[lo + j] or C == 0:
-                    continue
-                r = int(rank[lo + j])
-                cache = caches[r]
-                old = holder.get(s)
-                if old is not None and old != r:
-                    caches[old].pop(s, None)
-                cache[s] = True
-                cache.move_to_end(s)
-                holder[s] = r
-                while len(cache) > C:
-                    v, _ = cache.popitem(last=False)
-                    if holder.get(v) == r:
-                        del holder[v]
-        keep = ~hit if C else np.zeros(n, dtype=bool)
-        return rank, hit, keep

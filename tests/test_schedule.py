@@ -11,6 +11,7 @@ from torch.utils.data import DistributedSampler
 from solar.errors import ConfigError
 from solar.schedule import (PlanConfig, Planner, capacity_for_bytes, global_order, index_dtype, owner_of,
                             sampler_num_samples)
+from solar.testing.baselines import BaselinePlanner, make_planner
 from solar.testing.plans import PlanViolation, check_dump
 
 
@@ -62,7 +63,7 @@ def make_config(n, P, b, frac, seed, shuffle, dl, dlb, policy="solar"):
 @given(configs, st.sampled_from(["solar", "solar", "lru", "fifo"]))
 def test_plan_keeps_torch_global_batches_balances_ranks_and_only_claims_valid_hits(cfg, policy):
     c = make_config(*cfg, policy=policy)
-    planner = Planner(c)
+    planner = make_planner(c)
     dump = {"epochs": []}
     kept = [set() for _ in range(c.world_size)]
     for e in range(3):
@@ -177,7 +178,7 @@ def test_pinned_policy_reaches_the_bound_and_beats_the_baselines():
         C = int(frac * n / P)
         rates = {}
         for policy in ("solar", "lru", "fifo"):
-            planner = Planner(PlanConfig(n, P, b, C, seed=7, policy=policy))
+            planner = make_planner(PlanConfig(n, P, b, C, seed=7, policy=policy))
             rates[policy] = np.mean([planner.plan(e).hit_rate for e in range(3)][1:])
         bound = P * C / n
         assert rates["solar"] >= 0.97 * bound, (frac, rates)
@@ -374,6 +375,14 @@ def test_nonsense_configs_raise_value_error(kwargs, match):
     args = {"num_samples": 100, "world_size": 1, "batch_size": 10, "capacity": 10, **kwargs}
     with pytest.raises(ValueError, match=match):
         PlanConfig(**args)
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_planner_plans_solar_only_and_points_to_the_baselines(policy):
+    config = PlanConfig(100, 2, 10, 10, policy=policy)
+    with pytest.raises(ConfigError, match="solar.testing.baselines.BaselinePlanner"):
+        Planner(config)
+    assert isinstance(make_planner(config), BaselinePlanner) and make_planner(config).plan(0).num_steps == 5
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -4,9 +4,10 @@ Run: ``.venv/bin/python bench/plan/run.py [--samples 65536] [--epochs 3] [--batc
 [--out bench/plan/results.json]``
 
 For P in {1, 4, 16, 64} and P*C/N in {0.1, 0.25, 0.5}, plans ``--epochs`` epochs of the same
-DistributedSampler orders with three policies (``solar.schedule``): ``solar`` (pinned residency,
-remap every step), ``lru`` (an LRU buffer per rank, remapping hits to their holder every step) and
-``fifo`` (SOLAR's released code: per-rank FIFO, remap only in the first P*C/G steps of an epoch).
+DistributedSampler orders with three policies: ``solar`` (``solar.schedule``: pinned residency,
+remap every step) and the baselines of ``solar.testing.baselines``: ``lru`` (an LRU buffer per
+rank, remapping hits to their holder every step) and ``fifo`` (SOLAR's released code: per-rank
+FIFO, remap only in the first P*C/G steps of an epoch).
 Hit rates are means over epochs >= 2. Target: solar >= 0.97 x bound everywhere. Then compares plain
 pinning with SOLAR's rebalancing where single owners overflow (small b, P*C/N near 1). Then times the
 planning of one epoch for N = 10^6, P = 64 (best of 3; target < 1 s). The machine is shared.
@@ -24,10 +25,11 @@ import numpy as np
 
 from solar.fileio import write_text_atomic
 from solar.schedule import PlanConfig, Planner
+from solar.testing.baselines import make_planner
 
 
 def hit_rate(cfg: PlanConfig, epochs: int) -> float:
-    planner = Planner(cfg)
+    planner = make_planner(cfg)
     return float(np.mean([planner.plan(e).hit_rate for e in range(epochs)][1:]))
 
 

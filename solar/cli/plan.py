@@ -65,14 +65,24 @@ def _balanced(plan) -> bool:
     return bool((counts[:-1] == G // P).all() and (counts[-1] == counts[-1, 0]).all())
 
 
+def _planner(cfg):
+    """The schedule's planner for ``solar``; the baselines are a comparison, simulated outside the
+    library (:mod:`solar.testing.baselines`, imported only when one is asked for)."""
+    if cfg.policy == "solar":
+        from solar.schedule import Planner
+
+        return Planner(cfg)
+    from solar.testing.baselines import BaselinePlanner
+
+    return BaselinePlanner(cfg)
+
+
 def simulate(args: argparse.Namespace, policy: str, dump: list | None = None) -> dict:
     """Plan ``args.epochs`` epochs with ``policy``; the JSON report (and the dump, if a list is given)."""
     import torch  # noqa: F401  (imported before timing: its ~3 s import is not planning time)
 
-    from solar.schedule import Planner
-
     cfg = _config(args, policy)
-    planner = Planner(cfg)
+    planner = _planner(cfg)
     epochs, balanced, seconds = [], True, []
     for e in range(args.epochs):
         t0 = time.perf_counter()
