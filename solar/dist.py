@@ -166,3 +166,55 @@ def collective_call(fn: Callable[..., T], *args, **kwargs) -> T:
     except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
         return fn(*args, **kwargs)
     return fut.result()
+
+
+# -- a communicator for code that runs collectively under mpirun and alone without it ---------------
+from solar.errors import MPIUnavailableError  # noqa: E402
+
+
+class SerialComm:
+    """The few mpi4py calls collective code makes, for a world of one process."""
+
+    rank, size = 0, 1
+
+    def bcast(self, obj, root=0):
+        return obj
+
+    def allgather(self, obj):
+        return [obj]
+
+    def allreduce(self, obj, op=None):
+        return obj
+
+    def Barrier(self):
+        pass
+
+
+def comm_or_serial(comm, who: str = "solar ingest"):
+    """``(communicator, parallel)`` for ``comm``: ``None`` is :class:`SerialComm`; ``"auto"`` is
+    MPI world under mpirun (:class:`SerialComm` for one rank or none); anything else is used as
+    given. ``parallel`` says whether the ranks write one HDF5 file together, which needs h5py
+    built against parallel HDF5: without it :class:`MPIUnavailableError` names ``who``."""
+    if comm is None:
+        return SerialComm(), False
+    if comm == "auto":
+        comm = mpi_comm()
+        if comm is None or comm.size == 1:
+            return SerialComm(), False
+        import h5py  # heavy; only a run on several ranks asks for it
+
+        if not h5py.get_config().mpi:
+            raise MPIUnavailableError(
+                f"{who} runs on {comm.size} MPI ranks but h5py was built without MPI support, so the "
+                "ranks cannot write one file together; build h5py against parallel HDF5 (`make setup`) or run "
+                "without mpirun")
+    return comm, True
+
+
+def share(lo: int, hi: int, rank: int, size: int) -> tuple[int, int]:
+    """Rank ``rank``'s contiguous part of ``[lo, hi)`` split evenly over ``size`` ranks."""
+    n = hi - lo
+    return lo + rank * n // size, lo + (rank + 1) * n // size
+
+
+__all__ += ["SerialComm", "comm_or_serial", "share"]

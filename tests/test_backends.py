@@ -400,7 +400,7 @@ def test_group_keys_and_presigned_npy_urls(http_root, tmp_path):
     np.save(os.path.join(root, "signed.npy"), np.arange(8, dtype=np.int32).reshape(4, 2))
     b = FsspecBackend(f"{base}/signed.npy?X-Amz-Signature=abc&X-Amz-Expires=60")
     assert b.keys() == ["signed"]
-    from solar.ingest_sources import input_kind
+    from solar.ingest.sources import input_kind
 
     assert input_kind(f"{base}/signed.npy?X-Amz-Signature=abc") == "npy"  # ingest reads it as .npy too
     np.testing.assert_array_equal(b.read_ranges("signed", [(2, 4)]), [[4, 5], [6, 7]])

@@ -47,7 +47,7 @@ def test_resuming_a_serially_started_compressed_ingest_under_mpirun(comm, shared
     extend (MPI_ERR_TYPE on one rank, a hang on the other): the MPI run starts over instead."""
     import faulthandler
 
-    import solar.ingest as si
+    from solar.ingest import journal
 
     faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the job instead of blocking CI
     paths = _inputs(comm, shared_tmp)
@@ -57,7 +57,7 @@ def test_resuming_a_serially_started_compressed_ingest_under_mpirun(comm, shared
         with pytest.raises(KeyboardInterrupt):
             ingest(paths, out, abs_error=0.01, batch_size=5, comm=None, progress=False, commit_interval=0)
         monkeypatch.undo()
-        assert si._journal_read(out + si.JOURNAL_SUFFIX)["batches_done"] > 0
+        assert journal.read_journal(out + journal.JOURNAL_SUFFIX)["batches_done"] > 0
         ingest(paths, ref, abs_error=0.01, batch_size=5, comm=None, progress=False)
     comm.Barrier()
     rep = ingest(paths, out, abs_error=0.01, batch_size=5, resume=True, progress=False)
@@ -71,7 +71,7 @@ def test_resuming_a_serially_started_compressed_ingest_under_mpirun(comm, shared
 
 def _die_after_writes(monkeypatch, n: int) -> None:
     """Make ingest raise KeyboardInterrupt (a crash) in its write number ``n + 1``."""
-    import solar.ingest as si
+    import solar.ingest.write as si
 
     calls, real = {"n": 0}, si._write_rows
 
@@ -91,7 +91,7 @@ def test_resume_under_mpirun_sees_an_input_rewritten_with_the_same_size_and_mtim
     sample of their bytes, and every rank starts over."""
     import faulthandler
 
-    import solar.ingest as si
+    from solar.ingest import journal
 
     faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the job instead of blocking CI
     paths = _inputs(comm, shared_tmp)
@@ -102,7 +102,7 @@ def test_resume_under_mpirun_sees_an_input_rewritten_with_the_same_size_and_mtim
     monkeypatch.undo()
     new = None
     if comm.rank == 0:
-        assert si._journal_read(out + si.JOURNAL_SUFFIX)["batches_done"] > 0
+        assert journal.read_journal(out + journal.JOURNAL_SUFFIX)["batches_done"] > 0
         st = os.stat(paths[0])
         new = -np.load(paths[0])
         np.save(paths[0], new)
@@ -140,7 +140,7 @@ def test_an_input_replaced_during_the_run_stops_every_rank(comm, shared_tmp, mon
     next --resume starts over with the new input."""
     import faulthandler
 
-    import solar.ingest_sources as sources
+    import solar.ingest.sources as sources
     from solar.errors import InputError
 
     faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the job instead of blocking CI

@@ -8,19 +8,16 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import h5py
 import numpy as np
 import pytest
 
+from ingest_helpers import _children, _crash, _mpirun, _mpirun_env
+
 from solar.errors import InputError
 from solar.ingest import ingest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOLAR = os.path.join(os.path.dirname(sys.executable), "solar")
 
 
 def _inputs(d, sizes=(30, 17)):
@@ -33,24 +30,6 @@ def _inputs(d, sizes=(30, 17)):
         paths.append(p)
         arrays.append(a)
     return paths, np.concatenate(arrays)
-
-
-def _crash(paths, out, monkeypatch, writes, **kw):
-    """An ingest (batches of 8, a commit after each) that dies in its checksum number ``writes + 1``."""
-    import solar.ingest as ing
-
-    real, calls = ing.sample_checksum, {"n": 0}
-
-    def dying(buf):
-        calls["n"] += 1
-        if calls["n"] > writes:
-            raise KeyboardInterrupt
-        return real(buf)
-
-    monkeypatch.setattr(ing, "sample_checksum", dying)
-    with pytest.raises(KeyboardInterrupt):
-        ingest(paths, out, batch_size=8, progress=False, commit_interval=0, **kw)
-    monkeypatch.setattr(ing, "sample_checksum", real)
 
 
 def _state(out):
@@ -118,36 +97,19 @@ def test_a_journal_of_an_older_version_is_named_without_a_sample_count(tmp_path,
         ingest(paths, out, batch_size=8, progress=False)
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open(f"/proc/{p}/stat") as fh:
-                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(p))
-            except (OSError, IndexError, ValueError):
-                pass
-    return kids
-
-
 @pytest.mark.slow
 def test_rerun_without_resume_after_sigkill_under_mpirun_is_refused_on_every_rank(tmp_path):
     """The real case: `mpirun -n 2 solar ingest`, SIGKILL of rank 1 after some commits, then the
     same command again without --resume: exit 2, one line, OUT.tmp and the journal untouched."""
     paths, want = _inputs(tmp_path, sizes=(64, 40))
     out = str(tmp_path / "o.h5")
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_rmaps_base_oversubscribe": "1", "SOLAR_INGEST_TEST_DELAY": "0.25"}
-    for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_SIZE", "SOLAR_EXPECT_WORLD"):
-        env.pop(var, None)
+    env = _mpirun_env()
     args = [*paths, "-o", out, "--batch-size", "8", "--abs-error", "0.01", "--no-progress", "--commit-interval", "0"]
 
-    def mpirun(extra):
-        return subprocess.Popen(["mpirun", "-n", "2", "--bind-to", "none", SOLAR, "ingest", *args, *extra], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    def mpirun(extra, delay=0.0):  # each batch `delay` s slower, so that the test can act mid-run
+        return _mpirun([*args, *extra], env, delay)
 
-    proc = mpirun([])
+    proc = mpirun([], delay=0.25)
     journal, done, deadline = out + ".ingest.json", 0, time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None and done < 3:
         try:
@@ -162,7 +124,6 @@ def test_rerun_without_resume_after_sigkill_under_mpirun_is_refused_on_every_ran
     assert proc.returncode != 0 and not os.path.exists(out)
     rec = json.load(open(journal))
     before = _state(out)
-    env["SOLAR_INGEST_TEST_DELAY"] = "0"
     again = mpirun([])
     _, stderr = again.communicate(timeout=120)
     assert again.returncode == 2, stderr

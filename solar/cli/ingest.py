@@ -22,6 +22,12 @@ import os
 import sys
 import time
 
+from solar.dist import mpi_comm
+from solar.errors import (ConfigError, CorruptDataError, DatasetFormatError, InputError, MissingDependencyError,
+                          MPIUnavailableError)
+from solar.ingest import EXIT_INPUT, EXIT_STORAGE, JOURNAL_SUFFIX, TMP_SUFFIX, failure_lines, ingest
+from solar.ingest.journal import read_journal
+
 __all__ = ["configure", "run"]
 
 
@@ -60,11 +66,6 @@ def configure(p) -> None:
 
 
 def run(args) -> int:
-    from solar.dist import mpi_comm
-    from solar.errors import (ConfigError, CorruptDataError, DatasetFormatError, InputError, MissingDependencyError,
-                              MPIUnavailableError)
-    from solar.ingest import TMP_SUFFIX, failure_lines, ingest
-
     comm = mpi_comm()
     rank = comm.rank if comm is not None else 0
     t0 = time.time()
@@ -130,20 +131,16 @@ def run(args) -> int:
 
 
 OUT_SAFE = "the output was not created; rerun with --resume to continue"
-EXIT_STORAGE = 4  # = solar.ingest.EXIT_STORAGE (also the MPI_Abort code, which mpirun returns)
-EXIT_INPUT = 2  # = solar.ingest.EXIT_INPUT
 
 
 def _committed_batches(args, t0: float) -> int:
     """How many batches ``--resume`` would keep after a failed run: those of ``OUT.tmp``'s
-    journal (NOTE [ Ingest crash safety ] in ``solar/ingest.py``); 0 when there is nothing to
+    journal (NOTE [ Ingest crash safety ] in ``solar/ingest/__init__.py``); 0 when there is nothing to
     continue. A journal older than this run belongs to an earlier one, unless this run was a
     ``--resume``."""
-    from solar.ingest import JOURNAL_SUFFIX, TMP_SUFFIX, _journal_read
-
     out = args.output[len("file://"):] if args.output.startswith("file://") else args.output
     tmp, journal = out + TMP_SUFFIX, out + JOURNAL_SUFFIX
-    rec = _journal_read(journal)
+    rec = read_journal(journal)
     try:
         fresh = args.resume or os.stat(journal).st_mtime >= t0 - 1
     except OSError:

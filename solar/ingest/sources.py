@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
 from solar.errors import DatasetFormatError, InputError, MissingDependencyError
-from solar.layout import name_matches
+from solar.io_backends.npy_format import npy_array
+from solar.layout import describe_fields, name_matches, tensor_dtype_ok
 
 __all__ = ["Source", "FieldInfo", "open_sources", "parse_field_args", "input_kind", "digest_ranges"]
 
@@ -47,8 +51,6 @@ def input_kind(url: str) -> str:
     base = url.split("::")[0].rstrip("/")
     path = base.rsplit(":", 1)[0] if _h5_dataset_suffix(base) else base
     if "://" in path:  # by the URL's path: a presigned URL carries a query after it
-        from urllib.parse import urlsplit
-
         path = urlsplit(path).path
     if path.endswith(".npy"):
         return "npy"
@@ -130,13 +132,9 @@ class Source:
         if self._handle is not None and self._pid == os.getpid():
             return self._handle
         if self.kind == "npz":
-            import zipfile
-            import zlib
+            import fsspec  # optional (the s3 extra), and only .npz inputs need it here
 
-            import fsspec
-
-            from solar.io_backends.fsspec import missing_protocol_error
-            from solar.io_backends.npy_format import npy_array
+            from solar.io_backends.fsspec import missing_protocol_error  # imports fsspec (optional)
 
             # the members are read without np.load (its header parser races other threads' ast
             # use on CPython 3.11; see io_backends/npy_format.py); keys as in np.load(...).files
@@ -153,7 +151,7 @@ class Source:
                 raise DatasetFormatError(f"{self.url}: not a readable .npz archive ({type(exc).__name__}: {exc}); "
                                          "check the file (np.savez writes one)") from exc
         else:
-            from solar.io_backends import open_backend
+            from solar.io_backends import open_backend  # the backends import h5py and fsspec
 
             url = self.url
             if self.kind == "hdf5" and _h5_dataset_suffix(url):
@@ -181,7 +179,7 @@ class Source:
         if _is_local(path):
             st = os.stat(_local_path(path))
             return [st.st_size, st.st_mtime_ns]
-        from solar.io_backends.fsspec import url_to_fs
+        from solar.io_backends.fsspec import url_to_fs  # imports fsspec (optional)
 
         fs, p = url_to_fs(path, **self.storage_options)
         try:
@@ -232,7 +230,7 @@ class Source:
                     fh.seek(lo)
                     out.append(fh.read(hi - lo))
             return out
-        from solar.io_backends.fsspec import url_to_fs
+        from solar.io_backends.fsspec import url_to_fs  # imports fsspec (optional)
 
         fs, p = url_to_fs(path, **self.storage_options)
         return fs.cat_ranges([p] * len(ranges), [lo for lo, _ in ranges], [hi for _, hi in ranges], on_error="raise")
@@ -256,8 +254,6 @@ class Source:
             (key,) = h.keys()
             info = h.info(key)
             return {key: FieldInfo(info.shape, info.dtype)}
-        from solar.layout import describe_fields
-
         sel = _h5_dataset_suffix(self.url)
         if sel or not wanted:
             _, specs = describe_fields(h, [sel.strip("/")] if sel else None)
@@ -349,8 +345,6 @@ def _check_dtypes(src: Source) -> None:
     datetimes, structured records), as :func:`solar.layout.describe_fields` refuses such an HDF5
     dataset. Why: h5py cannot store a unicode array (a TypeError after ``OUT.tmp`` was made),
     and a bytes array made an output that SOLAR cannot read back (no usable field)."""
-    from solar.layout import tensor_dtype_ok
-
     for name, fi in src.fields.items():
         if tensor_dtype_ok(fi.dtype):
             continue

@@ -12,8 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from solar import codec
+from solar.dist import comm_or_serial, share
 from solar.errors import CorruptDataError
-from solar.layout import checksum_key, sample_checksum
+from solar.layout import checksum_key, describe_fields, sample_checksum
 
 __all__ = ["verify_file"]
 
@@ -25,19 +27,16 @@ def verify_file(path: str, *, plan: Any = None, comm: Any = "auto", batch_size: 
     on this rank; raises :class:`CorruptDataError` naming the field and sample of the first
     mismatch found on any rank.
     """
-    from solar.io_backends.hdf5 import HDF5Backend
-    from solar.layout import describe_fields
-
-    from solar.ingest import _share, _world
+    from solar.io_backends.hdf5 import HDF5Backend  # imports h5py (heavy)
 
     if comm is None or isinstance(comm, str):
-        comm, _ = _world(comm)
+        comm, _ = comm_or_serial(comm)
     problem: str | None = None
     with HDF5Backend(path) as be:
         n, specs = describe_fields(be, None)
         if plan is None and not bool(be.attrs("/").get("complete", False)):
             problem = f"{path}: root attribute complete is not True; the file was not finished"
-        lo, hi = _share(0, n, comm.rank, comm.size)
+        lo, hi = share(0, n, comm.rank, comm.size)
         for spec in specs if problem is None else ():
             problem = _verify_field(path, be, spec, lo, hi, plan, batch_size)
             if problem:
@@ -81,11 +80,11 @@ def _stored_samples(be, spec, s: int, e: int, offsets, lo: int) -> list:
 
 
 def _decode_all(blobs, spec, first: int) -> np.ndarray:
-    from solar import codec
-
     out = codec.decode_batch([np.asarray(b) for b in blobs], names=list(range(first, first + len(blobs))))
     if isinstance(out, list):
-        out = __import__("torch").stack(out)
+        import torch  # heavy; the codec returned torch tensors, so it is loaded already
+
+        out = torch.stack(out)
     return out.numpy().reshape(len(blobs), *spec.sample_shape)
 
 
