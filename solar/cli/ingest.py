@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 from solar.dist import mpi_comm
 from solar.errors import (ConfigError, CorruptDataError, DatasetFormatError, InputError, MissingDependencyError,
@@ -108,8 +109,6 @@ def run(args) -> int:
     except BaseException as exc:
         # One rank failing alone would leave the others blocked in a collective call: end the job.
         if comm is not None and comm.size > 1 and not isinstance(exc, KeyboardInterrupt):
-            import traceback
-
             traceback.print_exc()
             print(f"solar ingest: rank {rank} failed; aborting the MPI job ({OUT_SAFE})", file=sys.stderr)
             comm.Abort(1)
