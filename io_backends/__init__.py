@@ -46,7 +46,7 @@ def choose_backend(url: str) -> str:
     import os
 
     path = url[len("file://"):] if url.startswith("file://") else url
-    if path.endswith(".npy") or os.path.isdir(path):  # a .npy store (see solar.io_backends.fsspec)
+    if path.endswith(".npy") or os.path.isdir(path):  # a .npy store (see solar.io_backends.npy_store)
         return "fsspec"
     comm = mpi_comm()
     if comm is not None and comm.size > 1 and h5py_has_mpi():

@@ -414,7 +414,7 @@ def test_no_garbage_collection_while_h5py_reads_through_fsspec(http_root, monkey
     again after, also when the read fails."""
     import gc
 
-    from solar.io_backends import fsspec as fb
+    from solar.io_backends import fsspec_hdf5 as fb
 
     root, base = http_root
     a = np.arange(4000, dtype=np.float32).reshape(400, 10)

@@ -1,0 +1,174 @@
+"""What every fsspec-based reader shares: URL -> filesystem with install hints, storage errors
+that name the URL, and the rule for filesystem objects inherited through ``fork``.
+
+Used by :mod:`solar.io_backends.fsspec` (the ``fsspec`` backend), its two container kinds
+(:mod:`~solar.io_backends.fsspec_hdf5`, :mod:`~solar.io_backends.npy_store`) and ``solar ingest``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from typing import Any, Iterator
+
+from solar.errors import ConfigError, MissingDependencyError, SolarError, StorageError
+
+__all__ = ["INHERITED", "CHANGED", "storage_error", "storage_errors", "range_hint", "missing_protocol_error",
+           "url_to_fs", "is_http", "full_url"]
+
+# NOTE [ fsspec after fork ]
+#     A forked child inherits the parent's asyncio event loop *and its epoll instance*, which the
+#     kernel shares between both processes. If the child lets the parent's async filesystem (http,
+#     s3) or its sessions be garbage-collected, their finalizers close the pooled connections, and
+#     each close deregisters its socket from the shared epoll set -- the parent then never hears
+#     the answer to its next request on that socket and hangs (an S3 session left as cyclic
+#     garbage, collected in the child, freezes the parent's next HTTP request). So (1) a child
+#     that reopens keeps the filesystem objects it inherited alive (:data:`INHERITED`) and opens
+#     fresh ones of its own, and (2) every forked child freezes the garbage collector's view of
+#     what it inherited (``gc.freeze``), so inherited garbage is never finalized there; the parent
+#     collects it. Children exit with ``os._exit``, which runs no finalizers.
+INHERITED: list[Any] = []
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=gc.freeze)
+
+# NOTE [ Storage errors name the URL ]
+#     fsspec passes its transports' exceptions through: aiohttp's ClientResponseError (an HTTP
+#     403, 500 ...; not an OSError), botocore's EndpointConnectionError (an S3 endpoint nobody
+#     answers), a plain ValueError when an HTTP server ignores Range requests. None of them says
+#     which dataset URL failed or what to do, and callers catching OSError miss most of them.
+#     Every storage call of the fsspec backend goes through :func:`storage_errors`, which
+#     re-raises them as :class:`solar.StorageError` (an ``OSError``) naming the URL and what to
+#     check, the original exception chained; FileNotFoundError and SOLAR's own errors pass
+#     through unchanged.
+_NO_RANGES = "support range requests"  # fsspec's HTTPFile message for a 200 to a Range request
+
+
+CHANGED = ("the file changed since it was opened (its ETag or modification time no longer matches); "
+           "reopen the dataset to read the new version")
+
+
+def range_hint(url: str) -> str:
+    return (f"{url}: the server ignores HTTP Range requests (it sends the whole file instead of the bytes "
+            "asked for), so rows cannot be read by byte ranges; serve the file from a server that supports "
+            "them (nginx, Apache, S3 ...) or copy it to a local path")
+
+
+def storage_error(url: str, exc: BaseException, doing: str, hdf5: bool = False) -> StorageError | None:
+    """The :class:`StorageError` for a transport exception, or None to let ``exc`` through.
+
+    ``hdf5``: ``exc`` came through h5py, whose own errors (a file that is not HDF5 ...) are
+    plain ``OSError``s; those pass through for the caller to report as format errors."""
+    if isinstance(exc, (SolarError, FileNotFoundError)):
+        return None
+    if isinstance(exc, ValueError) and _NO_RANGES in str(exc):
+        return StorageError(range_hint(url))
+    name, mod = type(exc).__name__, type(exc).__module__ or ""
+    status = getattr(exc, "status", None)
+    if mod.startswith("aiohttp") and isinstance(status, int):  # ClientResponseError: an HTTP status
+        if status == 412:
+            todo = CHANGED
+        elif status in (401, 403):
+            todo = "check that you may read it (file permissions; credentials or tokens in storage_options)"
+        elif status >= 500:
+            todo = "the server failed; retry later or check the server's logs"
+        else:
+            todo = "check the URL"
+        return StorageError(f"{url}: the server answered HTTP {status} {getattr(exc, 'message', '')} while {doing}; "
+                            f"{todo}")
+    if name == "FileExpired":  # s3fs: the object's ETag changed since the open
+        return StorageError(f"{url}: {doing} failed: {CHANGED}")
+    if mod.startswith(("botocore", "aiobotocore")) and ("Endpoint" in name or "Connect" in name):
+        return StorageError(f"{url}: cannot connect to the S3 endpoint while {doing} ({exc}); check "
+                            "storage_options['client_kwargs']['endpoint_url'] and that the service is up")
+    if mod.startswith("aiohttp") and "Connect" in name:
+        return StorageError(f"{url}: cannot connect to the server while {doing} ({exc}); check the host and "
+                            "port in the URL and that the server is up")
+    if isinstance(exc, PermissionError):
+        return StorageError(f"{url}: access denied while {doing} ({exc}); check the credentials in "
+                            "storage_options and the file's permissions")
+    if (isinstance(exc, OSError) and not (hdf5 and type(exc) is OSError)) or \
+            mod.startswith(("aiohttp", "botocore", "aiobotocore")):
+        return StorageError(f"{url}: {doing} failed ({name}: {exc}); check the URL, storage_options and that "
+                            "the service is up")
+    return None
+
+
+@contextlib.contextmanager
+def storage_errors(url: str, doing: str, hdf5: bool = False) -> Iterator[None]:
+    """Re-raise transport exceptions as :class:`StorageError` (NOTE [ Storage errors name the URL ]);
+    ``hdf5`` as for :func:`storage_error`."""
+    try:
+        yield
+    except TypeError as exc:
+        if "keyword argument" not in str(exc):
+            raise
+        raise ConfigError(f"{url}: a storage option is not accepted by this URL's filesystem ({exc}) while "
+                          f"{doing}; check the keys of storage_options (and of its client_kwargs / "
+                          "config_kwargs) against the fsspec implementation for this protocol") from exc
+    except Exception as exc:  # noqa: BLE001 - classified by storage_error, else re-raised as is
+        err = storage_error(url, exc, doing, hdf5)
+        if err is None:
+            raise
+        raise err from exc
+
+
+def missing_protocol_error(url: str, exc: ImportError | None = None) -> MissingDependencyError | None:
+    """The :class:`MissingDependencyError` for ``url`` when a protocol of it (each part of a
+    ``a::b://`` chain) lacks its package (NOTE [ What an fsspec protocol needs ] in
+    ``solar/capabilities.py``), naming the protocol, the package, fsspec's own hint and the pip
+    command; None when every protocol's packages are found and ``exc`` (an ImportError fsspec
+    raised for ``url``) names no module either."""
+    from fsspec.core import split_protocol
+    from fsspec.registry import known_implementations
+
+    from solar.capabilities import fsspec_protocol_missing, pip_name
+
+    protocols = [split_protocol(part)[0] or "file" for part in url.split("::")]
+    proto, missing = protocols[-1], []
+    for p in protocols:
+        missing = fsspec_protocol_missing(p) or []
+        if missing:
+            proto = p
+            break
+    if not missing and exc is not None:
+        # fsspec's ImportError for a class that does not import chains the ModuleNotFoundError
+        name = next((e.name for e in (exc, exc.__cause__, exc.__context__) if getattr(e, "name", None)), None)
+        missing = [name.partition(".")[0]] if name else []
+    if not missing:
+        return None
+    pkgs = list(dict.fromkeys(map(pip_name, missing)))
+    what = f"package {pkgs[0]}, which is" if len(pkgs) == 1 else f"packages {', '.join(pkgs)}, which are"
+    hint = known_implementations.get(proto, {}).get("err")
+    return MissingDependencyError(
+        f"{url}: the {proto}:// protocol needs the {what} not installed{f' (fsspec: {hint})' if hint else ''}; "
+        f"install it with `pip install {' '.join(pkgs)}`")
+
+
+def url_to_fs(url: str, **storage_options: Any):
+    """``fsspec.core.url_to_fs``, except that a protocol whose package is missing raises
+    :func:`missing_protocol_error` instead of fsspec's bare ImportError (or the
+    ModuleNotFoundError of a filesystem that imports its package when made: ``hdfs``)."""
+    from fsspec.core import url_to_fs as fsspec_url_to_fs
+
+    try:
+        return fsspec_url_to_fs(url, **storage_options)
+    except ImportError as exc:
+        err = None if isinstance(exc, MissingDependencyError) else missing_protocol_error(url, exc)
+        if err is None:
+            raise
+        raise err from exc
+
+
+def _protocols(fs) -> tuple[str, ...]:
+    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+
+
+def is_http(fs) -> bool:
+    return "http" in _protocols(fs)
+
+
+def full_url(fs, path: str) -> str:
+    """``path`` of ``fs`` as the user can open it: with its protocol (s3fs's paths have none:
+    ``bucket/x.npy``), a local path as it is."""
+    return path if {"file", "local"} & set(_protocols(fs)) else fs.unstrip_protocol(path)
