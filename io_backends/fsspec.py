@@ -114,7 +114,7 @@ class FsspecBackend(HDF5Backend):
     def _keep_parent_handles(self) -> None:
         """In a forked child, keep the parent's filesystem objects alive and never close them.
 
-        See NOTE [ fsspec after fork ]."""
+        See NOTE [ fsspec after fork ] in ``fsspec_common.py``."""
         stale = self.__dict__.get("_fs")
         if stale is None or self.__dict__.get("_owner_pid") == os.getpid():
             return

@@ -53,8 +53,8 @@ def _gc_paused() -> Iterator[None]:
 def h5_errors(url: str, doing: str) -> Iterator[None]:
     """Around an h5py call over an fsspec file: transport errors become :class:`StorageError`
     (NOTE [ Storage errors name the URL ] in ``fsspec_common.py``), h5py's own ``OSError``s pass
-    through, and no garbage collection runs meanwhile (NOTE [ No garbage collection while h5py
-    reads through fsspec ])."""
+    through, and no garbage collection runs meanwhile, see
+    NOTE [ No garbage collection while h5py reads through fsspec ]."""
     with storage_errors(url, doing, hdf5=True), _gc_paused():
         yield
 
