@@ -109,6 +109,7 @@ def run_per_sample(path, steps, fields, throttle, comm):
     import h5py
 
     from solar.io_backends.base import ArrayInfo
+    from solar.io_backends.throttled import delay_for  # the model ThrottledBackend charges per request
 
     st = _PerSampleStats()
     f = h5py.File(path, "r", driver="mpio", comm=comm)
@@ -124,8 +125,7 @@ def run_per_sample(path, steps, fields, throttle, comm):
                 st.read_calls += 1
                 st.bytes_read += infos[k].row_nbytes
                 if throttle:
-                    need = throttle[1] + infos[k].row_nbytes / throttle[0]
-                    wait = need - (time.perf_counter() - t1)
+                    wait = delay_for(1, infos[k].row_nbytes, *throttle) - (time.perf_counter() - t1)
                     if wait > 0:
                         time.sleep(wait)
     dt = time.perf_counter() - t0

@@ -11,11 +11,11 @@ SOLAR uses). SOLAR reads the same file through :class:`solar.H5Dataset` with its
 (``--buffer`` of the dataset), the schedule, coalesced and sieved range reads and prefetch.
 
 Two storages: the local disk (the file sits in the page cache: memory speed), and the same file
-behind ``io_backends/throttled.py`` (``ThrottledBackend``; a small local fallback is used if that
-module is missing), modelling one rank's share of a parallel file system: ``--bandwidth`` bytes/s
-for the rank and ``--latency`` s per request. The rank's bandwidth is split evenly among its
-concurrent readers (torch: its 2 worker processes; SOLAR: its ``io_threads`` request threads),
-each paying the full latency per request, so neither side gets more than the rank's share.
+behind ``io_backends/throttled.py`` (``ThrottledBackend``), modelling one rank's share of a parallel
+file system: ``--bandwidth`` bytes/s for the rank and ``--latency`` s per request. The rank's
+bandwidth is split evenly among its concurrent readers (torch: its 2 worker processes; SOLAR: its
+``io_threads`` request threads), each paying the full latency per request, so neither side gets more
+than the rank's share.
 
 Both loaders run in this one process, one after the other per storage, for ``--epochs`` epochs;
 the steady-state epoch time is the mean over epochs >= 2 (the first epoch fills SOLAR's buffer).
@@ -57,49 +57,14 @@ from solar.fileio import write_text_atomic
 from solar.dist import mpi_comm
 from solar.io_backends import Backend, open_backend
 from solar.io_backends.hdf5 import HDF5Backend
+from solar.io_backends.throttled import ThrottledBackend
 from solar.synthetic import write_ptycho_h5
 from solar.testing.baselines import PerSampleH5
 
 
 def throttled(inner: Backend, bandwidth: float | None, latency: float) -> Backend:
-    try:
-        from solar.io_backends.throttled import ThrottledBackend
-    except ImportError:  # pragma: no cover - the backends issue ships it
-        ThrottledBackend = _LocalThrottle
+    """``inner`` behind the throttle model of io_backends/throttled.py (NOTE [ Throttle model ])."""
     return ThrottledBackend(inner, bandwidth=bandwidth, latency=latency)
-
-
-class _LocalThrottle(Backend):
-    """Fallback throttle (same model as io_backends/throttled.py): calls*latency + bytes/bandwidth."""
-
-    name = "bench-throttle"
-
-    def __init__(self, inner: Backend, bandwidth: float | None, latency: float) -> None:
-        super().__init__(inner.url)
-        self.inner, self.bandwidth, self.latency = inner, bandwidth, latency
-
-    def _open(self):
-        self.inner.ensure_open()
-
-    def _close(self):
-        self.inner.close()
-
-    def keys(self):
-        return self.inner.keys()
-
-    def info(self, key):
-        return self.inner.info(key)
-
-    def attrs(self, key="/"):
-        return self.inner.attrs(key)
-
-    def _read_ranges(self, key, ranges, out):
-        c0, b0, t0 = self.inner.stats.read_calls, self.inner.stats.bytes_read, time.perf_counter()
-        self.inner.read_ranges(key, ranges, out=out)
-        calls = self.inner.stats.read_calls - c0
-        need = calls * self.latency + (self.inner.stats.bytes_read - b0) / (self.bandwidth or float("inf"))
-        time.sleep(max(0.0, need - (time.perf_counter() - t0)))
-        self.stats.read_calls += calls
 
 
 def run_epochs(loader, epochs: int, comm=None) -> list[float]:
