@@ -44,7 +44,8 @@ from torch.utils.data import ConcatDataset, Subset
 
 from solar.collective import agree, agreement_at_end, union
 from solar.collective import lockstep as _lockstep
-from solar.dataset import H5Dataset, StoredBatch, as_indices
+from solar.dataset import H5Dataset
+from solar.fetch import FetchPass, StoredBatch, as_indices, evict_samples
 from solar.errors import CorruptDataError
 
 __all__ = ["StoredConcat", "stored_concat"]
@@ -77,7 +78,7 @@ class _Rows:
 class _ConcatStored:
     """One step's stored data over several files: ``parts`` of ``(file, slots, StoredBatch)``,
     ``slots`` being the places in the batch of that file's samples. Pickles (shared-memory
-    tensors inside) to a worker like a :class:`~solar.dataset.StoredBatch`."""
+    tensors inside) to a worker like a :class:`~solar.fetch.StoredBatch`."""
 
     def __init__(self, n: int, parts: list[tuple[int, np.ndarray, StoredBatch]]) -> None:
         self.n = n
@@ -163,13 +164,13 @@ class StoredConcat(ConcatDataset):
             pending = {}
             for k in busy:  # 1. every file's hits (the same order on every rank)
                 ds, local = self.parts[k]
-                pending[k] = ds._gather(flat[places[k]], buffer, keep,
-                                        _Rows(n, int(self.bounds[k]), rows, local, self.perm),
-                                        checked=True)  # (agreed above; a part's positions map into it)
+                pending[k] = FetchPass.gather(ds, flat[places[k]], buffer, keep,
+                                              _Rows(n, int(self.bounds[k]), rows, local, self.perm),
+                                              checked=True)  # (agreed above; a part's positions map into it)
             with agreement_at_end(self.backend, self.path):  # 2. every file's reads, their
                 self._load(busy, pending, disjoint)  # failures agreed once (NOTE [ One agreement per pass ])
-            self.parts[0][0]._evict(buffer, evict)  # 3. the pass's evictions (keys: positions)
-            whole = {k: self.parts[k][0]._finish(pending[k], buffer, shared) for k in busy}  # 4. puts
+            evict_samples(self.parts[0][0], buffer, evict)  # 3. the pass's evictions (keys: positions)
+            whole = {k: pending[k].finish(buffer, shared) for k in busy}  # 4. puts
             problem, decoded = None, {}
             try:  # each file's pass decoded at once (one decode_batch per field), or verified
                 decoded = {k: self.parts[k][0]._ready(w, decode) for k, w in whole.items() if w.n}
@@ -194,13 +195,13 @@ class StoredConcat(ConcatDataset):
         files side by side overlaps their latency as the split of one file's ranges does."""
         if self.backend.collective or len(busy) < 2:
             for k in busy:
-                self.parts[k][0]._load(pending[k], disjoint)
+                pending[k].load(disjoint)
             return
         from concurrent.futures import wait
 
         def read(ks: list[int]) -> None:
             for k in ks:
-                self.parts[k][0]._load(pending[k], disjoint, False)
+                pending[k].load(disjoint, False)
 
         # one task per thread, each a share of the files (a task per file cost a Future and a
         # queue round trip per file of the pass)

@@ -46,153 +46,20 @@ from __future__ import annotations
 import operator
 import os
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from solar.cache import TierStats
 from solar.errors import ConfigError, CorruptDataError, InputError
 from solar.collective import agree, agreement_at_end
 from solar.collective import lockstep as _lockstep
-from solar.layout import FieldSpec, checksum_key, describe_fields, sample_checksum
+from solar.layout import FieldSpec, checksum_key, describe_fields
+from solar.fetch import FetchPass, FetchStats, StoredBatch, evict_samples, torch_dtype
+from solar.reads import RowReads
 
-__all__ = ["H5Dataset", "StoredBatch", "StepBatch", "coalesce"]
-
-#: Smallest piece a range is cut into to spread one read over several request threads.
-SPLIT_BYTES = 64 << 10
-
-
-def as_indices(indices: Sequence[int], path: str, n: int) -> np.ndarray:
-    """``indices`` (a batch's sample indices) as a 1-D int64 array.
-
-    Why: a cast alone read floats as their integer part, a boolean mask as 0s and 1s and a nested
-    list flattened, so a buggy sampler got wrong samples silently, where ``ds[1.7]`` and torch's
-    per-item fetch refuse them.
-
-    Raises:
-        InputError: not a flat sequence of integers.
-        IndexError: an integer beyond int64 (out of range for any dataset).
-    """
-    a = np.asarray(indices)
-    if a.size == 0:
-        return np.zeros(0, np.int64)
-    if a.dtype == object and a.ndim == 1 and all(isinstance(i, int) and not isinstance(i, bool) for i in a.tolist()):
-        big = max(a.tolist(), key=abs)
-        raise IndexError(f"{path}: sample index {big} out of range for {n} samples")
-    if a.ndim != 1 or a.dtype.kind not in "iu":
-        what = f"{a.ndim}-D" if a.ndim != 1 else a.dtype.name
-        raise InputError(f"{path}: a batch's sample indices must be a flat sequence of integers, got {what} "
-                         "values; check the sampler or batch_sampler")
-    if a.dtype.kind == "u" and a.max() > np.iinfo(np.int64).max:
-        raise IndexError(f"{path}: sample index {int(a.max())} out of range for {n} samples")
-    return a.astype(np.int64, copy=False)
-
-
-def coalesce(sorted_rows: np.ndarray) -> np.ndarray:
-    """``(k, 2)`` ``[start, stop)`` runs of a sorted, duplicate-free row array."""
-    rows = np.asarray(sorted_rows, dtype=np.int64)
-    if not len(rows):
-        return np.empty((0, 2), dtype=np.int64)
-    brk = np.flatnonzero(np.diff(rows) != 1) + 1
-    starts = rows[np.r_[0, brk]]
-    stops = rows[np.r_[brk - 1, len(rows) - 1]] + 1
-    return np.stack([starts, stops], axis=1)
-
-
-def _picked(buf: np.ndarray, runs: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """The ``rows`` (sorted, unique) of ``buf``, the concatenated rows of ``runs`` that cover them."""
-    if len(buf) == len(rows):
-        return buf
-    run_of = np.searchsorted(runs[:, 1], rows, side="right")
-    base = np.r_[0, np.cumsum(runs[:, 1] - runs[:, 0])][:-1]
-    return buf[base[run_of] + rows - runs[run_of, 0]]
-
-
-@dataclass
-class FetchStats(TierStats):
-    """Sample-level counters of one rank's fetches: ``hits``/``misses`` count samples (not
-    fields), ``kept`` samples put in the buffer, ``steps`` fetch calls."""
-
-    kept: int = 0
-    steps: int = 0
-    read_calls: int = 0  # storage requests (ranges after coalescing and sieving); bytes_in: bytes read
-
-
-@dataclass
-class StoredBatch:
-    """The stored bytes of one batch, in batch order.
-
-    ``fields[name]`` is a tensor ``(n, *sample_shape)`` for a raw field, or ``(blobs, offsets)``
-    (uint8 tensor of concatenated codec blobs, int64 tensor of ``n + 1`` offsets) for a
-    compressed field. Tensors pickle through DataLoader queues via shared memory.
-    """
-
-    n: int
-    fields: dict[str, Any] = field(default_factory=dict)
-    hits: int = 0
-    indices: list[int] = field(default_factory=list)  # for error messages
-    decoded: dict[str, torch.Tensor] | None = None  # already decoded (fetch_steps(decode=True))
-
-    def part(self, a: int, b: int, decoded: dict[str, torch.Tensor] | None = None) -> "StoredBatch":
-        """Samples ``[a, b)`` (views): of the stored fields, or of ``decoded`` (this batch's
-        decoded tensors), which the part then carries instead of stored bytes."""
-        out = StoredBatch(b - a, indices=self.indices[a:b])
-        if decoded is not None:
-            out.decoded = {name: t[a:b] for name, t in decoded.items()}
-            return out
-        for name, val in self.fields.items():
-            if isinstance(val, tuple):
-                blobs, off = val
-                out.fields[name] = (blobs[int(off[a]):int(off[b])], off[a:b + 1] - off[a])
-            else:
-                out.fields[name] = val[a:b]
-        return out
-
-
-class StepBatch(list):
-    """A rank's batch of sample indices carrying its already-loaded :class:`StoredBatch`.
-
-    It is a ``list`` so samplers, ``len()`` and user code treat it like torch's batch; the
-    ``stored`` attribute rides along to ``H5Dataset.__getitems__`` (in a worker or not). A step
-    whose read failed carries its ``error`` instead, which reading ``stored`` raises: the
-    dataset's ``__getitems__`` then fails for that batch alone, where torch's would.
-    """
-
-    _stored: StoredBatch | None = None
-    error: BaseException | None = None
-
-    @property
-    def stored(self) -> StoredBatch | None:
-        if self.error is not None:
-            raise self.error
-        return self._stored
-
-    @stored.setter
-    def stored(self, value: StoredBatch | None) -> None:
-        self._stored = value
-
-
-@dataclass
-class _Pending:
-    """One fetch between its phases (:meth:`H5Dataset.fetch_stored`): the batch being built,
-    its indices and unique samples (``inv``), the buffer's hits (``held``), the misses, which of
-    them to keep, the stored rows to ``read`` and each miss's place in them (``at``; ``mrank``
-    per unique sample, -1 for a hit), and the read data once loaded."""
-
-    out: StoredBatch
-    idx: np.ndarray
-    inv: np.ndarray
-    held: dict
-    miss: np.ndarray
-    kept: np.ndarray
-    read: np.ndarray
-    at: np.ndarray
-    mrank: np.ndarray
-    datas: dict = field(default_factory=dict)
-
+__all__ = ["H5Dataset"]
 
 _MISSING = object()
 
@@ -241,13 +108,7 @@ def _fresh(sample: Any) -> Any:
     return sample
 
 
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    """The torch dtype of ``dtype``'s values; a big-endian field becomes the native one (rows
-    are converted when read, see :meth:`H5Dataset._read_field`)."""
-    return torch.from_numpy(np.empty(0, np.dtype(dtype).newbyteorder("="))).dtype
-
-
-class H5Dataset(Dataset):
+class H5Dataset(RowReads, Dataset):
     """Samples of an HDF5 file (any file whose fields have a leading sample axis, or ``solar-h5/1``).
 
     Args:
@@ -274,10 +135,6 @@ class H5Dataset(Dataset):
             overlap their latency, as a PFS client's outstanding requests do); 1 reads serially.
         backend_options: extra options for the backend.
     """
-
-    #: Stored checksums of a field up to this size are read whole once; above, each pass reads
-    #: its rows' checksums (NOTE [ Checksums are read with the rows ]).
-    WHOLE_CHECKSUMS_BYTES = 16 << 20
 
     def __init__(self, path: str | os.PathLike, fields: str | Sequence[str] | None = None, *,
                  backend: Any = "auto", transform: Callable | None = None, device: str | torch.device = "cpu",
@@ -344,46 +201,7 @@ class H5Dataset(Dataset):
                 pool.shutdown(wait=True)
         self.backend.close()
 
-    def _forget_forked_pool(self) -> None:
-        """In a forked child (a torch worker of a plain DataLoader), the parent's request threads
-        do not exist and its lock may have been held at the fork: start over with none. Without
-        this, the first split read waited forever on futures no thread would run."""
-        if self.__dict__.get("_pool_pid") != os.getpid():
-            self._pool_lock = threading.Lock()
-            self._pool = None
-            self.__dict__.pop("_clones", None)
-            self._pool_pid = os.getpid()
-
     # -- sizes --------------------------------------------------------------------------------
-    def _offsets_of(self, spec: FieldSpec) -> np.ndarray:
-        off = self._offsets.get(spec.name)
-        if off is None:
-            off = self.backend.read_all(spec.offsets_key).astype(np.int64)
-            self._check_offsets(spec, off)
-            self._offsets[spec.name] = off
-        return off
-
-    def _check_offsets(self, spec: FieldSpec, off: np.ndarray) -> None:
-        """A compressed field's offsets start at 0, never decrease and end inside its data.
-
-        Why: they carry no checksum, and a damaged one read as a byte range past the data (the
-        backend's ``IndexError``, which ``for s in ds`` took for the end of the data and stopped
-        early, silently) or a backward range (a bare ``ValueError``), depending on the batch."""
-        size = int(self.backend.info(spec.data_key).shape[0])
-        bad = None
-        if len(off) != self.num_samples + 1 or (len(off) and off[0] != 0):
-            bad = 0
-        elif len(off):
-            step = np.flatnonzero(np.diff(off) < 0)
-            past = np.flatnonzero(off[1:] > size)
-            hits = [int(a[0]) for a in (step, past) if a.size]
-            bad = min(hits) if hits else None
-        if bad is not None:
-            raise CorruptDataError(
-                f"{self.path}: field {spec.name!r}: the offsets index of its compressed samples is damaged at "
-                f"sample {bad} ({len(off)} offsets for {self.num_samples} samples, {size} bytes of data); "
-                "re-create the file (solar ingest)")
-
     def sample_nbytes(self, block: int = 1) -> np.ndarray:
         """Stored bytes of every sample (all fields): what one buffer entry costs; with ``block``,
         each field rounded up to whole blocks (what it costs as one file on disk)."""
@@ -412,155 +230,6 @@ class H5Dataset(Dataset):
                                  f"samples ({valid}); check the sampler or the indices passed")
         agree(self.backend, problem)
 
-    def _runs(self, spec: FieldSpec, rows: np.ndarray) -> np.ndarray:
-        """Row runs to request: coalesced, then merged across gaps of at most ``sieve_bytes``.
-
-        NOTE [ No sieving in collective reads ]: a collective backend reads exactly the wanted
-        rows. The schedule can then promise that its ranks' requests are disjoint (each sample of
-        a global batch goes to one rank), which the collective transfer needs: gap reads would
-        overlap other ranks' rows, and Open MPI 4.1's default MPI-IO returns zeros for parts of
-        overlapping collective reads (NOTE [ Disjoint collective reads ] in io_backends/base.py).
-        Sieving also buys nothing there: the two-phase collective read already merges the ranks'
-        scattered rows into large contiguous reads at its aggregators.
-        """
-        runs = coalesce(rows)
-        if len(runs) < 2 or not self.sieve_bytes or getattr(self.backend, "collective", False):
-            return runs
-        if spec.kind == "raw":
-            gap = (runs[1:, 0] - runs[:-1, 1]) * (int(np.prod(spec.sample_shape, dtype=np.int64)) * spec.dtype.itemsize)
-        else:
-            off = self._offsets_of(spec)
-            gap = off[runs[1:, 0]] - off[runs[:-1, 1]]
-        brk = np.flatnonzero(gap > self.sieve_bytes) + 1
-        return np.stack([runs[np.r_[0, brk], 0], runs[np.r_[brk - 1, len(runs) - 1], 1]], axis=1)
-
-    def _read(self, key: str, ranges: np.ndarray, disjoint: bool = False, split: bool = True) -> np.ndarray:
-        """One logical ``read_ranges`` per field and fetch; split over ``io_threads`` concurrent
-        requests when the backend is not collective (each thread reads its share of the ranges
-        straight into its slice of the output).
-
-        The shares are equal in rows (bytes), cutting a range in two where needed: a sieved pass
-        is often one long range, which one request stream would read at one reader's bandwidth.
-        Pieces stay at least ``SPLIT_BYTES`` long unless the ranges are already that many.
-        ``split=False`` reads in this thread (a caller that reads several files at once), and
-        so does a key whose reads take h5py's lock (NOTE [ Reads outside h5py's lock ] in
-        io_backends/hdf5.py): split, they only took turns.
-        """
-        lengths = ranges[:, 1] - ranges[:, 0]
-        starts = np.r_[0, np.cumsum(lengths)]
-        total = int(starts[-1])
-        if (self.io_threads <= 1 or self.backend.collective or total <= 1 or not split
-                or self.backend.serializes_reads(key)):  # threads would take turns under h5py's lock
-            return self.backend.read_ranges(key, ranges, disjoint=disjoint)
-        info = self.backend.info(key)
-        row_bytes = int(np.prod(info.row_shape, dtype=np.int64)) * info.dtype.itemsize
-        t = min(self.io_threads, total, max(len(ranges), total * row_bytes // SPLIT_BYTES))
-        if t <= 1:
-            return self.backend.read_ranges(key, ranges)
-        out = np.empty((total, *info.row_shape), dtype=info.dtype)
-        cut = np.linspace(0, total, t + 1).round().astype(np.int64)  # output rows of each thread
-        edges = np.union1d(starts, cut)  # pieces: the ranges, cut where a thread's share ends
-        lo, hi = edges[:-1], edges[1:]
-        r = np.searchsorted(starts, lo, side="right") - 1
-        pieces = np.stack([ranges[r, 0] + lo - starts[r], ranges[r, 0] + hi - starts[r]], axis=1)
-        first = np.searchsorted(lo, cut)  # each thread's first piece
-        # One split read at a time per dataset: the clones' handles (an fsspec file's position)
-        # must not be shared by two readers, e.g. two loaders or iterators over one dataset.
-        self._forget_forked_pool()
-        with self._pool_lock:
-            if self._pool is None:
-                import pickle
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="solar-io")
-                # One backend per request thread (unpickled copies open their own handles): handles
-                # and per-backend counters are then never shared between threads.
-                self._clones = [pickle.loads(pickle.dumps(self.backend)) for _ in range(self.io_threads)]
-            futs = [self._pool.submit(self._clones[i].read_ranges, key, pieces[a:b], out[cut[i]:cut[i + 1]])
-                    for i, (a, b) in enumerate(zip(first[:-1], first[1:])) if b > a]
-            try:
-                for f in futs:
-                    f.result()
-            finally:  # the clones' counters belong to ds.backend.stats
-                for clone in self._clones:
-                    self.backend.stats.absorb(clone.stats)
-        return out
-
-    def _read_field(self, spec: FieldSpec, rows: np.ndarray, disjoint: bool = False,
-                    split: bool = True) -> list[np.ndarray] | np.ndarray:
-        """Read sorted unique ``rows`` of one field with one ``read_ranges`` call (maybe empty).
-        ``disjoint``: see :meth:`fetch_stored`; ``split``: see :meth:`_read`.
-
-        Returns the rows (raw: an array in ``rows`` order; codec: a list of blobs).
-        """
-        runs = self._runs(spec, rows)
-        if spec.kind == "raw":
-            want = runs
-        else:
-            off = self._offsets_of(spec)
-            want = np.stack([off[runs[:, 0]], off[runs[:, 1]]], axis=1) if len(runs) else runs
-        problem = None
-        try:
-            buf = self._read(spec.data_key, want, disjoint, split)
-        except (OSError, CorruptDataError) as exc:  # e.g. a damaged chunk on one rank: every rank
-            problem = exc                           # raises (in lockstep), none waits in the next call
-        agree(self.backend, problem, later=True)
-        if problem is not None:  # agreed at the pass's end: go on with zeros, in step with the
-            info = self.backend.info(spec.data_key)  # other ranks (NOTE [ One agreement per pass ])
-            buf = np.zeros((int((want[:, 1] - want[:, 0]).sum()), *info.row_shape), info.dtype)
-        self.stats.read_calls += len(want)
-        self.stats.bytes_in += int(buf.nbytes)
-        # where each wanted row starts in the concatenated buffer
-        run_of = np.searchsorted(runs[:, 1], rows, side="right") if len(rows) else rows
-        if spec.kind == "raw":
-            data = _picked(buf, runs, rows)
-        else:
-            lengths = want[:, 1] - want[:, 0] if len(want) else np.zeros(0, np.int64)
-            base = np.r_[0, np.cumsum(lengths)][:-1]
-            first_byte = off[runs[:, 0]] if len(runs) else runs
-            start = base[run_of] + off[rows] - first_byte[run_of] if len(rows) else rows
-            sizes = off[rows + 1] - off[rows]
-            data = [buf[a:a + n] for a, n in zip(start.tolist(), sizes.tolist())]
-        if self.verify and self._has_checksum[spec.name] and (len(rows) or self.backend.collective):
-            # checksums are of the stored bytes; on a collective backend every rank reads them in
-            # the same fetch (a collective read), whether or not it has rows to check; a damaged
-            # sample (or a failed checksum read) on one rank stops every rank here, before the
-            # next collective read
-            problem = None
-            try:
-                self._verify(spec, rows, data, runs, disjoint, split)
-            except (OSError, CorruptDataError) as exc:
-                problem = exc
-            agree(self.backend, problem, later=True)
-        if spec.kind == "raw" and not data.dtype.isnative:  # torch holds native byte order only
-            data = data.astype(data.dtype.newbyteorder("="))
-        return data
-
-    def _verify(self, spec: FieldSpec, rows: np.ndarray, data, runs: np.ndarray, disjoint: bool,
-                split: bool = True) -> None:
-        """Check ``data`` (the stored rows of ``rows``, read through ``runs``) against the file's checksums.
-
-        NOTE [ Checksums are read with the rows ]: a file of up to ``WHOLE_CHECKSUMS_BYTES``
-        (16 MiB, 2e6 samples) of checksums per field is read whole once: one request instead of
-        one range per data run every pass (twice the read calls; 3 s against 1.5 s for a local
-        file in the page cache, in the review's measurement). Above that,
-        each pass reads the checksums of exactly the runs its data read (8 bytes per row read,
-        in as many ranges as the data; sieving them again at 8 bytes a row merged nearly every
-        gap, and a random pass read almost the whole array, every pass):
-        reading them whole made every rank load 8 bytes per sample and field at its first fetch,
-        O(N) memory per rank and P times the whole array from the parallel file system at
-        start-up (4096 ranks, 10^8 samples: 3.3 TB), to check N/P samples each."""
-        key = checksum_key(spec.name)
-        sums = self._checksums.get(spec.name)
-        if sums is None and self.num_samples * 8 <= self.WHOLE_CHECKSUMS_BYTES:
-            sums = self._checksums[spec.name] = self.backend.read_all(key)
-        sums = sums[rows] if sums is not None else _picked(self._read(key, runs, disjoint, split), runs, rows)
-        for j, i in enumerate(rows.tolist()):
-            if sample_checksum(data[j]) != int(sums[j]):
-                raise CorruptDataError(
-                    f"{self.path}: field {spec.name!r} sample {i} fails its xxh3 checksum; the file is "
-                    "damaged: re-create it (solar ingest) or pass verify=False to read it anyway")
-
     def fetch_stored(self, indices: Sequence[int], buffer=None, keep: Callable[[np.ndarray], np.ndarray] | None = None,
                      shared: bool = False, evict: Sequence[int] | None = None, disjoint: bool = False,
                      rows=None) -> StoredBatch:
@@ -580,90 +249,15 @@ class H5Dataset(Dataset):
         ``keep``, ``evict`` and the buffer's keys are then positions in ``rows``; reads are of
         the rows, sorted and coalesced as usual.
 
-        The work is four phases (:meth:`_gather`, :meth:`_load`, :meth:`_evict`, :meth:`_finish`)
-        so that a pass over several files (NOTE [ Several files ] in ``solar/concat.py``) takes
-        every file's hits before any eviction and evicts before any put, as one file does.
+        The work is the four phases of a :class:`~solar.fetch.FetchPass` (gather, load, evict,
+        finish) so that a pass over several files (NOTE [ Several files ] in ``solar/concat.py``)
+        takes every file's hits before any eviction and evicts before any put, as one file does.
         """
-        pending = self._gather(indices, buffer, keep, rows)
+        pending = FetchPass.gather(self, indices, buffer, keep, rows)
         with agreement_at_end(self.backend):  # before anything leaves or enters the buffer
-            self._load(pending, disjoint)
-        self._evict(buffer, evict)
-        return self._finish(pending, buffer, shared)
-
-    def _gather(self, indices: Sequence[int], buffer, keep, rows, checked: bool = False) -> "_Pending":
-        """Check ``indices`` (unless the caller has, on every rank: ``checked``), take the
-        buffer's hits, and decide which misses to keep."""
-        n = self.num_samples if rows is None else len(rows)
-        idx = as_indices(indices, self.path, n)
-        if not checked:
-            self._check_index(idx, None if rows is None else n)
-        idx = np.where(idx < 0, idx + n, idx)
-        uniq, inv = np.unique(idx, return_inverse=True)
-        resident = np.zeros(len(uniq), dtype=bool)
-        held: dict[int, dict[str, Any]] = {}  # u -> every field's buffered value
-        if buffer is not None:
-            # A sample is a hit only when *every* field is in the buffer, read here, before this
-            # step evicts or puts anything: a put the budget refused for one field, or another
-            # iterator's thread evicting between two gets, then makes it a miss (read again),
-            # never a batch with a missing field.
-            first = self.specs[0].name
-            for u in np.flatnonzero([(first, int(i)) in buffer for i in uniq.tolist()]).tolist():
-                vals = {}
-                for spec in self.specs:
-                    v = buffer.get((spec.name, int(uniq[u])))
-                    if v is None:
-                        break
-                    vals[spec.name] = v
-                else:
-                    held[u] = vals
-            resident[list(held)] = True
-        miss = uniq[~resident]
-        kept = np.array(keep(miss), dtype=bool) if (keep is not None and buffer is not None and len(miss)) \
-            else np.zeros(len(miss), bool)
-        if rows is None:
-            read, at = miss, np.arange(len(miss))
-        else:  # the stored rows to read (a Subset may repeat one), and where each miss's row is
-            read, at = np.unique(np.asarray(rows[miss], dtype=np.int64), return_inverse=True)
-        out = StoredBatch(len(idx), hits=int(resident[inv].sum()),  # indices: the file's sample numbers
-                          indices=(idx if rows is None else np.asarray(rows[idx], dtype=np.int64)).tolist())
-        mrank = np.full(len(uniq), -1, dtype=np.int64)
-        mrank[~resident] = at
-        return _Pending(out, idx, inv, held, miss, kept, read, at, mrank)
-
-    def _load(self, pending: "_Pending", disjoint: bool, split: bool = True) -> None:
-        """Read the pending misses' rows: one ``read_ranges`` per field, in field order
-        (``split=False``: in this thread, see :meth:`_read`)."""
-        pending.datas = {spec.name: self._read_field(spec, pending.read, disjoint, split) for spec in self.specs}
-
-    def _evict(self, buffer, evict: Sequence[int] | None) -> None:
-        if buffer is not None:
-            for i in (evict if evict is not None else ()):
-                for spec in self.specs:
-                    buffer.delete((spec.name, int(i)))
-
-    def _finish(self, pending: "_Pending", buffer, shared: bool) -> StoredBatch:
-        """Put the kept misses in ``buffer`` and lay the batch out in batch order."""
-        p, datas, kept = pending, pending.datas, pending.kept
-        if buffer is not None:
-            for j in np.flatnonzero(kept).tolist():
-                keys = [(spec.name, int(p.miss[j])) for spec in self.specs]
-                for n_put, key in enumerate(keys):
-                    if not buffer.put(key, np.array(datas[key[0]][p.at[j]], copy=True)):
-                        # all fields of a sample or none: a refused field (byte budget) takes
-                        # back the ones already put, so no budget is spent on a half sample
-                        for k in keys[:n_put]:
-                            buffer.delete(k)
-                        kept[j] = False
-                        break
-        out = p.out
-        for spec in self.specs:
-            hits = {u: vals[spec.name] for u, vals in p.held.items()}
-            out.fields[spec.name] = self._assemble(spec, datas[spec.name], hits, p.mrank, p.inv, shared)
-        self.stats.hits += out.hits
-        self.stats.misses += len(p.idx) - out.hits
-        self.stats.kept += int(kept.sum())
-        self.stats.steps += 1
-        return out
+            pending.load(disjoint)
+        evict_samples(self, buffer, evict)
+        return pending.finish(buffer, shared)
 
     @property
     def compressed(self) -> bool:
@@ -750,32 +344,6 @@ class H5Dataset(Dataset):
         names = [f"{i} of {self.path}:{spec.name}" for i in stored.indices] if stored.indices else None
         return [fa[a:b] for a, b in zip(oa[:-1], oa[1:])], names
 
-    def _assemble(self, spec: FieldSpec, data, hits: dict, mrank: np.ndarray, inv: np.ndarray, shared: bool):
-        """Lay read rows (``data``, sorted-miss order) and buffer hits out in batch order."""
-        if spec.kind == "raw":
-            t = torch.empty((len(inv), *spec.sample_shape), dtype=_torch_dtype(spec.dtype))
-            if shared:
-                t.share_memory_()
-            a = t.numpy()
-            src = mrank[inv]
-            m = src >= 0
-            if m.all():
-                np.take(data, src, axis=0, out=a)
-            else:
-                a[m] = data[src[m]]
-                for j in np.flatnonzero(~m).tolist():
-                    a[j] = hits[int(inv[j])]
-            return t
-        blobs = [data[mrank[u]] if mrank[u] >= 0 else hits[int(u)] for u in inv.tolist()]
-        offsets = np.zeros(len(blobs) + 1, dtype=np.int64)
-        np.cumsum([len(b) for b in blobs], out=offsets[1:])
-        flat = torch.empty(int(offsets[-1]), dtype=torch.uint8)
-        if shared:
-            flat.share_memory_()
-        if len(blobs):
-            np.concatenate(blobs, out=flat.numpy())
-        return flat, torch.from_numpy(offsets)
-
     def decode(self, stored: StoredBatch) -> dict[str, torch.Tensor]:
         """Per-batch decode: ``{field: tensor (n, *sample_shape)}`` on :attr:`device`."""
         out: dict[str, torch.Tensor] = {}
@@ -789,9 +357,9 @@ class H5Dataset(Dataset):
                 blobs, names = self._blobs(stored, spec)
                 dec = decode_batch(blobs, device=self.device, names=names,
                                                 compile=self.decode_compile) if blobs else torch.empty(
-                    (0, *spec.sample_shape), dtype=_torch_dtype(spec.dtype))
+                    (0, *spec.sample_shape), dtype=torch_dtype(spec.dtype))
                 if not isinstance(dec, torch.Tensor) or tuple(dec.shape[1:]) != tuple(spec.sample_shape) \
-                        or dec.dtype != _torch_dtype(spec.dtype):  # (checked blob by blob only then)
+                        or dec.dtype != torch_dtype(spec.dtype):  # (checked blob by blob only then)
                     from solar.codec import header_info
 
                     for blob, name in zip(blobs, names or [None] * len(blobs)):

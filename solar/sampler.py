@@ -2,7 +2,7 @@
 
 It wraps the ``BatchSampler`` torch built from the user's arguments (so ``len()``, ``sampler``,
 ``batch_size`` and ``drop_last`` stay torch's) and yields each step's indices as a
-:class:`~solar.dataset.StepBatch` whose stored bytes were already loaded by the prefetch thread.
+:class:`~solar.fetch.StepBatch` whose stored bytes were already loaded by the prefetch thread.
 
 Two modes:
 
@@ -42,6 +42,7 @@ from solar.dist import collective_call, mpi_executor
 from solar.errors import ConfigError
 from solar.options import parse_buffer, parse_spill
 from solar.failfast import abort_out_of_step, is_agreed
+from solar.fetch import StepBatch
 from solar.prefetch import prefetch as _prefetch
 from solar.schedule import PlanConfig, Planner, capacity_for_bytes, owner_of
 
@@ -312,8 +313,6 @@ class SolarBatchSampler(BatchSampler):
         return it
 
     def _iterate(self, me: list) -> Iterator[list[int]]:
-        from solar.dataset import StepBatch
-
         resume, self._resume = self._resume, None
         if self.mode == "schedule":
             self._settle_last_iteration()

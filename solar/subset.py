@@ -4,7 +4,7 @@ NOTE [ Subsets ]
     Training scripts split one file with ``torch.utils.data.random_split`` (PtychoNN's does), or
     pick samples with ``Subset(ds, indices)``. torch's ``Subset.__getitems__`` hands its dataset a
     new list of indices, so the stored bytes the loader's read-ahead attached to the batch
-    (:class:`~solar.dataset.StepBatch`) would be lost, and the wrapper hides ``fetch_stored``:
+    (:class:`~solar.fetch.StepBatch`) would be lost, and the wrapper hides ``fetch_stored``:
     the loader ran as torch's, without schedule, buffer or read-ahead.
 
     ``solar.DataLoader`` therefore replaces such a ``Subset`` (nested ones too) by a

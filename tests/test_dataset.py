@@ -16,7 +16,7 @@ import torch.utils.data as tud
 
 import solar
 from solar.cache import MemoryTier
-from solar.dataset import coalesce
+from solar.reads import coalesce
 from solar.layout import FORMAT, checksum_key, sample_checksum
 
 
