@@ -122,6 +122,25 @@ def test_a_huge_dimension_beside_a_zero_is_corrupt_data():
             fn(forged)
 
 
+def test_metadata_ids_and_layouts_are_the_on_disk_format():
+    """Predictor and lossless ids are never renumbered, and every ebq version's metadata reads
+    into the newest layout's named fields (ebq/1's predictor id implies ``cubic_levels``)."""
+    import struct
+
+    from solar.codec.ebq_meta import _METAS, EbqMeta
+    from solar.codec.lossless import Lossless
+    from solar.codec.predict import Predictor
+
+    assert {p.name: int(p) for p in Predictor} == {"RAW": 0, "LINEAR": 1, "CUBIC": 2, "LORENZO": 3, "INTERP": 4,
+                                                  "FINE": 5}
+    assert {s.name: int(s) for s in Lossless} == {"NONE": 0, "LZ4": 1, "ZSTD": 2}
+    v1 = EbqMeta.unpack(1, struct.pack("<BBBBddQQQQQ", 2, 1, 1, 4, 0.5, 0.0, 10, 0, 0, 0, 0))
+    assert v1.predictor is Predictor.CUBIC and v1.lossless is Lossless.LZ4 and v1.cubic_levels == 2**64 - 1
+    assert (v1.codes_len, v1.n_side, v1.fold, v1.kshift) == (10, 0, 0, 0)
+    m = EbqMeta(Predictor.FINE, Lossless.ZSTD, 0, 4, 0.25, -1.0, 5, 7, 1, 3, 2, 4, 6, 1, 4)
+    assert EbqMeta.unpack(6, m.pack()) == m and len(m.pack()) == _METAS[6].size
+
+
 def test_device_argument_forms():
     blob = sc.encode(np.linspace(0, 1, 50, dtype=np.float32), abs_error=1e-3)
     a = sc.decode(blob, device=torch.device("cpu"))
