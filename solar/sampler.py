@@ -41,10 +41,9 @@ from solar.collective import agree_iteration
 from solar.dist import collective_call, mpi_executor
 from solar.errors import ConfigError
 from solar.options import parse_buffer, parse_spill
-from solar.failfast import abort_out_of_step, is_agreed
-from solar.fetch import StepBatch
+from solar.passes import PassFetcher, PassGeometry, drop_frame_locals, in_groups, raise_failed
 from solar.prefetch import prefetch as _prefetch
-from solar.schedule import PlanConfig, Planner, capacity_for_bytes, owner_of
+from solar.schedule import PlanConfig, Planner, capacity_for_bytes
 
 __all__ = ["SolarBatchSampler", "is_storage_backed"]
 
@@ -54,23 +53,6 @@ GROUP_BYTES = 256 << 20
 def is_storage_backed(dataset: Any) -> bool:
     """True for datasets SOLAR can drive (they implement ``fetch_stored``, like ``H5Dataset``)."""
     return callable(getattr(dataset, "fetch_stored", None)) and callable(getattr(dataset, "sample_nbytes", None))
-
-
-def _drop_frame_locals(exc: BaseException) -> None:
-    """Clear the locals of the finished frames an error from a fetch passed through.
-
-    Why: fetch code keeps errors in locals (``problem = exc``, then ``backend.agree(problem)``
-    raises it on every rank), so the error's traceback reaches the error again: a reference
-    cycle. torch's worker iterator, whose ``__init__`` or ``__next__`` frame the error passes
-    through next, then lived until the garbage collector broke the cycle, and closed its worker
-    queues from there while their feeder threads closed them too: "Exception in thread
-    QueueFeederThread ... Bad file descriptor" tracebacks after the real error. Without the
-    cycle the iterator goes when the error is handled, and shuts its workers down as torch does.
-    The frames below this one are done; only their locals (for a post-mortem debugger) are lost.
-    """
-    import traceback
-
-    traceback.clear_frames(exc.__traceback__)
 
 
 _PLAN_THREAD: tuple[int, Any] | None = None
@@ -89,36 +71,6 @@ def _plan_thread():
 
 def _stock_distributed(sampler: Any) -> bool:
     return isinstance(sampler, DistributedSampler) and type(sampler).__iter__ is DistributedSampler.__iter__
-
-
-def _in_groups(steps: Iterator, size: int) -> Iterator[list]:
-    """``steps`` in lists of ``size`` (the last one shorter). When taking a step raises (a
-    sampler that fails), the steps taken before it are a last, shorter group, and the error is
-    raised after it: the read-ahead then hands out every batch before the failing one, as
-    torch's loader does, instead of losing up to two passes of them."""
-    while True:
-        group: list = []
-        try:
-            for _ in range(size):
-                group.append(next(steps))
-        except StopIteration:
-            if group:
-                yield group
-            return
-        except Exception:
-            if not group:
-                raise
-            yield group
-            raise
-        yield group
-
-
-def _raise_failed(batch: Any) -> None:
-    """Raise the error a failed step carries, taking it off the step first: the step stays in
-    a local of the iteration's frame, which the error's traceback holds (a reference cycle that
-    kept torch's worker iterator alive: see :func:`_drop_frame_locals`)."""
-    error, batch.error = batch.error, None
-    raise error
 
 
 def _no_iteration() -> None:
@@ -322,101 +274,18 @@ class SolarBatchSampler(BatchSampler):
         self._live = me[0]  # NOTE [ Early stop ]: a newer iteration on a collective backend ends it
         P, rank = self._prepare()
         buffer = self.buffer  # an older iteration's last read never lands in a newer buffer
-        b, C = self._geometry()[2], self._capacity
+        b = self._geometry()[2]
         in_step = self._distributed
-
-        def fetch(group: list[tuple]) -> list[StepBatch]:
-            """The pass's batches. When the pass fails on data (a bad index, a damaged sample, a
-            failed read), its steps are read again one at a time, and a step that fails alone
-            carries its error to the dataset's ``__getitems__``, which raises it in the
-            consumer's (or the worker's) fetch of that batch: so the batches around a bad one
-            come out as torch's loader hands them out (with workers it is raised on this side,
-            when the consumer reaches it: torch's iterator, which takes batches ahead for its
-            workers, may raise it a few batches early). Every rank retries alike (a pass's
-            failure on a collective backend is agreed), so collective calls stay in step. The
-            pass changed no buffer before its reads failed (NOTE [ One agreement per pass ]); a
-            failed decode did put its kept misses, which the retried steps then hit."""
-            try:
-                return fetch_pass(group)
-            except (IndexError, ValueError, OSError) as exc:
-                if must_agree and not is_agreed(exc):
-                    raise  # left the pass on this rank alone: see fetch_in_lockstep
-                if len(group) < 2:
-                    return [failed(group[0], exc)]
-                _drop_frame_locals(exc)
-            out: list[StepBatch] = []
-            for g in group:
-                try:
-                    out += fetch_pass([g])
-                except (IndexError, ValueError, OSError) as exc:
-                    if must_agree and not is_agreed(exc):
-                        raise
-                    out.append(failed(g, exc))
-            return out
-
-        def fetch_in_lockstep(group: list[tuple]) -> list[StepBatch]:
-            """A pass every rank makes together: an error that was not agreed (a bug, a
-            MemoryError, a data error met by this rank alone) leaves this rank's remaining
-            collective calls unmade while the others wait in them, so it ends the job (NOTE
-            [ Fail fast ] in solar/failfast.py); agreed errors are raised on every rank alike."""
-            try:
-                return fetch(group)
-            except BaseException as exc:
-                if not is_agreed(exc):
-                    abort_out_of_step(exc, "in a collective pass of the loader's read-ahead")
-                raise
-
-        def failed(step: tuple, exc: BaseException) -> StepBatch:
-            _drop_frame_locals(exc)
-            batch = StepBatch(step[0])
-            batch.error = exc
-            return batch
-
-        def fetch_pass(group: list[tuple]) -> list[StepBatch]:
-            # schedule mode: the plan says what this rank keeps and evicts (ownership moves, see
-            # NOTE [ Rebalancing ... ] in solar/schedule.py); passthrough: it keeps what it owns
-            if group[0][1] is None:
-                def keep(miss: np.ndarray) -> np.ndarray:
-                    return owner_of(miss, P, b, C) == rank
-                evict = None
-            else:
-                evict = np.concatenate([g[2] for g in group])
-                # a group spans steps: what the buffer must hold after them is (kept - evicted)
-                wanted = np.setdiff1d(np.concatenate([g[1] for g in group]), evict)
-
-                def keep(miss: np.ndarray) -> np.ndarray:  # np.isin, by binary search in the
-                    # sorted ``wanted`` (it is asked once per file of a pass: isin sorted both)
-                    at = np.minimum(np.searchsorted(wanted, miss), max(len(wanted) - 1, 0))
-                    return wanted[at] == miss if len(wanted) else np.zeros(len(miss), bool)
-            steps = [g[0] for g in group]
-            # the plan gives each sample of a step to one rank, so the ranks' reads of a pass are
-            # disjoint unless the pass holds a sample twice (DistributedSampler's padding repeats
-            # the epoch's head at its tail); only disjoint reads may be collective (NOTE
-            # [ Disjoint collective reads ] in io_backends/base.py). Every rank decides alike.
-            tag = group[0][3]
-            disjoint = tag is not None and max(g[3][1] for g in group) < tag[0]
-            # in step only over a DistributedSampler (every rank gets as many batches); with any
-            # other sampler ranks may differ, or one rank may iterate alone (a validation loop)
-            stored = self.dataset.fetch_steps(steps, buffer=buffer, keep=keep, shared=self.shared, evict=evict,
-                                              disjoint=disjoint, lockstep=in_step,
-                                              **({"decode": True} if self._decode_ahead else {}))
-            out = [StepBatch(indices) for indices in steps]
-            for batch, st in zip(out, stored):
-                batch.stored = st
-            return out
-
-        steps = self._steps(resume, P, rank)
-        size = self.group_size(b)
-        groups = _in_groups(steps, size)
         collective = self._collective
         in_lockstep = collective and in_step
-        must_agree = in_lockstep and P > 1  # NOTE [ Fail fast ]: errors must be agreed to go on
+        fetch = PassFetcher(self.dataset, buffer, PassGeometry(P, rank, b, self._capacity), shared=self.shared,
+                            in_step=in_step, decode=self._decode_ahead, must_agree=in_lockstep and P > 1)
+        groups = in_groups(self._steps(resume, P, rank), self.group_size(b))
         handed = 0
         # passes in step make collective calls: on the process's one MPI thread, shared by every
         # loader (NOTE [ SOLAR's own MPI traffic ] in solar/dist.py)
         executor = mpi_executor() if in_lockstep else None
-        passes = _prefetch(groups, fetch_in_lockstep if must_agree else fetch, 1 if self.prefetch else 0,
-                           cancel=not collective, executor=executor,
+        passes = _prefetch(groups, fetch, 1 if self.prefetch else 0, cancel=not collective, executor=executor,
                            timeout=self.timeout)
         try:
             for group in passes:
@@ -425,11 +294,11 @@ class SolarBatchSampler(BatchSampler):
                         # bound for a worker: raised here instead, after the batches before it
                         # (raised in a worker, torch's re-raise keeps its iterator, and the
                         # workers, alive in a reference cycle until a garbage collection)
-                        _raise_failed(batch)
+                        raise_failed(batch)
                     handed += 1
                     yield batch
         except Exception as exc:
-            _drop_frame_locals(exc)
+            drop_frame_locals(exc)
             raise
         finally:
             passes.close()  # the running read has finished (or stalled past timeout=, abandoned)
