@@ -5,6 +5,12 @@ after ``k`` batches of an epoch, finishes the epoch, then builds a *new* loader,
 and checks that it yields exactly the remaining batches; and that the epoch after continues as in
 the uninterrupted run. It runs for every ``k`` in ``midpoints`` (including 0 and the epoch's end),
 and once more for a state saved after the epoch's ``for`` loop ended.
+
+It compares one loader's batches one for one, which is the promise for a single rank. With P > 1
+ranks a resumed run's buffers start empty, so which rank of a global batch gets which sample
+may differ from the uninterrupted run; the global batches may not (docs/loader.md, "Resume"). Check
+such a world as one loader whose batches are the global ones: tests/test_resume_matrix.py does so
+for every storage backend x buffer tier, in one process and under ``mpirun``.
 """
 
 from __future__ import annotations
