@@ -139,6 +139,15 @@ class Tier(ABC):
             return False
         return self.put(key, value)
 
+    def cleanup_temp(self) -> int:
+        """Remove temporaries that killed writers left in the tier; return how many.
+
+        Call only while no writer uses the tier (the checkpoint writer calls it under its root
+        lock). The default does nothing: only tiers that write through temporary files (the disk
+        tier) leave any.
+        """
+        return 0
+
     def keys_with_prefix(self, prefix: str) -> Iterator[Hashable]:
         """Keys that are strings starting with ``prefix`` (e.g. ``"chunks/"``)."""
         return (k for k in self.keys() if isinstance(k, str) and k.startswith(prefix))

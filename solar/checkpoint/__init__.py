@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .collect import GcReport, gc
 from .errors import CheckpointReadOnlyError, CheckpointVersionRemovedError, NotACheckpointRootError, UntrustedPickleError
-from .loader import Reader, list_versions, load
+from .reader import Reader, list_versions, load
 from .manifest import Manifest
 from .store import CheckpointStore
 from .verify import VerifyReport, verify

@@ -17,22 +17,21 @@ import sys
 import time
 from typing import Any
 
+import torch
+from tqdm import tqdm
+
 from solar.errors import CheckpointError, InputError, SolarError
 from solar.fileio import write_atomic
 
+from .collect import gc
+from .compare import diff
+from .flatten import DTYPES, materialize
+from .reader import Reader
+from .report import fmt_bytes, format_report, table
+from .store import CheckpointStore, parse_ref
+from .verify import verify
+
 __all__ = ["main", "configure", "run"]
-
-
-def _bytes(n: float) -> str:
-    from .diff import fmt_bytes
-
-    return fmt_bytes(n)
-
-
-def _table(head: list[str], rows: list[list[Any]]) -> str:
-    from .diff import table
-
-    return table(head, rows)
 
 
 def _strict(obj: Any) -> Any:
@@ -54,17 +53,9 @@ def _emit(args, payload: Any, text: str) -> None:
         print(text)
 
 
-def _ref(ref: str) -> tuple[str, int | None]:
-    from .store import parse_ref
-
-    return parse_ref(ref)
-
-
 # -- commands --
 
 def cmd_log(args) -> int:
-    from .store import CheckpointStore
-
     store = CheckpointStore(args.root)
     rows, out = [], []
     total_logical = total_written = 0
@@ -89,14 +80,14 @@ def cmd_log(args) -> int:
                     "chunks_written": m.stats.get("chunks_written"),
                     "chunks_rewritten": m.stats.get("chunks_rewritten", 0), "dedup_ratio": ratio, "root": m.root})
         rows.append([m.step, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created)), len(m.tensors),
-                     _bytes(m.logical_bytes), _bytes(written), f"{m.stats.get('chunks_written', '?')}/{m.nchunks}",
+                     fmt_bytes(m.logical_bytes), fmt_bytes(written), f"{m.stats.get('chunks_written', '?')}/{m.nchunks}",
                      "inf" if ratio is None else f"{ratio:.1f}x"])
     summary = {"root": store.root, "versions": out, "logical_bytes": total_logical, "bytes_written": total_written,
                "dedup_ratio": total_logical / total_written if total_written else None}
-    text = _table(["step", "created", "tensors", "logical", "written", "new chunks", "dedup"], rows)
+    text = table(["step", "created", "tensors", "logical", "written", "new chunks", "dedup"], rows)
     unreadable = f" (+{len(damaged)} unreadable manifests)" if damaged else ""
     if total_written:
-        text += f"\n{len(manifests)} versions{unreadable}, {_bytes(total_logical)} logical, {_bytes(total_written)} written ({total_logical / total_written:.1f}x de-duplication)"
+        text += f"\n{len(manifests)} versions{unreadable}, {fmt_bytes(total_logical)} logical, {fmt_bytes(total_written)} written ({total_logical / total_written:.1f}x de-duplication)"
     elif not rows:
         store.require_root()  # the parent of a root (a mistyped path) is an error, not an empty log
         text = f"no checkpoints in {store.root}"
@@ -112,6 +103,7 @@ def _check_safetensors_input(path: str) -> None:
     """
     if not (str(path).endswith(".safetensors") and os.path.isfile(path)):
         return
+    # safetensors is an optional dependency (the `safetensors` extra); only its inputs reach here
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -123,8 +115,6 @@ def _check_safetensors_input(path: str) -> None:
 
 
 def cmd_diff(args) -> int:
-    from .diff import diff, format_report
-
     for ref in (args.a, args.b):
         _check_safetensors_input(ref)
     rep = diff(args.a, args.b, values=args.values, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle,
@@ -153,9 +143,7 @@ def _skeleton_leaves(obj: Any, path: str, out: list) -> None:
 
 
 def cmd_show(args) -> int:
-    from .store import CheckpointStore
-
-    root, step = _ref(args.ref)
+    root, step = parse_ref(args.ref)
     m = CheckpointStore(root).resolve(step)
     blob_users: dict[int, list[str]] = {}
     for t in m.tensors:
@@ -163,26 +151,24 @@ def cmd_show(args) -> int:
     rows = []
     for t in m.tensors:
         shared = [n for n in blob_users[t.blob] if n != t.name]
-        rows.append([t.name, t.dtype, "x".join(map(str, t.shape)) or "scalar", _bytes(t.nbytes), t.device,
+        rows.append([t.name, t.dtype, "x".join(map(str, t.shape)) or "scalar", fmt_bytes(t.nbytes), t.device,
                      m.blobs[t.blob].nchunks, ("shares storage with " + ", ".join(shared)) if shared else ""])
     leaves: list = []
     _skeleton_leaves(m.skeleton, "", leaves)
     payload = {"step": m.step, "root": m.root, "hash": m.hash, "chunk_size": m.chunk_size, "created": m.created,
                "parent": m.parent, "logical_bytes": m.logical_bytes, "chunks": m.nchunks, "stats": m.stats,
                "meta": m.meta, "tensors": [t.to_json() for t in m.tensors], "values": dict(leaves)}
-    text = (f"step {m.step} of {root}: {len(m.tensors)} tensors, {_bytes(m.logical_bytes)} in {m.nchunks} chunks of "
-            f"{_bytes(m.chunk_size)} ({m.hash}), Merkle root {m.root[:16]}..., parent {m.parent}\n")
-    text += _table(["tensor", "dtype", "shape", "bytes", "device", "chunks", ""], rows)
+    text = (f"step {m.step} of {root}: {len(m.tensors)} tensors, {fmt_bytes(m.logical_bytes)} in {m.nchunks} chunks of "
+            f"{fmt_bytes(m.chunk_size)} ({m.hash}), Merkle root {m.root[:16]}..., parent {m.parent}\n")
+    text += table(["tensor", "dtype", "shape", "bytes", "device", "chunks", ""], rows)
     if leaves:
-        text += "\n\nother entries:\n" + _table(["key", "value"], [[k, v if len(v) < 60 else v[:57] + "..."] for k, v in leaves])
+        text += "\n\nother entries:\n" + table(["key", "value"], [[k, v if len(v) < 60 else v[:57] + "..."] for k, v in leaves])
     _emit(args, payload, text)
     return 0
 
 
 def cmd_verify(args) -> int:
-    from .verify import verify
-
-    root, step = _ref(args.ref)
+    root, step = parse_ref(args.ref)
     rep = verify(root, step, progress=not args.json, repair=args.repair)
     payload = {"root": rep.root, "ok": rep.ok, "steps": rep.steps, "chunks_checked": rep.chunks_checked,
                "bytes_checked": rep.bytes_checked, "problems": rep.problems, "incomplete": rep.incomplete,
@@ -199,7 +185,7 @@ def cmd_verify(args) -> int:
                      f"{len(rep.marked_chunks)} damaged or missing ones; the next writer's save that "
                      "produces their bytes rewrites them (until then the steps above cannot be loaded)")
     status = "OK" if rep.ok else f"FAILED ({len(rep.problems)} problems)"
-    lines.append(f"verify {root}: {status}: {len(rep.steps)} versions, {rep.chunks_checked} chunks, {_bytes(rep.bytes_checked)} re-hashed")
+    lines.append(f"verify {root}: {status}: {len(rep.steps)} versions, {rep.chunks_checked} chunks, {fmt_bytes(rep.bytes_checked)} re-hashed")
     _emit(args, payload, "\n".join(lines))
     return 0 if rep.ok else 1
 
@@ -223,6 +209,7 @@ def _check_output(path: str) -> None:
 
 def _write_output(path: str, write) -> None:
     """``write_atomic`` with failures of the write itself (disk full, I/O error) named by path."""
+    # safetensors is an optional dependency (the `safetensors` extra); its writer raises its own error type
     from safetensors import SafetensorError
 
     try:
@@ -234,7 +221,7 @@ def _write_output(path: str, write) -> None:
 
 def _safetensors_dtypes() -> set:
     """The torch dtypes this safetensors version can write (complex32 and complex128 are not among them)."""
-    import torch
+    # safetensors is an optional dependency (the `safetensors` extra), needed only to export
     import safetensors.torch as st
 
     sizes = getattr(st, "_SIZE", None)  # save_file looks dtypes up in this table (a KeyError otherwise)
@@ -245,11 +232,8 @@ def _safetensors_dtypes() -> set:
 
 
 def _export_safetensors(reader, path: str) -> int:
+    # safetensors is an optional dependency (the `safetensors` extra), needed only to export
     from safetensors.torch import save_file
-
-    from .flatten import DTYPES, materialize
-
-    from tqdm import tqdm
 
     m = reader.manifest
     supported = _safetensors_dtypes()
@@ -277,8 +261,8 @@ def _output_format(args) -> str:
     """The format to write ``args.output`` in, refusing a name that says the other format.
 
     ``restore`` picks it from the extension; ``export`` writes safetensors. Writing safetensors
-    bytes under a ``.pt`` name (or a torch.save pickle under ``.safetensors``) produced a file that
-    ``torch.load`` and ``diff`` then reject with confusing errors, so a contradiction between the
+    bytes under a ``.pt`` name (or a torch.save pickle under ``.safetensors``) would produce a file that
+    ``torch.load`` and ``diff`` reject with confusing errors, so a contradiction between the
     name and the format is an error before anything is read. ``--format`` with an unusual name
     (``model.bin --format safetensors``) is allowed: that choice is explicit.
     """
@@ -301,13 +285,9 @@ def _output_format(args) -> str:
 
 
 def cmd_restore(args) -> int:
-    import torch
-
-    from .loader import Reader
-
     _check_output(args.output)
     fmt = _output_format(args)
-    root, step = _ref(args.ref)
+    root, step = parse_ref(args.ref)
     reader = Reader(root, step)
     if fmt == "safetensors":
         n = reader.retry_if_removed(lambda: _export_safetensors(reader, args.output))
@@ -320,8 +300,6 @@ def cmd_restore(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from .collect import gc
-
     rep = gc(args.root, args.keep_last, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     payload = dict(rep.to_json(), dry_run=args.dry_run)

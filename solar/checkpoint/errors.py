@@ -22,8 +22,8 @@ class CheckpointVersionRemovedError(CheckpointError, FileNotFoundError):
 
 class NotACheckpointRootError(CheckpointError, FileNotFoundError):
     """An existing directory given as a checkpoint root holds no checkpoint (a parent of the
-    root, a mistyped sibling, a rank's root before its first save). ``verify`` there used to
-    report OK having checked nothing, and ``gc`` left a ``.lock`` in it."""
+    root, a mistyped sibling, a rank's root before its first save). Raised so that ``verify``
+    never reports OK having checked nothing and ``gc`` never leaves a ``.lock`` there."""
 
 
 class CheckpointReadOnlyError(CheckpointError, PermissionError):

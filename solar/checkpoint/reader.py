@@ -18,6 +18,7 @@ import os
 from typing import Any, Callable, TypeVar
 
 import torch
+from tqdm import tqdm
 
 from solar.errors import CheckpointError, CorruptDataError
 
@@ -51,7 +52,7 @@ def _call_map_location(fn: Callable, saved: str) -> torch.device:
 
     SOLAR's own form maps the saved device string to a device (``lambda loc: "cpu"``).
     ``torch.load``'s form is ``fn(storage, location)`` returning a storage (or ``None`` to keep
-    the default); code ported from ``torch.load`` used to fail with a ``TypeError``. A callable that
+    the default), so code ported from ``torch.load`` works unchanged. A callable that
     takes two positional arguments gets ``torch.load``'s arguments (an empty CPU storage, as
     ``torch.load`` passes a CPU-deserialised one) and the device of the storage it returns is used.
     """
@@ -222,8 +223,6 @@ class Reader:
         buffers = []
         bar = None
         if progress:
-            from tqdm import tqdm
-
             bar = tqdm(total=m.logical_bytes, unit="B", unit_scale=True, desc=f"load step {m.step}", leave=False, disable=None)
         try:
             for i, entry in enumerate(m.blobs):

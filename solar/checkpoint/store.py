@@ -6,9 +6,9 @@ Layout under a root (the same on a local disk, a parallel file system or an obje
     manifests/<step, 20 digits> one manifest per committed version, written last
     .lock                       the writer lock (local roots: flock; remote roots: an exclusive object)
 
-The store reads and writes through a :class:`solar.cache.Tier` (a :class:`~solar.cache.disk.DiskTier`
-for local paths, an :class:`~solar.cache.fsspec_tier.FsspecTier` for URLs), so the checkpoint writer
-and the loader share one implementation of atomic writes and byte budgets.
+The store reads and writes through a :class:`solar.cache.Tier` built from the cache registry
+(:func:`solar.cache.get_tier`: ``"disk"`` for local paths, ``"fsspec"`` for URLs), so the checkpoint
+writer and the loader share one implementation of atomic writes and byte budgets.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
+from fsspec.core import url_to_fs
 
-from solar.cache.base import Tier
+from solar.cache import get_tier
+from solar.cache.base import Tier, TierFullError, UnsafePathError
 from solar.errors import CheckpointError, CheckpointLockedError, CorruptDataError
 from solar.fileio import UnsafeLockFileError, flock_or_holder, open_lock_file
 
@@ -62,9 +64,9 @@ def _is_not_writable(exc: OSError) -> bool:
 def not_writable(root: str, path: str, exc: OSError) -> CheckpointReadOnlyError:
     """The error for a root this process cannot write.
 
-    A bare ``OSError: [Errno 30] ... /.lock`` from the lock file left users guessing whether the
-    checkpoint was broken; this names the root and the path refused, what needs write access, and
-    that reading still works without it.
+    It names the root and the path refused, what needs write access, and that reading still works
+    without it: a bare ``OSError: [Errno 30] ... /.lock`` would not say whether the checkpoint is
+    broken.
     """
     return CheckpointReadOnlyError(
         f"checkpoint root {root} is not writable here ({exc.strerror or exc}: {path}); saving, gc and "
@@ -86,8 +88,6 @@ def _writes_to(root: str, path: str) -> Iterator[None]:
 @contextlib.contextmanager
 def _no_links_out(root: str, kind: type = CheckpointError) -> Iterator[None]:
     """Re-raise a tier's refusal of a planted symlink or special file as ``kind`` naming the root."""
-    from solar.cache.base import UnsafePathError
-
     try:
         yield
     except UnsafePathError as exc:
@@ -97,7 +97,7 @@ def _no_links_out(root: str, kind: type = CheckpointError) -> Iterator[None]:
 
 
 def open_tier(root: "str | os.PathLike | Tier", *, durable: bool = True, **storage_options) -> Tier:
-    """The tier a checkpoint root lives on: a disk tier for local paths, fsspec for URLs.
+    """The tier a checkpoint root lives on: the registered ``"disk"`` tier for local paths, ``"fsspec"`` for URLs.
 
     ``durable=False`` skips the fsyncs of a local root: writes stay atomic against crashed
     processes, but a power loss may lose recent versions.
@@ -110,13 +110,9 @@ def open_tier(root: "str | os.PathLike | Tier", *, durable: bool = True, **stora
     root = os.fspath(root)
     local = _local_dir(root)
     if local is not None:
-        from solar.cache.disk import DiskTier
-
         with _writes_to(root, local):
-            return DiskTier(local, fsync=durable)  # creates the directory if missing
-    from solar.cache.fsspec_tier import FsspecTier
-
-    return FsspecTier(root, storage_options=storage_options or None)
+            return get_tier("disk")(local, fsync=durable)  # creates the directory if missing
+    return get_tier("fsspec")(root, storage_options=storage_options or None)
 
 
 def chunk_key(digest: bytes) -> str:
@@ -142,8 +138,6 @@ def _must_exist(root: str, storage_options: dict) -> None:
     if local is not None:
         exists = os.path.isdir(local)
     else:
-        from fsspec.core import url_to_fs
-
         fs, path = url_to_fs(root, **storage_options)
         exists = fs.exists(path) or fs.isdir(path)
     if not exists:
@@ -246,9 +240,7 @@ class CheckpointStore:
         # what messages and results name: the URL as given (an fsspec tier's ``root`` has lost its
         # scheme, so `solar-ckpt ... ROOT` commands built from it would point elsewhere)
         self.root = str(getattr(self.tier, "url", None) or getattr(self.tier, "root", None) or root)
-        from solar.cache.disk import DiskTier
-
-        self.local_dir = self.tier.root if isinstance(self.tier, DiskTier) else None
+        self.local_dir = self.tier.root if isinstance(self.tier, get_tier("disk")) else None
         self._manifest_cache: dict[int, tuple[int, Manifest]] = {}
 
     # -- is this a root? --
@@ -267,9 +259,9 @@ class CheckpointStore:
 
         Why: ``gc`` and ``verify --repair`` take the writer lock, which creates ``.lock``, so
         pointing them at the parent of a root (``/scratch/run42`` for ``/scratch/run42/ckpt``)
-        left a lock file there and reported success having done nothing. A root whose writer has
+        would leave a lock file there and report success having done nothing. A root whose writer has
         not committed yet passes (its lock says so), and ``gc`` then meets that writer's lock;
-        a lock beside roots of its own (the parent of a root, where that ``gc`` left one) does
+        a lock beside roots of its own (the parent of a root, where such a ``gc`` left one) does
         not make a root.
 
         Raises:
@@ -331,8 +323,6 @@ class CheckpointStore:
         Raises:
             CheckpointError: the tier refused it (byte budget) or the device is full.
         """
-        from solar.cache.base import TierFullError
-
         view = memoryview(data).cast("B")
         if not self.tier.persistent:
             view = memoryview(bytes(view))  # a memory tier keeps the object: never the reused staging buffer
@@ -396,8 +386,6 @@ class CheckpointStore:
 
     def put_manifest(self, m: Manifest) -> int:
         """Commit ``m``: one atomic write, after every chunk it references is stored."""
-        from solar.cache.base import TierFullError
-
         data = encode(m)
         try:
             with _no_links_out(self.root):

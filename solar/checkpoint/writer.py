@@ -1,10 +1,11 @@
 """The incremental, asynchronous checkpoint writer.
 
 ``save`` blocks only while the state is copied into a reused host staging buffer (pinned when the
-tensors live on a GPU); a background thread then hashes the copy chunk by chunk, builds one Merkle
-tree per blob, compares it top-down with the previous version's tree, writes only chunks the store
-has never held (content-addressed, so identical chunks across tensors and versions are stored once),
-and commits the manifest last by an atomic write. Memory stays bounded: there are ``max_in_flight``
+tensors live on a GPU); a background thread then hashes the copy chunk by chunk, writes only chunks
+the store does not hold (a lookup by digest: content-addressed, so identical chunks across tensors
+and versions are stored once), and commits the manifest last by an atomic write. One Merkle tree
+per blob is built on the way and compared top-down with the previous version's tree; that diff
+feeds the save's statistics and the manifest's roots, it does not decide what is written. Memory stays bounded: there are ``max_in_flight``
 staging buffers (one by default), and a save waits for a free one.
 
 With ``staging=`` the version is first committed to a fast (node-local) root and then drained to
@@ -20,23 +21,21 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 
 from solar.errors import CheckpointError, ConfigError
 
 from . import merkle
 from .chunking import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, chunk_spans, hash_chunks, hasher
 from .collect import collect
-from .flatten import BlobSource, Flat, flatten
+from .flatten import Flat, flatten
+from .host import HostPool
 from .manifest import BlobEntry, Manifest
 from .store import CheckpointStore, chunk_key, referenced
 
 __all__ = ["CheckpointWriter", "SaveResult"]
-
-_ALIGN = 64
 
 
 @dataclass
@@ -110,97 +109,13 @@ class _SaveFuture(Future):
         return out
 
 
-class _HostPool:
-    """``slots`` reusable host buffers; acquiring one blocks while all are in use (back-pressure).
-
-    Slots are granted in save order: each save takes a ticket when it is called and may take a
-    slot only after every earlier save took one. Why: a lazy save takes its slot on the persist
-    thread, where it queues behind earlier commits; a later normal save taking the free slot first
-    would hold it while its own commit queues behind the lazy save, which waits for that slot.
-
-    A save that leaves before its turn (Ctrl-C or any exception while it waits) must give up its
-    ticket (:meth:`cancel`): the turn would otherwise never pass it, and every later save of the
-    writer would wait forever.
-    """
-
-    def __init__(self, slots: int) -> None:
-        self._cond = threading.Condition()
-        self._free = list(range(slots))
-        self._bufs: list[torch.Tensor | None] = [None] * slots
-        self._issued = 0  # tickets handed out
-        self._serving = 0  # the ticket whose turn it is to take a slot
-        self._cancelled: set[int] = set()  # tickets given up before their turn; the turn skips them
-
-    def ticket(self) -> int:
-        with self._cond:
-            self._issued += 1
-            return self._issued - 1
-
-    def acquire(self, ticket: int) -> int:
-        with self._cond:
-            try:
-                while not (self._free and self._serving == ticket):
-                    self._cond.wait()
-            except BaseException:  # KeyboardInterrupt while waiting: the turn must move on without us
-                self.cancel(ticket)
-                raise
-            self._next_turn()
-            return self._free.pop()
-
-    def cancel(self, ticket: int) -> None:
-        """Give up ``ticket`` unless it already took its slot (then this does nothing)."""
-        with self._cond:
-            if ticket >= self._serving:
-                self._cancelled.add(ticket)
-                if ticket == self._serving:
-                    self._next_turn()
-
-    def _next_turn(self) -> None:
-        """Pass the turn to the next ticket still waiting (the caller holds ``_cond``)."""
-        self._serving += 1
-        while self._serving in self._cancelled:
-            self._cancelled.discard(self._serving)
-            self._serving += 1
-        self._cond.notify_all()
-
-    def release(self, slot: int) -> None:
-        with self._cond:
-            self._free.append(slot)
-            self._cond.notify_all()
-
-    def stage(self, slot: int, blobs: list[BlobSource]) -> list[np.ndarray]:
-        """Copy every blob into slot ``slot``'s buffer; return uint8 numpy views of the copies."""
-        offsets, total = [], 0
-        for b in blobs:
-            offsets.append(total)
-            total += -(-b.nbytes // _ALIGN) * _ALIGN
-        on_cuda = any(b.storage.device.type == "cuda" for b in blobs)
-        buf = self._bufs[slot]
-        if buf is None or buf.numel() < total or (on_cuda and not buf.is_pinned()):
-            self._bufs[slot] = None  # free the old buffer before allocating its replacement
-            buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=on_cuda)
-            self._bufs[slot] = buf
-        arr = buf.numpy()
-        views = []
-        for b, off in zip(blobs, offsets):
-            src = b.byte_view()
-            # torch's copy_ splits a large copy over the intra-op threads (np.copyto uses one):
-            # measured 0.28 -> 0.14 s per GiB on 2 cores. On CUDA: async device-to-host into pinned memory.
-            buf[off:off + b.nbytes].copy_(src, non_blocking=src.device.type == "cuda")
-            views.append(arr[off:off + b.nbytes])
-        if on_cuda:
-            torch.cuda.synchronize()
-        return views
-
-
 class _Sink:
     """A store plus the digests known to be in it (so the writer never probes the store per chunk)."""
 
     def __init__(self, store: CheckpointStore) -> None:
         self.store = store
         self.lock = store.lock()
-        if hasattr(store.tier, "cleanup_temp"):
-            store.tier.cleanup_temp()  # temporaries of a killed writer; safe under the lock
+        store.tier.cleanup_temp()  # temporaries of a killed writer; safe under the lock
         self.known: set[bytes] = referenced(store.valid_manifests(warn=False))
         # chunks `verify --repair` found damaged or missing: not trusted, rewritten when produced
         self.damaged = store.damaged_digests()
@@ -219,13 +134,25 @@ class _Sink:
             self.known = collect(self.store, keep_last, full_sweep=False, protect=protect).live - self.damaged
 
 
+class _Written(NamedTuple):
+    """What :meth:`CheckpointWriter._write_chunks` did: the manifest to commit, and its counters."""
+
+    manifest: Manifest
+    bytes_written: int
+    chunks_written: int  # distinct chunks written (SaveResult.chunks_written)
+    chunks_unchanged: int  # see SaveResult.chunks_unchanged
+    chunks_rewritten: int  # see SaveResult.chunks_rewritten
+    trees: dict[str, list[np.ndarray]]  # each blob's Merkle levels by its first tensor's name: the next diff's base
+    digests: set[bytes]  # the chunks written: the store holds them once the manifest is committed
+
+
 def _checked_meta(meta: dict | None, step: int) -> dict:
     """A JSON copy of ``meta``, made when ``save`` is called.
 
-    Why: the manifest encodes ``meta`` only when the background commit writes it, after every
-    chunk was hashed and written, so a NaN or a tensor in it failed the save late with a bare
-    ``json`` error that did not mention ``meta``, and a dict changed after ``save`` returned
-    changed what was committed.
+    The manifest encodes ``meta`` only when the background commit writes it, after every chunk
+    was hashed and written. Copying it here makes a NaN or a tensor in it a ``ConfigError`` that
+    names ``meta`` before any work, and keeps a dict changed after ``save`` returns out of the
+    version.
     """
     if meta is None:
         return {}
@@ -254,8 +181,8 @@ class CheckpointWriter:
         io_threads: parallel chunk writes (remote stores and parallel file systems like several).
         storage_options: fsspec options for a URL ``root`` (credentials, endpoint ...).
         durable: fsync every chunk and manifest of a local root before the next step of the commit
-            (default). ``False`` keeps every write atomic against killed processes (the SIGKILL
-            test passes either way) but not against power loss; it saves the fsync time.
+            (default). ``False`` keeps every write atomic against killed processes but not against
+            power loss; it saves the fsync time.
 
     Raises:
         CheckpointLockedError: another writer holds ``root`` (or ``staging``).
@@ -300,7 +227,7 @@ class CheckpointWriter:
                 names = latest.tensors_of_blob(i)
                 if names and latest.chunk_size == self.chunk_size:
                     self._prev_trees[names[0]] = merkle.build(latest.blob_digests(i), self._digest)
-        self._pool = _HostPool(max_in_flight)
+        self._pool = HostPool(max_in_flight)
         self._persist = ThreadPoolExecutor(1, thread_name_prefix="solar-ckpt-persist")
         self._drain = ThreadPoolExecutor(1, thread_name_prefix="solar-ckpt-drain") if self._stage else None
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="solar-ckpt-io")
@@ -444,17 +371,17 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         sink = self._stage or self._main
         try:
-            m, written, nwritten, unchanged, rewritten, new_trees, new_digests = self._write_chunks(
-                sink, flat, host, step, meta)
+            out = self._write_chunks(sink, flat, host, step, meta)
         finally:
             self._pool.release(slot)
+        m = out.manifest
         try:
             manifest_bytes = sink.store.put_manifest(m)
         except BaseException:
-            self._drop_orphans(sink, new_digests)
+            self._drop_orphans(sink, out.digests)
             raise
-        sink.add_known(new_digests)
-        self._prev_trees, self._prev_step = new_trees, step
+        sink.add_known(out.digests)
+        self._prev_trees, self._prev_step = out.trees, step
         with self._mutex:
             if self._stage is not None:
                 self._undrained.add(step)
@@ -463,10 +390,11 @@ class CheckpointWriter:
             protect = frozenset(self._undrained | {step})
         # gc runs here, in the one thread that writes this sink, so it never races a dedup decision
         sink.gc(self.keep_last, protect)
-        return SaveResult(step, m.logical_bytes, written, m.nchunks, nwritten, unchanged, manifest_bytes,
-                          stage_seconds, time.perf_counter() - t0, sink.store.root, rewritten)
+        return SaveResult(step, m.logical_bytes, out.bytes_written, m.nchunks, out.chunks_written, out.chunks_unchanged,
+                          manifest_bytes, stage_seconds, time.perf_counter() - t0, sink.store.root,
+                          out.chunks_rewritten)
 
-    def _write_chunks(self, sink: _Sink, flat: Flat, host: list[np.ndarray], step: int, meta: dict):
+    def _write_chunks(self, sink: _Sink, flat: Flat, host: list[np.ndarray], step: int, meta: dict) -> _Written:
         cs, digest = self.chunk_size, self._digest
         entries, all_digests, new_trees, roots = [], [], {}, []
         pending: dict[bytes, Future] = {}
@@ -522,7 +450,7 @@ class CheckpointWriter:
         if rewritten:
             # only when there are any: the manifests of ordinary saves keep their exact format
             m.stats["chunks_rewritten"] = len(rewritten)
-        return m, written, len(pending), unchanged, len(rewritten), new_trees, set(pending)
+        return _Written(m, written, len(pending), unchanged, len(rewritten), new_trees, set(pending))
 
     @staticmethod
     def _drop_orphans(sink: _Sink, digests) -> None:
