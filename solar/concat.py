@@ -40,15 +40,16 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import ConcatDataset, Subset
+from torch.utils.data import ConcatDataset
 
 from solar.collective import agree, agreement_at_end, union
 from solar.collective import lockstep as _lockstep
 from solar.dataset import H5Dataset
 from solar.fetch import FetchPass, StoredBatch, as_indices, evict_samples
+from solar.subset import distinct_rows
 from solar.errors import CorruptDataError
 
-__all__ = ["StoredConcat", "stored_concat"]
+__all__ = ["StoredConcat"]
 
 
 class _Rows:
@@ -88,12 +89,10 @@ class _ConcatStored:
 
 class StoredConcat(ConcatDataset):
     """A ``ConcatDataset`` (same ``datasets`` as the one it replaces) whose files the loader
-    reads as one index space; see NOTE [ Several files ]. Build it with :func:`stored_concat`."""
+    reads as one index space; see NOTE [ Several files ]. Built by :func:`solar.views.stored_concat`."""
 
     def __init__(self, datasets: Sequence[Any], parts: list[tuple[H5Dataset, np.ndarray | None]],
                  perm: np.ndarray | None = None) -> None:
-        from solar.subset import distinct_rows
-
         super().__init__(datasets)
         self.parts = parts  # per part: its file's dataset and the part's rows (None: all); nested
         # ConcatDatasets are flattened, so parts and members may differ
@@ -290,66 +289,7 @@ class StoredConcat(ConcatDataset):
 
 def _distinct(parts: list[tuple[H5Dataset, np.ndarray | None]]) -> bool:
     """No stored row of any file twice in the concatenation."""
-    from solar.subset import distinct_rows
-
     by_file: dict[int, tuple[H5Dataset, list]] = {}
     for ds, rows in parts:
         by_file.setdefault(id(ds), (ds, []))[1].append(np.arange(len(ds)) if rows is None else rows)
     return all(distinct_rows(np.concatenate(rows), len(ds)) for ds, rows in by_file.values())
-
-
-def stored_concat(dataset: Any, memo: dict | None = None) -> StoredConcat | None:
-    """``dataset`` as a :class:`StoredConcat` when it is a ``ConcatDataset`` whose members are
-    H5Datasets, Subsets of them or ConcatDatasets of those (torch's own classes, and
-    :func:`~solar.subset.drivable` files), with one set of field names and all read collectively
-    or none; else None (the loader then runs as torch's, with a warning).
-
-    ``memo`` (one per build): each ``ConcatDataset`` object is converted once, and members that
-    select from the same one (``ConcatDataset([train, val])`` of one ``random_split``) share its
-    parts instead of adding them again (twice the read calls, and no disjoint reads)."""
-    from solar.subset import StoredSubset, drivable, stored_subset
-
-    if type(dataset) is not ConcatDataset:  # torch's own: a subclass may make its items otherwise
-        return None
-    memo = {} if memo is None else memo
-    if id(dataset) in memo:
-        return memo[id(dataset)][1]
-    parts: list[tuple[H5Dataset, np.ndarray | None]] = []
-    places: list[np.ndarray] = []  # per member: where its positions are in the parts
-    placed: dict[int, int] = {}  # inner StoredConcat -> where its parts start
-    size = 0  # of the parts so far
-    for d in dataset.datasets:
-        if type(d) is Subset:
-            d = stored_subset(d, memo)
-        if drivable(d) or (isinstance(d, StoredSubset) and isinstance(d.base, H5Dataset)):
-            part = (d, None) if drivable(d) else (d.base, d.rows)
-            n = len(d)
-            parts.append(part)
-        elif isinstance(d, StoredSubset) or isinstance(d, StoredConcat) or type(d) is ConcatDataset:
-            inner = d.base if isinstance(d, StoredSubset) else d if isinstance(d, StoredConcat) else \
-                stored_concat(d, memo)
-            if not isinstance(inner, StoredConcat):
-                return None
-            at = np.arange(len(inner), dtype=np.int64) if inner.perm is None else inner.perm
-            if isinstance(d, StoredSubset):  # a Subset of a ConcatDataset: positions in the inner one
-                at = at[d.rows]
-            if id(inner) not in placed:
-                placed[id(inner)] = size
-                parts += inner.parts
-                size += int(inner.bounds[-1])
-            places.append(placed[id(inner)] + at)
-            continue
-        else:
-            return None
-        places.append(np.arange(size, size + n, dtype=np.int64))
-        size += n
-    if not parts:
-        return None
-    names = {tuple(s.name for s in ds.specs) for ds, _ in parts}
-    collective = {bool(ds.backend.collective) for ds, _ in parts}
-    if len(names) != 1 or len(collective) != 1:
-        return None
-    perm = np.concatenate(places)
-    out = StoredConcat(dataset.datasets, parts, None if np.array_equal(perm, np.arange(size)) else perm)
-    memo[id(dataset)] = (dataset, out)  # (the dataset kept alive: its id stays its own)
-    return out

@@ -143,8 +143,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._auto_epoch = False
         if isinstance(dataset, (tud.Subset, tud.ConcatDataset)) and not is_storage_backed(dataset) and \
                 (batch_size is not None or batch_sampler is not None):
-            from solar.concat import stored_concat
-            from solar.subset import stored_subset
+            from solar.views import stored_concat, stored_subset
 
             # NOTE [ Subsets ] in solar/subset.py, NOTE [ Several files ] in solar/concat.py
             view = stored_subset(dataset) if isinstance(dataset, tud.Subset) else stored_concat(dataset)
@@ -239,8 +238,9 @@ class DataLoader(tud.DataLoader[T_co]):
         resume = self._progress.pop("resume", None)
         if self.solar_sampler is not None:
             from solar.subset import StoredSubset
+            from solar.views import refresh
 
-            if isinstance(self.dataset, StoredSubset) and self.dataset.refresh():
+            if isinstance(self.dataset, StoredSubset) and refresh(self.dataset):
                 self.solar_sampler.start_over()  # NOTE [ Subsets ]: a position now names another sample
             self.solar_sampler.set_resume(resume)
         rng = self._rng_state()

@@ -23,7 +23,7 @@ NOTE [ Subsets ]
     concatenation.
 
     The loader follows a ``Subset`` whose indices change between iterations, as torch's does
-    (an active-learning pool that grows, a curriculum): :meth:`StoredSubset.refresh` compares
+    (an active-learning pool that grows, a curriculum): :func:`solar.views.refresh` compares
     each level's indices with the ones it last composed (a copy: ``indices[:] = ...`` changes the
     list in place) when an iteration starts, and recomposes the rows if they differ; the loader
     then starts its schedule and buffer over, since a position now names another sample.
@@ -35,17 +35,17 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
-from torch.utils.data import ConcatDataset, Subset
+from torch.utils.data import Subset
 
 from solar.dataset import H5Dataset
 
-__all__ = ["StoredSubset", "stored_subset", "drivable"]
+__all__ = ["StoredSubset", "drivable", "distinct_rows", "chain_indices"]
 
 
 class StoredSubset(Subset):
     """A ``Subset`` (same ``dataset`` and ``indices`` as the one it replaces) whose samples the
     loader reads through its base :class:`H5Dataset`; see NOTE [ Subsets ]. Build it with
-    :func:`stored_subset`."""
+    :func:`solar.views.stored_subset`."""
 
     def __init__(self, dataset: Any, indices: Sequence[int], base: Any, rows: np.ndarray) -> None:
         super().__init__(dataset, indices)
@@ -58,37 +58,9 @@ class StoredSubset(Subset):
         return f"StoredSubset({len(self.rows)} of {self.base!r})"
 
     def watch(self, source: Subset) -> None:
-        """Follow ``source`` (the user's ``Subset`` this one replaces): see :meth:`refresh`."""
+        """Follow ``source`` (the user's ``Subset`` this one replaces): see :func:`solar.views.refresh`."""
         self.source = source
-        self._seen = _chain_indices(source)
-
-    def refresh(self) -> bool:
-        """Recompose the rows if the watched ``Subset``'s indices (at any level) changed since
-        they were last composed; True if they did (NOTE [ Subsets ]).
-
-        Raises:
-            IndexError: a new index out of range, as :func:`stored_subset` (torch raises it at the
-                first batch that reaches it).
-            ConfigError: the indices are no longer integers.
-        """
-        source = self.__dict__.get("source")
-        if source is None:
-            return False
-        seen = _chain_indices(source)
-        if len(seen) == len(self._seen) and all(a.shape == b.shape and np.array_equal(a, b)
-                                                for a, b in zip(seen, self._seen)):
-            return False
-        new = stored_subset(source)
-        if new is None:
-            from solar.errors import ConfigError
-
-            raise ConfigError(f"{self.base.path}: the Subset's indices changed to something other than integers "
-                              "(or its dataset to one SOLAR cannot drive); build a new DataLoader for it")
-        # the base stays (a ConcatDataset's own view is rebuilt by stored_subset, with the same
-        # positions while its datasets are the same)
-        self.dataset, self.indices, self.rows, self.distinct = new.dataset, new.indices, new.rows, new.distinct
-        self._seen = seen
-        return True
+        self._seen = chain_indices(source)
 
     # -- what the loader drives (the storage-backed protocol of H5Dataset) ----------------------
     def fetch_stored(self, indices: Sequence[int], **kw) -> Any:
@@ -115,7 +87,7 @@ class StoredSubset(Subset):
         return getattr(self.base, name)
 
 
-def _chain_indices(subset: Subset) -> list[np.ndarray]:
+def chain_indices(subset: Subset) -> list[np.ndarray]:
     """A copy of every level's indices of ``subset`` (nested torch Subsets), outermost first."""
     out = []
     d = subset
@@ -145,49 +117,3 @@ def drivable(ds: Any) -> bool:
 
 
 _ITEM_METHODS = ("__getitems__", "_getitems", "_items", "_samples")
-
-
-def stored_subset(dataset: Any, memo: dict | None = None) -> StoredSubset | None:
-    """``dataset`` as a :class:`StoredSubset` when it is a torch ``Subset`` (maybe of ``Subset`` s)
-    of an :class:`H5Dataset` (or of a ``ConcatDataset`` of them, NOTE [ Several files ] in
-    ``solar/concat.py``) with integer indices; else None (the loader then runs as torch's). Only
-    torch's own classes are replaced, not subclasses (they may make their items otherwise), and
-    only datasets that are :func:`drivable`. ``memo``: see :func:`solar.concat.stored_concat`.
-
-    Raises:
-        IndexError: an index out of range for the dataset it selects from (torch would raise it
-            at the first batch that reaches it), naming the index and the file.
-    """
-    chain = []
-    d = dataset
-    while type(d) is Subset:  # torch's own: a subclass may make its items otherwise
-        chain.append(d.indices)
-        d = d.dataset
-    if isinstance(d, StoredSubset):
-        base, rows = d.base, d.rows
-    elif drivable(d) and chain:
-        base, rows = d, np.arange(len(d), dtype=np.int64)
-    elif isinstance(d, ConcatDataset) and chain:
-        from solar.concat import StoredConcat, stored_concat
-
-        base = d if isinstance(d, StoredConcat) else stored_concat(d, memo)
-        if base is None:
-            return None
-        rows = np.arange(len(base), dtype=np.int64)
-    else:
-        return None
-    for indices in reversed(chain):
-        sel = np.asarray(indices)
-        if sel.size == 0:
-            sel = sel.astype(np.int64)
-        if sel.ndim != 1 or sel.dtype.kind not in "iu":
-            return None
-        sel = sel.astype(np.int64)
-        bad = (sel < -len(rows)) | (sel >= len(rows))
-        if bad.any():
-            raise IndexError(
-                f"{base.path}: Subset index {int(sel[bad][0])} out of range for the {len(rows)} samples it "
-                f"selects from (at position {int(np.flatnonzero(bad)[0])} of its indices); check the "
-                "indices given to Subset")
-        rows = rows[sel]
-    return StoredSubset(dataset.dataset, dataset.indices, base, rows)

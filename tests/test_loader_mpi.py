@@ -276,7 +276,7 @@ def test_a_pass_over_several_files_agrees_once_on_what_its_reads_found(comm, sha
     file and field; only the check before each collective read still agrees on its own. Three
     checksummed files of two fields: 3 + 6 agreements (the indices, the reads, the decode check;
     a request check per collective read), where there were 3 + 6 + 12."""
-    from solar.concat import stored_concat
+    from solar.views import stored_concat
     from solar.ingest import ingest
 
     paths = [os.path.join(shared_tmp, f"agree{i}.h5") for i in range(3)]
