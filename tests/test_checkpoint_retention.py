@@ -49,7 +49,7 @@ def test_load_of_the_newest_version_starts_over_when_retention_removes_it_mid_re
         w.save(seeded_state(1), 1, blocking=True)
         at = _first_read_of_last_blob(tmp_path, 1)
         reads = _commit_during_reads(monkeypatch, w, [2], {at})
-        out = load(tmp_path)  # used to raise CorruptDataError "chunk ... is missing ... restore from an older version"
+        out = load(tmp_path)  # starts over on step 2, not CorruptDataError "chunk ... is missing"
         assert reads["n"] > at and list_versions(tmp_path) == [2]
         # all of step 2: blob "a" read (and cached) from the removed step 1 is not reused
         assert_same(out, seeded_state(2))

@@ -144,7 +144,7 @@ def test_read_only_http_root_cannot_be_locked(http_root):
 def test_s3_lock_is_an_exclusive_create(s3_bucket, monkeypatch):
     """Two writers that both saw no LOCK (forced here: every existence check says "absent"):
     S3's conditional PUT lets only the first create it; the second is refused and the first
-    keeps its lock (a check-then-put let the second overwrite it and both write)."""
+    keeps its lock (a check-then-put would let the second overwrite it and both write)."""
     bucket, opts = s3_bucket
     root = f"{bucket}/lockrace-{os.getpid()}"
     with CheckpointWriter(root, storage_options=opts) as w:

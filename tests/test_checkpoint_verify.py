@@ -41,7 +41,7 @@ def test_flipped_byte_is_found_by_verify_and_refused_by_load(tmp_path):
 
 
 def test_verify_repair_lets_the_next_save_heal_a_damaged_chunk(tmp_path):
-    """A writer trusts the chunks it finds, so saving the same bytes again used to leave the
+    """A writer trusts the chunks it finds, so saving the same bytes again would leave the
     damaged copy (and every version using it) broken; after ``verify(repair=True)`` the next
     save rewrites it, which heals the old version too."""
     state, store = _one_version(tmp_path)
@@ -79,10 +79,9 @@ def test_repair_markers_survive_a_writer_gc_until_rewritten(tmp_path):
 
 
 def test_save_counters_after_repair_do_not_overlap(tmp_path, capsys):
-    """The healing save after ``verify --repair`` reported chunks_unchanged from the Merkle diff (the
-    repaired chunks too) and chunks_written from what it wrote (the same chunks again), so written +
-    unchanged exceeded chunks_total. A rewritten chunk now counts as written and rewritten, not as
-    unchanged; what is written is the same."""
+    """The healing save after ``verify --repair`` counts a chunk it rewrites as written and
+    rewritten, never also as unchanged (though the Merkle diff calls it unchanged), so written +
+    unchanged never exceeds chunks_total."""
     state, store = _one_version(tmp_path)  # 16 chunks of weight + 1 of bias
     damaged = store.read_manifest(7).blob_digests(0)[2].tobytes()
     path = store.tier.path(chunk_key(damaged))
@@ -97,7 +96,7 @@ def test_save_counters_after_repair_do_not_overlap(tmp_path, capsys):
         same = w.save(state, 9).result()
     assert res.chunks_written + res.chunks_unchanged <= res.chunks_total
     assert (res.chunks_total, res.chunks_written, res.chunks_rewritten, res.chunks_unchanged) == (17, 3, 2, 14)
-    assert res.bytes_written == 2 * 4 * KB + 100 * 4  # the same chunks are written as before the fix
+    assert res.bytes_written == 2 * 4 * KB + 100 * 4  # rewritten: a weight chunk, the bias; new: a weight chunk
     st8 = store.read_manifest(8).stats
     assert (st8["chunks_written"], st8["chunks_rewritten"], st8["chunks_unchanged"]) == (3, 2, 14)
     # an ordinary save rewrites nothing, and its manifest keeps the exact old set of stats

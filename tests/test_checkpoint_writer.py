@@ -122,8 +122,8 @@ def test_lazy_then_normal_saves_behind_a_running_commit_do_not_deadlock(tmp_path
 
 @pytest.mark.parametrize("later", ["normal", "lazy"])
 def test_a_save_interrupted_while_waiting_for_the_buffer_does_not_hang_later_saves(tmp_path, monkeypatch, later):
-    """Ctrl-C in a save waiting for the staging buffer (max_in_flight=1) left its turn unserved,
-    and every later save of the writer waited forever for it."""
+    """Ctrl-C in a save waiting for the staging buffer (max_in_flight=1) gives up its turn, so
+    later saves of the writer do not wait forever for it."""
     gate = threading.Event()
     original = W.CheckpointWriter._write_chunks
 
