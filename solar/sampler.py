@@ -117,6 +117,7 @@ class SolarBatchSampler(BatchSampler):
         self._resume: dict | None = None
         self._open = False  # a scheduled iteration started and not run to its end
         self._stopped: int | None = None  # steps the last iteration handed out, once it is closed
+        self._handed = 0  # steps the newest iteration has handed out so far
         self._token: object | None = None  # identifies the newest iteration
         self._live: Any = _no_iteration  # weakref to the newest iteration's generator
         self._capacities: dict[tuple[int, int, int], int] = {}
@@ -270,6 +271,7 @@ class SolarBatchSampler(BatchSampler):
             self._settle_last_iteration()
         self._open = self.mode == "schedule"
         self._stopped = None
+        self._handed = 0
         token = self._token = object()  # this iteration; an older one closing later reports nothing
         self._live = me[0]  # NOTE [ Early stop ]: a newer iteration on a collective backend ends it
         P, rank = self._prepare()
@@ -296,6 +298,8 @@ class SolarBatchSampler(BatchSampler):
                         # workers, alive in a reference cycle until a garbage collection)
                         raise_failed(batch)
                     handed += 1
+                    if self._token is token:
+                        self._handed = handed
                     yield batch
         except Exception as exc:
             drop_frame_locals(exc)
@@ -385,6 +389,11 @@ class SolarBatchSampler(BatchSampler):
         training loop stopped the script with an error there.
         """
         plan = self.current.get("plan") if self.current.get("mode") == "schedule" else None
+        if self._open and plan is not None and self._handed >= plan.num_steps:
+            # every step was handed out: the iteration ran to its end, whether or not its loop
+            # saw StopIteration (islice(loader, len(loader)), zip over loaders); counted as an
+            # early stop, it started over on one rank while the others kept their plans
+            self._open = False
         P, rank, _ = self._geometry()
         if self._open and self._stopped is None:
             # an iterator only a reference cycle keeps alive (an error re-raised from torch's

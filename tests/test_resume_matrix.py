@@ -200,12 +200,6 @@ def test_resume_over_every_backend_and_tier(backend, tier, mode, request, tmp_pa
         ds.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug, solar/sampler.py (NOTE [ Early stop ]): a rank that takes every batch of an epoch "
-    "but never sees StopIteration (islice(loader, len(loader)), zip over loaders) counts as stopped "
-    "at its last step, and the rewind leaves its planner unlike that of a rank whose loop ended; "
-    "with 31 samples a rank buffered (not with 48), the next epoch's global batch 4 then has one "
-    "sample of DistributedSampler's order replaced by another"))
 def test_a_rank_that_never_sees_stop_iteration_plans_as_the_others(matrix_h5):
     import itertools
 
