@@ -25,11 +25,14 @@ import math
 import pickle
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable, NamedTuple
 
 import torch
 
 from solar.errors import CorruptDataError, InputError, SolarError
+
+from .errors import UntrustedPickleError
+from .safepickle import UnsafeGlobalError, safe_loads
 
 __all__ = ["TensorRef", "BlobSource", "Flat", "flatten", "unflatten", "DTYPES", "dtype_name"]
 
@@ -118,6 +121,15 @@ class Flat:
     blobs: list[BlobSource]
 
 
+class _Member(NamedTuple):
+    """A tensor of a storage group: its index in the tensor table and the byte span it touches."""
+
+    index: int
+    tensor: torch.Tensor
+    start: int
+    end: int
+
+
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     item = t.element_size()
     start = t.storage_offset() * item
@@ -155,7 +167,7 @@ def flatten(state: Any) -> Flat:
             non-tensor value cannot be pickled (a lambda, a lock ...).
     """
     tensors: list[TensorRef] = []
-    groups: dict[tuple, list[tuple[int, torch.Tensor, int, int]]] = {}
+    groups: dict[tuple, list[_Member]] = {}
     used_names: set[str] = set()
 
     def unique(name: str) -> str:
@@ -177,7 +189,7 @@ def flatten(state: Any) -> Flat:
             idx = len(tensors)
             tensors.append(TensorRef(name, -1, lo, dtype_name(t.dtype), list(t.shape), list(t.stride()), str(obj.device),
                                      isinstance(obj, torch.nn.Parameter), bool(obj.requires_grad)))
-            groups.setdefault(key, []).append((idx, t, lo, hi))
+            groups.setdefault(key, []).append(_Member(idx, t, lo, hi))
             return {"__tensor__": idx}
         if obj is None or type(obj) in (bool, int, str):  # exact types: IntEnum etc. are pickled below
             return obj
@@ -211,25 +223,30 @@ def flatten(state: Any) -> Flat:
         return {"__pickle__": base64.b64encode(data).decode()}
 
     skeleton = enc(state, "")
+    return Flat(skeleton, tensors, _blobs(groups.values(), tensors))
+
+
+def _blobs(groups: Iterable[list[_Member]], tensors: list[TensorRef]) -> list[BlobSource]:
+    """One blob per storage group, spanning the bytes its tensors touch; sets each tensor's blob and offset."""
     blobs: list[BlobSource] = []
-    for members in groups.values():
+    for members in groups:
         # the largest storage of the group: two storages can start at one address (numpy views
         # of one array: torch.from_numpy(a[:10]) and torch.from_numpy(a)), and a span built over
-        # the smaller one failed staging with torch's bare "storage that is not resizable"
-        t0 = max((m[1] for m in members), key=lambda t: t.untyped_storage().nbytes())
-        lo = min(m[2] for m in members) // _ALIGN * _ALIGN
-        hi = max(m[3] for m in members)
+        # the smaller one would reach past its end (torch's bare "storage that is not resizable")
+        t0 = max((m.tensor for m in members), key=lambda t: t.untyped_storage().nbytes())
+        lo = min(m.start for m in members) // _ALIGN * _ALIGN
+        hi = max(m.end for m in members)
         if hi > t0.untyped_storage().nbytes():
-            names = ", ".join(tensors[m[0]].name for m in members)
+            names = ", ".join(tensors[m.index].name for m in members)
             raise InputError(f"tensors {names} share memory but reach past every storage holding it "
                              f"({hi} B > {t0.untyped_storage().nbytes()} B); save .clone()s of them")
         blob = BlobSource(t0.untyped_storage(), lo, max(hi, lo), str(t0.device))
-        for idx, _t, start, _end in members:
-            tensors[idx].blob = len(blobs)
-            tensors[idx].offset = start - lo
-            blob.tensors.append(idx)
+        for m in members:
+            tensors[m.index].blob = len(blobs)
+            tensors[m.index].offset = m.start - lo
+            blob.tensors.append(m.index)
         blobs.append(blob)
-    return Flat(skeleton, tensors, blobs)
+    return blobs
 
 
 def materialize(refs: list[TensorRef], blob_buffers: "list[torch.Tensor] | dict[int, torch.Tensor]") -> list[torch.Tensor]:
@@ -265,9 +282,6 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor], *, weights_only: bool 
             the global and the opt-in); nothing of that pickle ran.
         CorruptDataError: a malformed skeleton value (names the key); ``where`` starts the message.
     """
-    from .errors import UntrustedPickleError
-    from .safepickle import UnsafeGlobalError, safe_loads
-
     def bad(path: str, why: str) -> CorruptDataError:
         return CorruptDataError(f"{where}: key {path or '<root>'!r} of the skeleton {why}; the manifest is damaged "
                                 "or was crafted: load another version or get the checkpoint from a source you trust")

@@ -15,6 +15,9 @@ the same bytes writes them afresh, which heals every version that references the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+from tqdm import tqdm
 
 from solar.cache.base import UnsafePathError
 from solar.errors import CorruptDataError
@@ -87,6 +90,14 @@ def verify(root, step: int | None = None, *, progress: bool = False, repair: boo
         lock.release()
 
 
+class _Chunk(NamedTuple):
+    """A distinct chunk to check: its expected size, the versions and tensors using it, its hash."""
+
+    size: int
+    uses: list[tuple[int, list[str]]]  # (step, names of the tensors of the blob holding it)
+    hash: str
+
+
 def _verify(store: CheckpointStore, step: int | None, progress: bool) -> VerifyReport:
     report = VerifyReport(store.root)
     manifests: list[Manifest] = []
@@ -109,46 +120,17 @@ def _verify(store: CheckpointStore, step: int | None, progress: bool) -> VerifyR
         report.problems.append(entry)
         if step is None:
             report.incomplete.append(entry)
-    # chunk digest -> (size, [(step, tensor names)])
-    where: dict[bytes, tuple[int, list]] = {}
-    for m in manifests:
-        report.steps.append(m.step)
-        digest = hasher(m.hash)
-        for i, b in enumerate(m.blobs):
-            rows = m.blob_digests(i)
-            levels = merkle.build(rows, digest)
-            if merkle.root(levels).hex() != b.root:
-                report.problems.append({"kind": "tree", "step": m.step, "tensors": m.tensors_of_blob(i),
-                                        "detail": f"Merkle root of blob {i} does not match its digests"})
-            names = m.tensors_of_blob(i)
-            for j, (a, e) in enumerate(chunk_spans(b.nbytes, m.chunk_size)):
-                d = rows[j].tobytes()
-                entry = where.setdefault(d, (e - a, [], m.hash))
-                entry[1].append((m.step, names))
+    chunks = _check_trees(manifests, report)
     bar = None
     if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(v[0] for v in where.values()), unit="B", unit_scale=True, desc="verify", leave=False, disable=None)
+        bar = tqdm(total=sum(c.size for c in chunks.values()), unit="B", unit_scale=True, desc="verify", leave=False,
+                   disable=None)
     by_step = {m.step: m for m in manifests}
     gone: set[int] = set()  # versions found removed (retention) while their chunks were checked
-    view = memoryview(bytearray(max((v[0] for v in where.values()), default=0)))
-    fns = {h: hasher(h) for h in {v[2] for v in where.values()}}
-    for d, (size, uses, hname) in where.items():
-        detail = None
-        try:
-            n = store.tier.read_into(chunk_key(d), view)
-        except ValueError:  # tiers refuse a value bigger than the buffer (sized for the largest chunk)
-            detail = f"larger than expected ({size} B)"
-        except UnsafePathError as exc:  # a planted symlink or FIFO: never read through
-            detail = f"{exc.strerror}, not a chunk file"
-        else:
-            if n is None:
-                detail = "missing"
-            elif n != size:
-                detail = f"has {n} B, expected {size} B"
-            elif fns[hname](view[:n]) != d:
-                detail = "content does not match its hash"
+    view = memoryview(bytearray(max((c.size for c in chunks.values()), default=0)))
+    fns = {h: hasher(h) for h in {c.hash for c in chunks.values()}}
+    for d, (size, uses, hname) in chunks.items():
+        detail = _chunk_problem(store, d, size, view, fns[hname])
         report.chunks_checked += 1
         report.bytes_checked += size
         if bar is not None:
@@ -170,6 +152,44 @@ def _verify(store: CheckpointStore, step: int | None, progress: bool) -> VerifyR
     report.steps = [s for s in report.steps if s not in gone]
     report.skipped = sorted(set(report.skipped) | gone)
     return report
+
+
+def _check_trees(manifests: list[Manifest], report: VerifyReport) -> dict[bytes, _Chunk]:
+    """Check every blob's Merkle root against its digests (a ``tree`` problem if not); return the
+    distinct chunks of ``manifests`` with their uses, so each is read once however many use it."""
+    chunks: dict[bytes, _Chunk] = {}
+    for m in manifests:
+        report.steps.append(m.step)
+        digest = hasher(m.hash)
+        for i, b in enumerate(m.blobs):
+            rows = m.blob_digests(i)
+            levels = merkle.build(rows, digest)
+            if merkle.root(levels).hex() != b.root:
+                report.problems.append({"kind": "tree", "step": m.step, "tensors": m.tensors_of_blob(i),
+                                        "detail": f"Merkle root of blob {i} does not match its digests"})
+            names = m.tensors_of_blob(i)
+            for j, (a, e) in enumerate(chunk_spans(b.nbytes, m.chunk_size)):
+                d = rows[j].tobytes()
+                chunks.setdefault(d, _Chunk(e - a, [], m.hash)).uses.append((m.step, names))
+    return chunks
+
+
+def _chunk_problem(store: CheckpointStore, d: bytes, size: int, view: memoryview,
+                   digest: Callable[[memoryview], bytes]) -> str | None:
+    """What is wrong with chunk ``d`` as stored (read into ``view``), or ``None`` if it is intact."""
+    try:
+        n = store.tier.read_into(chunk_key(d), view)
+    except ValueError:  # tiers refuse a value bigger than the buffer (sized for the largest chunk)
+        return f"larger than expected ({size} B)"
+    except UnsafePathError as exc:  # a planted symlink or FIFO: never read through
+        return f"{exc.strerror}, not a chunk file"
+    if n is None:
+        return "missing"
+    if n != size:
+        return f"has {n} B, expected {size} B"
+    if digest(view[:n]) != d:
+        return "content does not match its hash"
+    return None
 
 
 def _uses_still_stored(store: CheckpointStore, uses: list, by_step: dict[int, Manifest], gone: set[int]) -> list:

@@ -390,9 +390,11 @@ class CheckpointWriter:
             protect = frozenset(self._undrained | {step})
         # gc runs here, in the one thread that writes this sink, so it never races a dedup decision
         sink.gc(self.keep_last, protect)
-        return SaveResult(step, m.logical_bytes, out.bytes_written, m.nchunks, out.chunks_written, out.chunks_unchanged,
-                          manifest_bytes, stage_seconds, time.perf_counter() - t0, sink.store.root,
-                          out.chunks_rewritten)
+        return SaveResult(step=step, logical_bytes=m.logical_bytes, bytes_written=out.bytes_written,
+                          chunks_total=m.nchunks, chunks_written=out.chunks_written,
+                          chunks_unchanged=out.chunks_unchanged, manifest_bytes=manifest_bytes,
+                          stage_seconds=stage_seconds, persist_seconds=time.perf_counter() - t0,
+                          root=sink.store.root, chunks_rewritten=out.chunks_rewritten)
 
     def _write_chunks(self, sink: _Sink, flat: Flat, host: list[np.ndarray], step: int, meta: dict) -> _Written:
         cs, digest = self.chunk_size, self._digest
@@ -486,9 +488,10 @@ class CheckpointWriter:
         written = self._drain_version(step)
         m = self._main.store.read_manifest(step)
         st = m.stats or {}
-        return SaveResult(step, m.logical_bytes, written, m.nchunks, st.get("chunks_written", 0),
-                          st.get("chunks_unchanged", 0), 0, 0.0, time.perf_counter() - t0, self.root,
-                          st.get("chunks_rewritten", 0))
+        return SaveResult(step=step, logical_bytes=m.logical_bytes, bytes_written=written, chunks_total=m.nchunks,
+                          chunks_written=st.get("chunks_written", 0), chunks_unchanged=st.get("chunks_unchanged", 0),
+                          manifest_bytes=0, stage_seconds=0.0, persist_seconds=time.perf_counter() - t0,
+                          root=self.root, chunks_rewritten=st.get("chunks_rewritten", 0))
 
     def _drain_version(self, step: int) -> int:
         src, dst = self._stage.store, self._main
