@@ -14,17 +14,7 @@ from typing import Any, ClassVar, Hashable, Iterator
 
 __all__ = ["Tier", "TierStats", "TierFullError", "UnsafePathError"]
 
-from solar.errors import SolarError
-
-
-class TierFullError(SolarError, MemoryError):
-    """A value does not fit in the tier's byte budget."""
-
-
-class UnsafePathError(SolarError, OSError):
-    """A key's file is reached through a symlink out of the tier's root, or is a symlink or not a
-    regular file (a FIFO, a device): a root someone else prepared. Nothing was read or written
-    through it."""
+from solar.errors import TierFullError, UnsafePathError  # noqa: F401 (re-exported: the tier API)
 
 
 @dataclass

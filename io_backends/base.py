@@ -25,16 +25,16 @@ NOTE [ Disjoint collective reads ]
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
 from solar.collective import agree, lockstep
+from solar.errors import InputError
 
 #: the ``disjoint`` promise of the running ``read_ranges`` call (per thread)
 _DISJOINT: contextvars.ContextVar[bool] = contextvars.ContextVar("solar_disjoint_read", default=False)
@@ -105,9 +105,9 @@ def normalize_ranges(ranges: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray
     arr = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
     if len(arr):
         if np.any(arr[:, 1] <= arr[:, 0]):
-            raise ValueError(f"row ranges must have stop > start, got {arr[arr[:, 1] <= arr[:, 0]][:3].tolist()}")
+            raise InputError(f"row ranges must have stop > start, got {arr[arr[:, 1] <= arr[:, 0]][:3].tolist()}")
         if np.any(arr[1:, 0] < arr[:-1, 1]):
-            raise ValueError("row ranges must be sorted and disjoint; sort and coalesce them first")
+            raise InputError("row ranges must be sorted and disjoint; sort and coalesce them first")
     return arr
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from solar.errors import DatasetFormatError, StorageError
 
 from .base import ArrayInfo
-from .fsspec_common import CHANGED, INHERITED, is_http, missing_protocol_error, storage_errors, url_to_fs
+from .fsspec_common import CHANGED, INHERITED, is_http, missing_protocol_error, url_errors, url_to_fs
 from .fsspec_hdf5 import h5_errors, open_file_object, open_h5
 from .hdf5 import HDF5Backend
 from .npy_format import npy_header
@@ -61,13 +61,13 @@ class FsspecBackend(HDF5Backend):
 
     def _open(self) -> None:
         self._keep_parent_handles()
-        with storage_errors(self.url, "opening it"):
+        with url_errors(self.url, "opening it"):
             self._fs, path = url_to_fs(self.url, **self.options["storage_options"])
         self._owner_pid = os.getpid()
         self._fobj = self._npy = None
         self._file = None
         self._dsets, self._keys = {}, None
-        with storage_errors(self.url, "opening it"):
+        with url_errors(self.url, "opening it"):
             is_dir, info = self._probe(path)
             if is_dir or urlsplit(path).path.endswith(".npy"):
                 self._npy = NpyStore(self._fs, path, self.url, is_dir, info)

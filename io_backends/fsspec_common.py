@@ -7,14 +7,13 @@ Used by :mod:`solar.io_backends.fsspec` (the ``fsspec`` backend), its two contai
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
-from typing import Any, Iterator
+from typing import Any
 
-from solar.errors import ConfigError, MissingDependencyError, SolarError, StorageError
+from solar.errors import ConfigError, MissingDependencyError, SolarError, StorageError, storage_errors
 
-__all__ = ["INHERITED", "CHANGED", "storage_error", "storage_errors", "range_hint", "missing_protocol_error",
+__all__ = ["INHERITED", "CHANGED", "transport_error", "url_errors", "range_hint", "missing_protocol_error",
            "url_to_fs", "is_http", "full_url"]
 
 # NOTE [ fsspec after fork ]
@@ -37,7 +36,7 @@ if hasattr(os, "register_at_fork"):
 #     403, 500 ...; not an OSError), botocore's EndpointConnectionError (an S3 endpoint nobody
 #     answers), a plain ValueError when an HTTP server ignores Range requests. None of them says
 #     which dataset URL failed or what to do, and callers catching OSError miss most of them.
-#     Every storage call of the fsspec backend goes through :func:`storage_errors`, which
+#     Every storage call of the fsspec backend goes through :func:`url_errors`, which
 #     re-raises them as :class:`solar.StorageError` (an ``OSError``) naming the URL and what to
 #     check, the original exception chained; FileNotFoundError and SOLAR's own errors pass
 #     through unchanged.
@@ -54,11 +53,17 @@ def range_hint(url: str) -> str:
             "them (nginx, Apache, S3 ...) or copy it to a local path")
 
 
-def storage_error(url: str, exc: BaseException, doing: str, hdf5: bool = False) -> StorageError | None:
+def transport_error(url: str, exc: BaseException, doing: str, hdf5: bool = False) -> Exception | None:
     """The :class:`StorageError` for a transport exception, or None to let ``exc`` through.
 
     ``hdf5``: ``exc`` came through h5py, whose own errors (a file that is not HDF5 ...) are
-    plain ``OSError``s; those pass through for the caller to report as format errors."""
+    plain ``OSError``s; those pass through for the caller to report as format errors. A
+    ``TypeError`` about a keyword is a storage option the filesystem does not take: a
+    :class:`ConfigError`."""
+    if isinstance(exc, TypeError) and "keyword argument" in str(exc):
+        return ConfigError(f"{url}: a storage option is not accepted by this URL's filesystem ({exc}) while "
+                           f"{doing}; check the keys of storage_options (and of its client_kwargs / "
+                           "config_kwargs) against the fsspec implementation for this protocol")
     if isinstance(exc, (SolarError, FileNotFoundError)):
         return None
     if isinstance(exc, ValueError) and _NO_RANGES in str(exc):
@@ -94,23 +99,10 @@ def storage_error(url: str, exc: BaseException, doing: str, hdf5: bool = False) 
     return None
 
 
-@contextlib.contextmanager
-def storage_errors(url: str, doing: str, hdf5: bool = False) -> Iterator[None]:
-    """Re-raise transport exceptions as :class:`StorageError` (NOTE [ Storage errors name the URL ]);
-    ``hdf5`` as for :func:`storage_error`."""
-    try:
-        yield
-    except TypeError as exc:
-        if "keyword argument" not in str(exc):
-            raise
-        raise ConfigError(f"{url}: a storage option is not accepted by this URL's filesystem ({exc}) while "
-                          f"{doing}; check the keys of storage_options (and of its client_kwargs / "
-                          "config_kwargs) against the fsspec implementation for this protocol") from exc
-    except Exception as exc:  # noqa: BLE001 - classified by storage_error, else re-raised as is
-        err = storage_error(url, exc, doing, hdf5)
-        if err is None:
-            raise
-        raise err from exc
+def url_errors(url: str, doing: str, hdf5: bool = False):
+    """Re-raise transport exceptions as :class:`StorageError` (NOTE [ Storage errors name the URL ]),
+    through :func:`solar.errors.storage_errors`; ``hdf5`` as for :func:`transport_error`."""
+    return storage_errors(lambda exc: transport_error(url, exc, doing, hdf5))
 
 
 def missing_protocol_error(url: str, exc: ImportError | None = None) -> MissingDependencyError | None:

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 from solar.errors import DatasetFormatError, StorageError
 
-from .fsspec_common import is_http, storage_errors, url_to_fs
+from .fsspec_common import is_http, url_errors, url_to_fs
 
 __all__ = ["h5_errors", "open_file_object", "open_h5"]
 
@@ -55,7 +55,7 @@ def h5_errors(url: str, doing: str) -> Iterator[None]:
     (NOTE [ Storage errors name the URL ] in ``fsspec_common.py``), h5py's own ``OSError``s pass
     through, and no garbage collection runs meanwhile, see
     NOTE [ No garbage collection while h5py reads through fsspec ]."""
-    with storage_errors(url, doing, hdf5=True), _gc_paused():
+    with url_errors(url, doing, hdf5=True), _gc_paused():
         yield
 
 

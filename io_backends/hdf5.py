@@ -26,13 +26,14 @@ NOTE [ Reads outside h5py's lock ]
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
+
+from solar.errors import MissingKeyError, NotHDF5Error, StorageError, storage_errors
 
 from .base import ArrayInfo, Backend
 
@@ -65,24 +66,22 @@ def h5_keys(f, broken: dict[str, str] | None = None) -> list[str]:
     return out
 
 
-@contextlib.contextmanager
-def h5_read_errors(url: str, key: str, ranges) -> Iterator[None]:
+def h5_read_errors(url: str, key: str, ranges):
     """Re-raise h5py's own read failure (a plain ``OSError`` such as "data error detected by
     Fletcher32 checksum") as a :class:`~solar.StorageError` naming the file, dataset and rows;
     anything else passes (transport errors keep their types for the caller to classify)."""
-    try:
-        yield
-    except OSError as exc:
-        if type(exc) is not OSError:
-            raise
-        from solar.errors import StorageError
+    return storage_errors(lambda exc: _read_failure(url, key, ranges, exc))
 
-        msg = str(exc)
-        rows = f"rows {int(ranges[0][0])}-{int(ranges[-1][1]) - 1}" if len(ranges) else "no rows"
-        damaged = any(w in msg.lower() for w in ("checksum", "data error", "filter", "inflate", "decompress"))
-        todo = ("its stored chunks are damaged (an HDF5 filter or checksum failed): copy the file again or "
-                "regenerate it" if damaged else "check that the file is intact and readable with h5py")
-        raise StorageError(f"{url}: reading {rows} of {key!r} failed ({msg}); {todo}") from exc
+
+def _read_failure(url: str, key: str, ranges, exc: Exception) -> StorageError | None:
+    if type(exc) is not OSError:
+        return None
+    msg = str(exc)
+    rows = f"rows {int(ranges[0][0])}-{int(ranges[-1][1]) - 1}" if len(ranges) else "no rows"
+    damaged = any(w in msg.lower() for w in ("checksum", "data error", "filter", "inflate", "decompress"))
+    todo = ("its stored chunks are damaged (an HDF5 filter or checksum failed): copy the file again or "
+            "regenerate it" if damaged else "check that the file is intact and readable with h5py")
+    return StorageError(f"{url}: reading {rows} of {key!r} failed ({msg}); {todo}")
 
 
 def read_rows(d, url: str, key: str, ranges: np.ndarray, out: np.ndarray) -> int:
@@ -129,7 +128,7 @@ class HDF5Backend(Backend):
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"{self.url}: no such HDF5 file; check the path") from exc
         except OSError as exc:
-            raise OSError(f"{self.url}: cannot open as HDF5 ({exc}); is it an HDF5 file?") from exc
+            raise NotHDF5Error(f"{self.url}: cannot open as HDF5 ({exc}); is it an HDF5 file?") from exc
         self._dsets: dict[str, Any] = {}
         self._spans: dict[str, _Span | None] = {}
         self._keys: list[str] | None = None
@@ -167,8 +166,6 @@ class HDF5Backend(Backend):
             return
         size = os.fstat(fd).st_size
         if size < pinned:
-            from solar.errors import StorageError
-
             raise StorageError(
                 f"{self.url}: the file shrank from {pinned} to {size} bytes while open (truncated, or being "
                 "rewritten in place), so rows past the cut would read as zeros; recreate the dataset once the "
@@ -195,9 +192,9 @@ class HDF5Backend(Backend):
             try:
                 d = self._file[key]
             except KeyError:
-                raise KeyError(f"{self.url}: no dataset {key!r}") from None
+                raise MissingKeyError(f"{self.url}: no dataset {key!r}; keys: {', '.join(self.keys())}") from None
             if not hasattr(d, "shape"):  # a group: rows are read from datasets only
-                raise KeyError(f"{self.url}: {key!r} is a group, not a dataset; keys: {', '.join(self.keys())}")
+                raise MissingKeyError(f"{self.url}: {key!r} is a group, not a dataset; keys: {', '.join(self.keys())}")
             self._dsets[key] = d
         return d
 
@@ -260,8 +257,6 @@ class HDF5Backend(Backend):
                 dfd = self.__dict__.get("_dfd")
                 fd = os.dup(dfd.fileno()) if dfd is not None else None
         if fd is None:
-            from solar.errors import StorageError
-
             raise StorageError(f"{self.url}: closed by another thread while reading {key!r}; close a dataset "
                                "only when no loader or thread reads it any more")
         try:
@@ -282,8 +277,6 @@ class HDF5Backend(Backend):
                         k = os.preadv(fd, [flat[pos + got:pos + n]], at + got)
                     if k == 0:  # end of file inside the dataset's bytes
                         self._check_size()  # it shrank since the open: say so
-                        from solar.errors import StorageError
-
                         raise StorageError(
                             f"{self.url}: {key!r} rows {start}-{stop - 1} lie past the end of the file "
                             f"({os.fstat(fd).st_size} bytes), which is incomplete (a copy still in progress?); "

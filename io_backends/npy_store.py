@@ -29,10 +29,10 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from solar.errors import DatasetFormatError, StorageError
+from solar.errors import DatasetFormatError, MissingKeyError, StorageError
 
 from .base import ArrayInfo
-from .fsspec_common import full_url, range_hint, storage_error, storage_errors, url_to_fs
+from .fsspec_common import full_url, range_hint, transport_error, url_errors, url_to_fs
 from .npy_format import npy_header
 
 __all__ = ["NpyStore", "write_npy_store"]
@@ -97,7 +97,7 @@ class NpyStore:
             for _, path in sorted(members):
                 head = heads[path]
                 if isinstance(head, Exception):
-                    err = storage_error(path, head, "reading the .npy header")
+                    err = transport_error(path, head, "reading the .npy header")
                     raise (err or OSError(f"{path}: cannot read the .npy header ({head})")) from head
                 try:
                     shape, dt, off = npy_header(head, path)
@@ -157,7 +157,7 @@ class NpyStore:
         try:
             return self.arrays[key]
         except KeyError:
-            raise KeyError(f"{self.url}: no array {key!r}; keys: {', '.join(self.arrays)}") from None
+            raise MissingKeyError(f"{self.url}: no array {key!r}; keys: {', '.join(self.arrays)}") from None
 
     def keys(self) -> list[str]:
         """Every key: the stored field order (root attribute ``fields``) first, the rest in name order."""
@@ -172,7 +172,7 @@ class NpyStore:
         """The attributes of array or group ``key`` (``attrs.json``; none: empty)."""
         key = "/" if key in ("", "/") else key
         if key != "/" and key not in self.arrays and not any(k.startswith(key + "/") for k in self.arrays):
-            raise KeyError(f"{self.url}: no array or group {key!r}")
+            raise MissingKeyError(f"{self.url}: no array or group {key!r}")
         return dict(self.attrs.get(key, {}))
 
     def read_into(self, key: str, ranges: np.ndarray, out: np.ndarray) -> int:
@@ -182,7 +182,7 @@ class NpyStore:
         paths, starts, ends = self.byte_ranges(key, ranges)
         if not paths:
             return 0
-        with storage_errors(self.url, f"reading rows of {key!r}"):
+        with url_errors(self.url, f"reading rows of {key!r}"):
             blobs = self.fs.cat_ranges(paths, starts, ends)
         flat = out.reshape(-1).view(np.uint8) if out.flags.c_contiguous else None
         dst = flat if flat is not None else np.empty(out.nbytes, np.uint8)
@@ -205,7 +205,7 @@ class NpyStore:
         if isinstance(blob, Exception) and _range_not_satisfiable(blob):
             raise StorageError(_shorter_than_header(shard, key, s, e)) from blob
         if isinstance(blob, Exception):
-            err = storage_error(shard, blob, f"reading bytes {s}-{e} of {key!r}")
+            err = transport_error(shard, blob, f"reading bytes {s}-{e} of {key!r}")
             raise (err or OSError(f"{self.url}: reading bytes {s}-{e} of {key!r} failed: {blob}")) from blob
         if len(blob) > e - s:  # more than asked: the server answered a Range request with the whole file
             raise StorageError(range_hint(shard))

@@ -20,6 +20,8 @@ import stat
 import tempfile
 from typing import Callable
 
+from solar.errors import UnsafeLockFileError
+
 __all__ = ["flock_or_holder", "open_lock_file", "UnsafeLockFileError", "write_atomic", "write_text_atomic"]
 
 #: the most a lock owner record (JSON of host, pid, time) takes; a bigger file is not a lock
@@ -69,11 +71,6 @@ def write_text_atomic(path: str, text: str) -> None:
             f.write(text)
 
     write_atomic(path, write)
-
-
-class UnsafeLockFileError(OSError):
-    """The lock file's name holds something a lock never is (a symlink, a hard link to another
-    file, a FIFO, a file that is no owner record); it was not written."""
 
 
 def open_lock_file(path: str, mode: int = 0o644) -> int:

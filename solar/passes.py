@@ -13,14 +13,17 @@ from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
+from solar.errors import SolarError
 from solar.failfast import abort_out_of_step, is_agreed
 from solar.fetch import StepBatch
 from solar.schedule import owner_of
 
 __all__ = ["PassFetcher", "PassGeometry", "in_groups", "drop_frame_locals", "raise_failed"]
 
-#: what a failed pass is retried for: a data failure (a bad index, a damaged sample, a failed read)
-DATA_ERRORS = (IndexError, ValueError, OSError)
+#: what a failed pass is retried for: a data failure (a bad index, a damaged sample, a failed
+#: read). Not any ValueError: a plain bug raised in the pass is raised as it is, not handed out
+#: as a failed step
+DATA_ERRORS = (IndexError, OSError, SolarError)
 
 
 class PassGeometry(NamedTuple):

@@ -14,7 +14,7 @@ import importlib.metadata
 from dataclasses import dataclass
 from typing import Any, Generic, Iterator, TypeVar
 
-from .errors import BackendNotFoundError, MissingDependencyError
+from .errors import BackendNotFoundError, ConfigError, MissingDependencyError
 
 T = TypeVar("T")
 
@@ -45,7 +45,7 @@ class Registry(Generic[T]):
     def register(self, name: str, target: Any, *, hint: str = "", clobber: bool = False) -> None:
         """Register ``target`` (a class or ``"module:Class"``) under ``name``."""
         if name in self._entries and not clobber:
-            raise ValueError(
+            raise ConfigError(
                 f"{self.kind} {name!r} is already registered; pass clobber=True to replace it"
             )
         self._entries[name] = _Entry(target, hint)

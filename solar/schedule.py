@@ -558,7 +558,7 @@ class Planner:
         ranks only if their planners are.
         """
         if plan.undo is None:
-            raise ValueError("this plan has no undo record (only the solar policy's plans do)")
+            raise ConfigError("this plan has no undo record (only the solar policy's plans do)")
         idx, res, own = plan.undo
         self._resident[idx], self._owner[idx] = res, own
         p = min(steps * plan.global_batch, len(plan.samples))

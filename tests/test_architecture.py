@@ -47,7 +47,7 @@ MAY_USE = {
     "solar.passes": {"solar.fetch", "solar.schedule", "solar.failfast"},
     "solar.sampler": {"solar.options", "solar.schedule", "solar.passes", "solar.prefetch", "solar.cache",
                       "solar.collective", "solar.dist"},
-    "solar.loader": {"solar.sampler", "solar.options", "solar.memory", "solar.schedule", "solar.subset",
+    "solar.loader": {"solar.sampler", "solar.options", "solar.memory", "solar.schedule", "solar.order", "solar.subset",
                      "solar.views", "solar.dist"},
     # consumers of the data path and of the tiers
     "solar.dali": {"solar.loader", "solar.dist"},

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
-from solar.errors import ConfigError, CorruptDataError
+from solar.errors import ConfigError, CorruptDataError, UnknownCodecError
 from solar.registry import Registry
 
 from .header import Header
@@ -106,11 +106,6 @@ def get_codec(spec=None) -> Codec:
             raise ConfigError(f"codec config {spec!r} has no 'id' (e.g. {{'id': 'ebq'}})")
         return _registered(str(spec["id"])).from_config(spec)
     raise ConfigError(f"codec= must be a name, a config dict or a Codec, got {type(spec).__name__}")
-
-
-class UnknownCodecError(ConfigError, LookupError):
-    """``codec=`` names no registered codec: a bad argument (``ConfigError``, a ``ValueError``, as
-    docs/codec.md says of every bad argument) and a failed lookup (the registry's ``LookupError``)."""
 
 
 def _registered(name: str) -> type:

@@ -7,16 +7,14 @@ See NOTE [ Ingest crash safety ] in :mod:`solar.ingest`.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import re
 import sys
-from typing import Iterator
 
-from solar.errors import DatasetFormatError, SolarError, StorageError
+from solar.errors import DatasetFormatError, SolarError, StorageError, storage_errors
 
-__all__ = ["EXIT_STORAGE", "EXIT_INPUT", "storage_error", "as_storage_error", "storage_errors", "close_quietly",
+__all__ = ["EXIT_STORAGE", "EXIT_INPUT", "storage_error", "as_storage_error", "write_errors", "close_quietly",
            "resume_hint", "failure_lines", "abort_job", "min_op", "one_line"]
 
 EXIT_STORAGE = 4  # `solar ingest`'s exit code (and MPI_Abort code) for a storage failure mid-run
@@ -85,17 +83,10 @@ def as_storage_error(exc: BaseException, doing: str, path: str | None, need: int
     return storage_error(exc, doing, path, need)
 
 
-@contextlib.contextmanager
-def storage_errors(doing: str, path: str | None, need: int = 0) -> Iterator[None]:
+def write_errors(doing: str, path: str | None, need: int = 0):
     """Re-raise a storage failure inside the block as :func:`storage_error` (``doing`` names the
-    file); anything else passes unchanged."""
-    try:
-        yield
-    except Exception as exc:
-        failure = as_storage_error(exc, doing, path, need)
-        if failure is None:
-            raise
-        raise failure from exc
+    file), through :func:`solar.errors.storage_errors`; anything else passes unchanged."""
+    return storage_errors(lambda exc: as_storage_error(exc, doing, path, need))
 
 
 def close_quietly(f, quiet: bool) -> None:

@@ -19,7 +19,7 @@ from solar import __version__, codec
 from solar.cache.disk import fsync_path
 from solar.dist import comm_or_serial, share
 from solar.errors import ConfigError, CorruptDataError, InputError, MissingDependencyError
-from solar.ingest.failures import abort_job, as_storage_error, close_quietly, min_op, storage_errors
+from solar.ingest.failures import abort_job, as_storage_error, close_quietly, min_op, write_errors
 from solar.ingest.journal import (JOURNAL_SUFFIX, TMP_SUFFIX, OutputLock, check_inputs_unchanged, finished_by,
                                   journal_record, read_journal, redact_argv, redact_url, refuse_to_discard,
                                   resume_point, write_journal)
@@ -104,7 +104,7 @@ def _create_tmp(tmp: str, plan: Plan, kw: dict, need: int):
 
     f = None
     try:
-        with storage_errors(f"creating {tmp}", tmp, need):
+        with write_errors(f"creating {tmp}", tmp, need):
             f = h5py.File(tmp, "w", **kw)
             _create(f, plan)
             f.flush()
@@ -117,7 +117,7 @@ def _create_tmp(tmp: str, plan: Plan, kw: dict, need: int):
 
 def _read_input(plan: Plan, name: str, lo: int, hi: int) -> np.ndarray:
     """``plan.read``, with a storage failure naming the input (an HDF5 read error does not)."""
-    with storage_errors(f"reading {where(plan, lo)}", None):
+    with write_errors(f"reading {where(plan, lo)}", None):
         return plan.read(name, lo, hi)
 
 
