@@ -40,3 +40,15 @@ bench: setup
 
 clean:
 	rm -rf .pytest_cache build *.egg-info .mpi-logs
+
+# The GPU check (issue 21; bench/gpu/README.md). gpu-wheels, where there is network: the wheels SOLAR
+# needs beyond a GPU machine's python3 (torch, triton, numba, h5py, mpi4py, xxhash, fsspec) into the
+# git-ignored .gpu-wheels/. gpu-check, on the GPU machine (`carry` .gpu-wheels): installs them without
+# network, runs the gpu tests, bench/codec and the compressed bench/loader on CUDA in at most 8 minutes
+# and writes bench/gpu/results.json; without CUDA the same steps run on the CPU.
+.PHONY: gpu-wheels gpu-check
+gpu-wheels:
+	@PYTHON=$(if $(wildcard $(PY)),$(PY),python3) bash scripts/gpu-check.sh --download
+
+gpu-check:
+	@bash scripts/gpu-check.sh

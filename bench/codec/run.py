@@ -2,14 +2,17 @@
 and lz4/zstd on the raw bytes, on synthetic smooth and turbulent 3-D fields and on real data that
 matplotlib ships.
 
-Run: ``.venv/bin/python bench/codec/run.py [--rel 1e-3 1e-2 1e-4] [--n 128] [--out results.json]``
+Run: ``.venv/bin/python bench/codec/run.py [--rel 1e-3 1e-2 1e-4] [--n 128] [--device auto|cpu|cuda]
+[--out results.json]``
 
 Everything runs in one process, single-threaded (``torch.set_num_threads(1)``, SZ3 without
 OpenMP), with the compressors interleaved and the best of ``--reps`` timings kept, so ratios of
 speeds are meaningful even on a shared machine. Prints, per field and compressor: ratio, max
 error / bound, PSNR, encode and decode MB/s (of original bytes, 1 MB = 1e6 B); then the targets:
 geometric-mean ratio vs SZ3 at each bound and CPU decode speed vs pysz. With a CUDA device it also
-prints the GPU decode GB/s of ``solar.codec.decode_batch``. Writes everything as JSON.
+prints the GPU decode GB/s of ``solar.codec.decode_batch`` (``--device auto``, the default;
+``--device cuda`` insists on it and also decodes the mini-batch section on the GPU, ``--device cpu``
+measures the CPU alone). Writes everything as JSON.
 """
 
 from __future__ import annotations
@@ -237,11 +240,48 @@ def gpu_decode(x: np.ndarray, eb: float, batch: int = 16, reps: int = 10) -> flo
     return x.nbytes * batch / t / 1e9
 
 
-def batch_rows(reps: int, rel: float, sizes=(64, 128), batch: int = 64) -> list[dict]:
+def _cuda_timed(fn, reps: int) -> float:
+    """Median seconds of ``fn`` on CUDA (after one untimed call), synchronized around each call."""
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(max(3, reps)):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2]
+
+
+def gpu_batch_rows(fname: str, arr: np.ndarray, blobs: list, eb: float, want: torch.Tensor, rel: float,
+                   reps: int) -> list[dict]:
+    """``decode_batch(device="cuda")`` of one mini-batch, eager and compiled: GB/s of original bytes
+    (blobs from host memory to the decoded tensor on the GPU) and a bit-for-bit check against the CPU."""
+    rows = []
+    for name, compile in (("solar decode_batch (cuda)", False), ("solar decode_batch (cuda, compiled)", True)):
+        t0 = time.perf_counter()
+        y = sc.decode_batch(blobs, device="cuda", compile=compile)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        if y.device.type != "cuda" or not torch.equal(y.cpu(), want):
+            raise SystemExit(f"{fname}: {name} differs from the CPU decoder")
+        t = _cuda_timed(lambda c=compile: sc.decode_batch(blobs, device="cuda", compile=c), reps)
+        e = float(np.max(np.abs(y.cpu().numpy().astype(np.float64) - arr)))
+        rows.append({"field": fname, "batch": len(blobs), "rel": rel, "compressor": name, "device": "cuda",
+                     "ratio": arr.nbytes / sum(map(len, blobs)), "max_err_over_bound": e / eb,
+                     "dec_MBps": arr.nbytes / t / 1e6, "dec_GBps": arr.nbytes / t / 1e9, "bound_ok": e <= eb,
+                     "equal_to_cpu": True, "compile_s": first if compile else 0.0})
+        print(f"{name:34s} {rows[-1]['ratio']:8.2f} {e / eb:7.4f} {arr.nbytes / t / 1e6:9.0f}"
+              + (f"   (first call, compiling: {first:.1f} s)" if compile else ""))
+    return rows
+
+
+def batch_rows(reps: int, rel: float, sizes=(64, 128), batch: int = 64, gpu: bool = False) -> list[dict]:
     """The loader's case: a mini-batch of PtychoNN-like samples (``solar.synthetic``).
 
     solar decodes the whole batch with one ``decode_batch`` call (one sequence of tensor ops);
-    the others decode sample by sample, as a training loop would have to.
+    the others decode sample by sample, as a training loop would have to. With ``gpu`` the batch
+    is also decoded on CUDA (:func:`gpu_batch_rows`).
     """
     from solar.synthetic import ptycho_block
 
@@ -282,6 +322,8 @@ def batch_rows(reps: int, rel: float, sizes=(64, 128), batch: int = 64) -> list[
                              "compile_s": first if "compiled" in name else 0.0})
                 print(f"{name:34s} {r:8.2f} {e / eb:7.4f} {arr.nbytes / t / 1e6:9.0f}"
                       + (f"   (first call, compiling: {first:.1f} s)" if "compiled" in name else ""))
+            if gpu:
+                rows += gpu_batch_rows(fname, arr, blobs, eb, y, rel, reps)
     return rows
 
 
@@ -292,8 +334,14 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--fields", nargs="*", help="subset of field names")
     ap.add_argument("--no-batch", action="store_true", help="skip the mini-batch (loader) section")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="GPU decode figures: auto (when CUDA is there), cuda (required; also the mini-batch "
+                         "section on the GPU), cpu (none); the CPU figures are always measured")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results.json"))
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device")
+    use_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     torch.set_num_threads(1)
 
     comps = [c for c in [Solar("zstd"), Solar("zstd", compile=True), Solar("lz4"), PySZ(), H5SZ3(), ZFP(),
@@ -310,7 +358,7 @@ def main(argv=None) -> int:
             here = [c for c in comps if not (c.lossless and rel != args.rel[0])]
             for comp, r in zip(here, measure(here, x, eb, args.reps)):
                 r.update(field=fname, shape=list(x.shape), rel=rel, compressor=comp.name)
-                if comp.name == "solar ebq (zstd)":
+                if comp.name == "solar ebq (zstd)" and use_gpu:
                     r["gpu_dec_GBps"] = gpu_decode(x, eb)
                 rows.append(r)
                 gpu = f"  GPU {r['gpu_dec_GBps']:.1f} GB/s" if r.get("gpu_dec_GBps") else ""
@@ -319,12 +367,15 @@ def main(argv=None) -> int:
                       f"{r['enc_MBps']:9.0f} {r['dec_MBps']:9.0f}{gpu}{first}")
     summary = summarize(rows, args.rel)
     if not args.no_batch:
-        brows = batch_rows(args.reps, args.rel[0])
+        brows = batch_rows(args.reps, args.rel[0], gpu=args.device == "cuda")
         rows += brows
         summary["batch"] = summarize_batches(brows)
+    machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+               "threads": torch.get_num_threads(), "note": "shared 2-core machine; best-of-reps timings"}
+    if use_gpu:
+        machine["gpu"] = torch.cuda.get_device_name(0)
     Path(args.out).write_text(json.dumps({
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads(), "note": "shared 2-core machine; best-of-reps timings"},
+        "machine": machine, "device": "cuda" if use_gpu else "cpu",
         "rows": rows, "summary": summary}, indent=1))
     print(f"\nwrote {args.out}")
     return 0 if all(r["bound_ok"] for r in rows) else 1
