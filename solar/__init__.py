@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 __version__ = "0.1.0"
 
 from .errors import (  # noqa: E402
@@ -48,8 +50,6 @@ _LAZY = {
 
 
 def __getattr__(name: str):
-    import importlib
-
     module_name = _LAZY.get(name)
     if module_name is None:
         raise AttributeError(f"module 'solar' has no attribute {name!r}")

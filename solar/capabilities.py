@@ -5,8 +5,11 @@ Used by ``solar info``, by the backend ``auto`` choice and by the test suite's M
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import platform
+import subprocess
+import sys
 from typing import Any
 
 from solar import __version__
@@ -52,7 +55,7 @@ _PIP_NAMES = {"smbclient": "smbprotocol", "libarchive": "libarchive-c"}
 
 def h5py_has_mpi() -> bool:
     try:
-        import h5py
+        import h5py  # heavy; `solar info` and the demo ask, `import solar.capabilities` stays light
     except ImportError:
         return False
     return bool(h5py.get_config().mpi)
@@ -63,7 +66,7 @@ def dali_available() -> bool:
 
 
 def cuda_devices() -> list[str]:
-    import torch
+    import torch  # heavy; only the report asks
 
     if not torch.cuda.is_available():
         return []
@@ -77,11 +80,8 @@ def _mpi_library_version() -> str | None:
     with ``mpi4py.rc.initialize = False`` (MPI allows this query before ``MPI_Init``), so this
     process's own later use of mpi4py is untouched.
     """
-    import subprocess
-    import sys
-
     if under_mpirun():
-        from mpi4py import MPI
+        from mpi4py import MPI  # optional (the mpi extra); under mpirun MPI is initialized anyway
 
         return MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()
     code = ("import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = False\n"
@@ -109,7 +109,7 @@ def fsspec_protocol_missing(protocol: str) -> list[str] | None:
     """The top-level modules that fsspec's implementation of ``protocol`` needs and that are not
     installed here: ``[]`` when it is usable, ``None`` when fsspec knows no such protocol. See
     NOTE [ What an fsspec protocol needs ]."""
-    from fsspec.registry import known_implementations, registry
+    from fsspec.registry import known_implementations, registry  # only a protocol check imports fsspec
 
     cls = registry.get(protocol)  # imported already: fsspec registers hdfs's class without pyarrow too
     if cls is not None:
@@ -127,8 +127,6 @@ def fsspec_protocol_missing(protocol: str) -> list[str] | None:
 
 def _package_version(name: str) -> str:
     """``name``'s installed version, ``"missing"`` when it cannot be imported; without importing it."""
-    import importlib.metadata
-
     if not _found(name):
         return "missing"
     try:
@@ -138,6 +136,7 @@ def _package_version(name: str) -> str:
 
 
 def capabilities() -> dict[str, Any]:
+    # heavy: the report imports what it reports on, and only when asked
     import fsspec
     import h5py
     import numpy
@@ -154,7 +153,7 @@ def capabilities() -> dict[str, Any]:
         "fsspec": fsspec.__version__,
     }
     if importlib.util.find_spec("mpi4py") is not None:
-        import mpi4py
+        import mpi4py  # optional (the mpi extra)
 
         caps["mpi4py"] = mpi4py.__version__
         caps["mpi_library"] = _mpi_library_version()
@@ -168,7 +167,7 @@ def capabilities() -> dict[str, Any]:
     caps["dali"] = None
     if dali_available():
         try:
-            import nvidia.dali as dali
+            import nvidia.dali as dali  # optional (the dali extra)
 
             caps["dali"] = dali.__version__
         except Exception as exc:  # DALI import can fail on driver issues; report, do not crash

@@ -148,9 +148,7 @@ def agree(backend: Any, problem: Exception | None, where: str | None = None, lat
         if pending.problem is None:
             pending.problem = problem
         return
-    from mpi4py import MPI
-
-    from solar.errors import CorruptDataError, StorageError
+    from mpi4py import MPI  # only under mpirun (a collective backend)
 
     comm = backend.comm
     kind = ("index" if isinstance(problem, IndexError) else
@@ -174,7 +172,7 @@ def union(backend: Any, mask: np.ndarray) -> np.ndarray:
     mask = np.ascontiguousarray(mask, dtype=bool)
     if not (backend.collective and _LOCKSTEP.get()):
         return mask
-    from mpi4py import MPI
+    from mpi4py import MPI  # only under mpirun (a collective backend)
 
     out = np.empty(mask.shape, np.uint8)
     backend.comm.Allreduce(mask.astype(np.uint8), out, op=MPI.MAX)

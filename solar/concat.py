@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import fields as _fields
 from typing import Any, Sequence
 
 import numpy as np
@@ -196,8 +198,6 @@ class StoredConcat(ConcatDataset):
             for k in busy:
                 pending[k].load(disjoint)
             return
-        from concurrent.futures import wait
-
         def read(ks: list[int]) -> None:
             for k in ks:
                 pending[k].load(disjoint, False)
@@ -217,8 +217,6 @@ class StoredConcat(ConcatDataset):
         few samples, thread starts were a tenth of the pass). No lock: two iterators that make a
         pool at once leave one of them to end with its last task, and a lock held at a fork
         would hang a forked worker's first pass."""
-        from concurrent.futures import ThreadPoolExecutor
-
         pool = self.__dict__.get("_pool")
         if pool is None or self.__dict__.get("_pool_pid") != os.getpid():  # none yet, or forked
             pool = ThreadPoolExecutor(threads, thread_name_prefix="solar-io")
@@ -243,8 +241,6 @@ class StoredConcat(ConcatDataset):
     @property
     def stats(self):
         """The files' counters summed (each file's own: ``ds.stats``)."""
-        from dataclasses import fields as _fields
-
         files = list({id(ds): ds for ds, _ in self.parts}.values())
         total = type(files[0].stats)()
         for f in _fields(total):

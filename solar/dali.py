@@ -39,7 +39,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from torch.utils.data import IterableDataset
 
+from solar.dist import get_dist_info
 from solar.errors import ConfigError, MissingDependencyError
+from solar.loader import DataLoader
 
 __all__ = ["DALILoader"]
 
@@ -47,7 +49,7 @@ _HINT = "pip install 'solar-loader[dali]' (nvidia-dali-cuda130==2.4.0; CPU pipel
 
 
 def _dali():
-    try:
+    try:  # DALI is optional (the dali extra): solar.dali imports without it
         import nvidia.dali as dali
         import nvidia.dali.fn as fn
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
@@ -211,8 +213,6 @@ class DALILoader:
                  device_id: int | None = None, num_threads: int = 2, prefetch_queue_depth: int = 2,
                  pipeline_options: dict[str, Any] | None = None, **loader_options: Any) -> None:
         dali, fn, DALIGenericIterator, LastBatchPolicy = _dali()
-        from solar.loader import DataLoader
-
         loader_options.setdefault("distributed", loader_options.get("sampler") is None
                                   and loader_options.get("batch_sampler") is None
                                   and not isinstance(dataset, IterableDataset))
@@ -237,8 +237,6 @@ class DALILoader:
         if clash:
             raise ConfigError(f"pipeline_options sets {', '.join(clash)}; pass them as DALILoader arguments instead")
         if "seed" not in opts and loader_options.get("seed") is not None:
-            from solar.dist import get_dist_info
-
             opts["seed"] = (int(loader_options["seed"]) * 1_000_003 + get_dist_info().rank) % (2**31 - 1)
         self.pipe = dali.Pipeline(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
                                   prefetch_queue_depth=prefetch_queue_depth, **opts)

@@ -53,10 +53,13 @@ import torch
 from torch.utils.data import Dataset
 
 from solar.errors import ConfigError, CorruptDataError, InputError
+from solar.codec import decode_batch, header_info
+from solar.codec import verify as verify_blob
 from solar.collective import agree, agreement_at_end
 from solar.collective import lockstep as _lockstep
 from solar.layout import FieldSpec, checksum_key, describe_fields
 from solar.fetch import FetchPass, FetchStats, StoredBatch, evict_samples, torch_dtype
+from solar.io_backends import open_backend
 from solar.reads import RowReads
 
 __all__ = ["H5Dataset"]
@@ -140,8 +143,6 @@ class H5Dataset(RowReads, Dataset):
                  backend: Any = "auto", transform: Callable | None = None, device: str | torch.device = "cpu",
                  verify: bool = True, sieve_bytes: int = 64 << 10, io_threads: int = 4,
                  backend_options: dict | None = None, decode_compile: bool | None = None) -> None:
-        from solar.io_backends import open_backend
-
         self.path = os.fspath(path) if not isinstance(path, str) else path
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():  # say so now, not at the first batch
@@ -166,8 +167,6 @@ class H5Dataset(RowReads, Dataset):
         self._checksums: dict[str, np.ndarray | None] = {}
         keys = set(self.backend.keys())
         self._has_checksum = {s.name: checksum_key(s.name) in keys for s in self.specs}
-        if any(s.kind == "codec" for s in self.specs):
-            import solar.codec  # noqa: F401  (fail early with a clear error if it is missing)
         self.stats = FetchStats()
 
     def __repr__(self) -> str:
@@ -313,13 +312,11 @@ class H5Dataset(RowReads, Dataset):
         if decode:
             return self.decode(whole)
         if self.backend.collective and self.compressed:
-            from solar.codec import verify
-
             for spec in self.specs:
                 if spec.kind == "codec":
                     blobs, names = self._blobs(whole, spec)
                     for blob, name in zip(blobs, names or [None] * len(blobs)):
-                        self._check_layout(spec, verify(blob, name=name), name)
+                        self._check_layout(spec, verify_blob(blob, name=name), name)
         return None
 
     def _check_layout(self, spec: FieldSpec, h, name) -> None:
@@ -352,16 +349,12 @@ class H5Dataset(RowReads, Dataset):
             if spec.kind == "raw":
                 out[spec.name] = val if self.device.type == "cpu" else val.to(self.device, non_blocking=True)
             else:
-                from solar.codec import decode_batch
-
                 blobs, names = self._blobs(stored, spec)
                 dec = decode_batch(blobs, device=self.device, names=names,
                                                 compile=self.decode_compile) if blobs else torch.empty(
                     (0, *spec.sample_shape), dtype=torch_dtype(spec.dtype))
                 if not isinstance(dec, torch.Tensor) or tuple(dec.shape[1:]) != tuple(spec.sample_shape) \
                         or dec.dtype != torch_dtype(spec.dtype):  # (checked blob by blob only then)
-                    from solar.codec import header_info
-
                     for blob, name in zip(blobs, names or [None] * len(blobs)):
                         self._check_layout(spec, header_info(blob), name)
                 out[spec.name] = dec

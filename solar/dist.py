@@ -41,7 +41,7 @@ def mpi_comm():
     if not under_mpirun():
         return None
     try:
-        from mpi4py import MPI
+        from mpi4py import MPI  # optional (the mpi extra), and only under mpirun
     except ImportError:
         return None
     return MPI.COMM_WORLD
@@ -49,7 +49,7 @@ def mpi_comm():
 
 def get_dist_info() -> DistInfo:
     try:
-        import torch.distributed as tdist
+        import torch.distributed as tdist  # heavy; `solar info` and `import solar.dist` stay torch-free
 
         if tdist.is_available() and tdist.is_initialized():
             return DistInfo(tdist.get_rank(), tdist.get_world_size(), "torch.distributed")

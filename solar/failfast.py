@@ -71,7 +71,7 @@ class _Guard:
 
     # -- the watchdog ---------------------------------------------------------------------------
     def _watch(self) -> None:
-        import numpy as np
+        import numpy as np  # numpy and mpi4py: only the watchdog under mpirun; `solar info` imports this module
         from mpi4py import MPI
 
         buf = np.zeros(1, np.int64)
@@ -102,7 +102,7 @@ class _Guard:
 
     def _relay(self, rank: int) -> None:
         """Rank 0 tells every other rank, once, that ``rank`` has ended."""
-        import numpy as np
+        import numpy as np  # only under mpirun; `solar info` imports this module
 
         with self.lock:
             if self.relayed:
@@ -125,7 +125,7 @@ class _Guard:
 
     # -- exit -----------------------------------------------------------------------------------
     def announce_exit(self) -> None:
-        import numpy as np
+        import numpy as np  # only under mpirun; `solar info` imports this module
 
         if self.rank == 0:
             self._heard(0)
@@ -144,7 +144,7 @@ class _Guard:
             time.sleep(0.002)
 
     def shutdown(self) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # only under mpirun
 
         self.stop.set()
         self.thread.join()
@@ -271,7 +271,7 @@ def _abort(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
     finally:
-        from mpi4py import MPI
+        from mpi4py import MPI  # only under mpirun
 
         MPI.COMM_WORLD.Abort(1)
 

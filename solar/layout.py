@@ -27,10 +27,14 @@ Checksums
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+import xxhash
+
+from solar.errors import DatasetFormatError
 
 __all__ = ["FORMAT", "FieldSpec", "describe_fields", "checksum_key", "sample_checksum"]
 
@@ -44,8 +48,6 @@ def checksum_key(field: str) -> str:
 
 def sample_checksum(buf: bytes | memoryview | np.ndarray) -> int:
     """xxh3-64 of a sample's stored bytes (C order for arrays)."""
-    import xxhash
-
     if isinstance(buf, np.ndarray):
         buf = np.ascontiguousarray(buf).view(np.uint8).reshape(-1)
     return xxhash.xxh3_64_intdigest(memoryview(buf))
@@ -69,7 +71,7 @@ class FieldSpec:
 
 def tensor_dtype_ok(dtype: np.dtype) -> bool:
     """Whether a torch tensor can hold ``dtype`` (in either byte order)."""
-    import torch
+    import torch  # heavy; ingest imports this module without needing torch
 
     try:
         torch.from_numpy(np.empty(0, np.dtype(dtype).newbyteorder("=")))
@@ -113,8 +115,6 @@ def describe_fields(backend, fields=None) -> tuple[int, list[FieldSpec]]:
     Raises :class:`solar.DatasetFormatError` naming the file and field when the layout is not
     usable (no leading sample axis, fields of different lengths, unknown field).
     """
-    from solar.errors import DatasetFormatError
-
     root = backend.attrs("/")
     keys = backend.keys()
     if root.get("solar_format") == FORMAT and "fields" in root:
@@ -161,8 +161,6 @@ def describe_fields(backend, fields=None) -> tuple[int, list[FieldSpec]]:
         else:
             raise DatasetFormatError(f"{backend.url}: no field {name!r}; {_available(backend, keys, order)}")
     if every and broken:
-        import warnings
-
         warnings.warn(f"{backend.url}: skipped {', '.join(f'{k} (-> {v})' for k, v in broken.items())}: "
                       "links that cannot be resolved", RuntimeWarning, stacklevel=3)
     if not specs:

@@ -39,13 +39,20 @@ NOTE [ Resume ]
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Any, TypeVar
 
 import torch
 import torch.utils.data as tud
 
+from solar.dist import get_dist_info
 from solar.errors import ConfigError
+from solar.memory import check_buffer_memory
+from solar.options import parse_buffer, parse_spill
+from solar.order import epoch_positions
 from solar.sampler import SolarBatchSampler, is_storage_backed
+from solar.subset import StoredSubset
+from solar.views import refresh, stored_concat, stored_subset
 
 __all__ = ["DataLoader"]
 
@@ -143,8 +150,6 @@ class DataLoader(tud.DataLoader[T_co]):
         self._auto_epoch = False
         if isinstance(dataset, (tud.Subset, tud.ConcatDataset)) and not is_storage_backed(dataset) and \
                 (batch_size is not None or batch_sampler is not None):
-            from solar.views import stored_concat, stored_subset
-
             # NOTE [ Subsets ] in solar/subset.py, NOTE [ Several files ] in solar/concat.py
             view = stored_subset(dataset) if isinstance(dataset, tud.Subset) else stored_concat(dataset)
             if isinstance(dataset, tud.Subset) and view is not None:
@@ -154,8 +159,6 @@ class DataLoader(tud.DataLoader[T_co]):
             if sampler is not None or batch_sampler is not None:
                 raise ConfigError("distributed=True builds the DistributedSampler itself; do not also pass "
                                   "sampler= or batch_sampler= (pass sampler=DistributedSampler(...) alone instead)")
-            from solar.dist import get_dist_info
-
             info = get_dist_info()
             sampler = tud.DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank,
                                              shuffle=bool(shuffle), seed=seed, drop_last=drop_last)
@@ -178,8 +181,6 @@ class DataLoader(tud.DataLoader[T_co]):
             object.__setattr__(self, "batch_sampler", self.solar_sampler)
             self._check_buffer_memory(buffer)
         else:
-            from solar.options import parse_buffer, parse_spill
-
             spec = parse_buffer(buffer)
             parse_spill(spill, spec)  # bad options fail here too, not only on storage-backed datasets
             asked = [f"buffer={buffer!r}"] if buffer is not DEFAULT_BUFFER and not _zero(spec) else []
@@ -187,8 +188,6 @@ class DataLoader(tud.DataLoader[T_co]):
             message = _undriven(dataset, self.batch_sampler is not None,
                                 self._dataset_kind == tud.dataloader._DatasetKind.Map, " and ".join(asked))
             if message is not None:
-                import warnings
-
                 warnings.warn(message, UserWarning, stacklevel=2)
         # the order's seed as the loader was built (NOTE [ Resume ]): the sampler's own generator
         # (a RandomSampler's is the loader's generator= when torch built it), else generator=
@@ -201,8 +200,6 @@ class DataLoader(tud.DataLoader[T_co]):
         What counts is what the buffer keeps in memory at most: what ``buffer=`` asks, but never
         more than the rank's share of the dataset fills (SolarBatchSampler.capacity caps it);
         a ``spill=`` part is disk. So a big buffer on a small dataset stays accepted."""
-        from solar.memory import check_buffer_memory
-
         ss = self.solar_sampler
         spec = ss.buffer_spec
         if _zero(spec):
@@ -237,9 +234,6 @@ class DataLoader(tud.DataLoader[T_co]):
         self._epoch_set = False
         resume = self._progress.pop("resume", None)
         if self.solar_sampler is not None:
-            from solar.subset import StoredSubset
-            from solar.views import refresh
-
             if isinstance(self.dataset, StoredSubset) and refresh(self.dataset):
                 self.solar_sampler.start_over()  # NOTE [ Subsets ]: a position now names another sample
             self.solar_sampler.set_resume(resume)
@@ -252,8 +246,6 @@ class DataLoader(tud.DataLoader[T_co]):
                               start=int(resume["position"]) if resume and resume.get("mode") == "schedule" else 0)
         if resume and resume.get("mode") == "schedule" and resume["epoch"] != self._progress["epoch"]:
             if int(resume.get("position", 0)) > 0:  # (a state saved at an epoch's end never gets here)
-                import warnings
-
                 warnings.warn(
                     f"solar.DataLoader: the loaded state stopped in epoch {resume['epoch']} at global position "
                     f"{resume['position']}, but this iteration runs epoch {self._progress['epoch']} (set_epoch was "
@@ -282,8 +274,6 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def _epoch_positions(self) -> int:
         """Global positions an epoch of the (Distributed) sampler consumes after drop_last."""
-        from solar.schedule import epoch_positions
-
         return epoch_positions(len(self.sampler), self.sampler.num_replicas, self.batch_size, self.drop_last)
 
     def _plain_skip(self, resume: dict[str, Any]) -> int:

@@ -12,7 +12,9 @@ read are checked against the file's xxh3 checksums. The mixin needs ``backend``,
 from __future__ import annotations
 
 import os
+import pickle
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -151,9 +153,6 @@ class RowReads:
         self._forget_forked_pool()
         with self._pool_lock:
             if self._pool is None:
-                import pickle
-                from concurrent.futures import ThreadPoolExecutor
-
                 self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="solar-io")
                 # One backend per request thread (unpickled copies open their own handles): handles
                 # and per-backend counters are then never shared between threads.

@@ -30,13 +30,19 @@ NOTE [ Buffer and workers ]
 
 from __future__ import annotations
 
+import copy
+import gc
 import os
 import weakref
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import numpy as np
 from torch.utils.data import BatchSampler, DistributedSampler
 
+from solar.cache import MemoryTier
+from solar.cache.spill import SpillTier
 from solar.collective import agree_iteration
 from solar.dist import collective_call, mpi_executor
 from solar.errors import ConfigError
@@ -62,8 +68,6 @@ def _plan_thread():
     """The process's one thread for planning ahead (NOTE [ Planning ahead ]); a forked child
     makes its own."""
     global _PLAN_THREAD
-    from concurrent.futures import ThreadPoolExecutor
-
     if _PLAN_THREAD is None or _PLAN_THREAD[0] != os.getpid():
         _PLAN_THREAD = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="solar-plan"))
     return _PLAN_THREAD[1]
@@ -197,8 +201,6 @@ class SolarBatchSampler(BatchSampler):
 
     def _prepare(self) -> tuple[int, int]:
         """Make the buffer (and planner) for the current geometry; reuse them while it holds."""
-        from solar.cache import MemoryTier
-
         P, rank, b = self._geometry()
         if self.mode == "schedule":
             cfg = self.plan_config()
@@ -211,8 +213,6 @@ class SolarBatchSampler(BatchSampler):
             self._capacity = cfg.capacity if cfg else self.capacity(1, b)
             self._planner = Planner(cfg) if cfg else None
             if self.spill_spec is not None:
-                from solar.cache.spill import SpillTier
-
                 # a fresh directory per buffer; an older iteration may still read the old one,
                 # whose files go when it is garbage collected
                 self.buffer = SpillTier.on_disk(self.spill_spec.directory, self.buffer_spec.nbytes,
@@ -332,8 +332,6 @@ class SolarBatchSampler(BatchSampler):
         self._drop_ahead()
         if not self.prefetch or not self.plan_ahead or self._planner is None:
             return
-        import copy
-
         planner = self._planner
         spec = copy.deepcopy(planner)
         self._ahead = (planner, epoch, _plan_thread().submit(lambda: (spec, spec.plan(epoch))))
@@ -399,8 +397,6 @@ class SolarBatchSampler(BatchSampler):
             # an iterator only a reference cycle keeps alive (an error re-raised from torch's
             # worker iterator holds it through its traceback) is garbage: collect it, which
             # closes the iteration and reports where it stopped
-            import gc
-
             gc.collect()
         collective = self._collective and P > 1
         live = self._live() if collective and self._open and self._stopped is None else None
@@ -446,8 +442,6 @@ class SolarBatchSampler(BatchSampler):
     def _agreed_values(self) -> dict[str, int]:
         """What every rank's iteration must share: the plan's inputs, how passes are cut (each
         pass makes collective calls) and the fields read. Integers, for one allreduce."""
-        import zlib
-
         cfg = self.plan_config()
         specs = getattr(self.dataset, "specs", ())
         fields = repr([(s.name, tuple(s.sample_shape), str(s.dtype)) for s in specs]).encode()

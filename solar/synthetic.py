@@ -9,6 +9,8 @@ parallel write is byte-identical to a serial one.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 __all__ = ["ptycho_sample", "ptycho_block", "write_ptycho_h5"]
@@ -45,10 +47,8 @@ def write_ptycho_h5(path: str, n: int, size: int = 64, seed: int = 0, comm=None,
     Under MPI every rank writes a contiguous share with collective I/O; the file is written to
     ``path + '.tmp'`` and renamed only when complete, so a crash never leaves a partial dataset.
     """
-    import os
-
-    import h5py
-    from tqdm import tqdm
+    import h5py  # heavy; only writing the file needs it
+    from tqdm import tqdm  # the progress bar; imported with h5py, when a file is written
 
     rank, size_ = (comm.rank, comm.size) if comm is not None else (0, 1)
     tmp = path + ".tmp"

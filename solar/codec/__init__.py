@@ -51,14 +51,14 @@ class HeaderInfo:
 
     @property
     def torch_dtype(self):
-        from .torch_ops import TORCH_DTYPES
+        from .torch_ops import TORCH_DTYPES  # imports torch: `import solar.codec` stays numpy-only
 
         return TORCH_DTYPES[self.dtype.itemsize]
 
 
 def _as_array(array) -> np.ndarray:
     try:
-        import torch
+        import torch  # a tensor argument means torch is loaded; numpy-only callers never need it
 
         if isinstance(array, torch.Tensor):
             if array.dtype not in (torch.float32, torch.float64):
@@ -165,7 +165,7 @@ def decode(blob, *, device="cpu", out=None, compile: bool | None = None):
 def _check_out(out, h: Header, device) -> None:
     if out is None:
         return
-    import torch
+    import torch  # decode only: `import solar.codec` stays numpy-only (encoding, solar ingest)
 
     from .torch_ops import TORCH_DTYPES
 
@@ -198,7 +198,7 @@ def decode_batch(blobs: Sequence, *, device="cpu", names: Sequence[Any] | None =
     Raises:
         CorruptDataError: naming the offending blob (``names[i]`` when given).
     """
-    import torch
+    import torch  # decode only: `import solar.codec` stays numpy-only (encoding, solar ingest)
 
     # one blob passed alone would be iterated byte by byte ("got int"): say what to pass instead
     if isinstance(blobs, (bytes, bytearray, memoryview)) or (
@@ -222,7 +222,7 @@ def decode_batch(blobs: Sequence, *, device="cpu", names: Sequence[Any] | None =
     stacked = None
     if len({(k[1], k[2]) for k in groups}) == 1:  # one dtype and shape: groups fill rows of one tensor
         h = parsed[0].header
-        from .torch_ops import TORCH_DTYPES, copy_rows_
+        from .torch_ops import TORCH_DTYPES, copy_rows_  # imports torch, as decoding does
 
         stacked = torch.empty((len(parsed),) + h.shape, dtype=TORCH_DTYPES[h.dtype.itemsize], device=device)
     with fused.use(compile):

@@ -54,7 +54,7 @@ from .base import Codec, Parsed
 from .ebq_meta import NIBBLES, WIDTHS, EbqMeta, code_len, fold_axes
 from .header import pack_header
 from .predict import Predictor
-from .quantize import Quantized, quantize
+from .quantize import QMAX, Quantized, quantize, verify
 from .torch_ops import (TORCH_DTYPES, copy_rows_, dequantize, join_planes, patch_, scratch, take_rows, unpack_nibbles,
                         unzigzag_)
 
@@ -132,8 +132,6 @@ _KSHIFT = 4
 
 def _fine(array: np.ndarray, eb: float, qz: Quantized, bshape: tuple[int, ...]):
     """Residuals of the ``fine`` predictor, or None when the data's range does not fit its grid."""
-    from .quantize import QMAX, verify
-
     dtype = array.dtype
     K = 1 << _KSHIFT
     u = float(dtype.type(qz.step / K))

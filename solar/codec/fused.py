@@ -87,7 +87,7 @@ def interp_graph(codes: torch.Tensor, pos: torch.Tensor, corr: torch.Tensor, cub
     ``step``: ``(B * lead, 1)`` of ``dtype``. Shape-like arguments are Python constants: the
     graph is specialized on them (except the batch size, which the caller marks dynamic).
     """
-    import torch
+    import torch  # decode only: solar.codec imports this module and stays numpy-only
     import torch.nn.functional as F
 
     B0 = codes.shape[0]
@@ -176,13 +176,13 @@ def _get(static: bool):
     recompile limit is raised in the calling thread (the default of 8 variants per function
     would fail the ninth decode signature).
     """
-    import torch._dynamo.config as dcfg
+    import torch._dynamo.config as dcfg  # torch.compile machinery: only a compiled decode loads it
 
     if dcfg.recompile_limit < _VARIANTS:
         dcfg.recompile_limit = _VARIANTS
     fn = _compiled.get(static)
     if fn is None:
-        import torch
+        import torch  # decode only: solar.codec imports this module and stays numpy-only
 
         with _lock:
             fn = _compiled.get(static)
@@ -213,7 +213,7 @@ def run(codes, pos, corr, cubic_rows, step, n, lead, shape, K, reverse, itype, d
     if _failed is not None:
         return None
     try:
-        import torch
+        import torch  # torch.compile machinery: only a compiled decode loads it
         from torch._dynamo import mark_dynamic
 
         B = codes.shape[0]

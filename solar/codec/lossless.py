@@ -43,7 +43,7 @@ _local = _Local()
 
 def _zstd():
     try:
-        import zstandard
+        import zstandard  # may be missing: the error names the package to install
     except ImportError as exc:  # pragma: no cover - zstandard ships in the test env
         raise MissingDependencyError(
             "the zstd lossless stage needs the 'zstandard' package: pip install zstandard"
@@ -54,7 +54,7 @@ def _zstd():
 def default_lossless() -> str:
     """zstd when installed (SZ3-level ratios need an entropy coder), else lz4 (a core dependency)."""
     try:
-        import zstandard  # noqa: F401
+        import zstandard  # noqa: F401  (whether it is installed decides the default)
     except ImportError:  # pragma: no cover
         return "lz4"
     return "zstd"
@@ -65,7 +65,7 @@ def compress(data, name: str, level: int | None = None) -> bytes:
     if name == "none":
         return bytes(data)
     if name == "lz4":
-        import lz4.block
+        import lz4.block  # only lz4 blobs need it
 
         return lz4.block.compress(data, store_size=False, mode="high_compression" if level else "default",
                                   compression=level or 0)
@@ -97,7 +97,7 @@ def decompress(data, name: str, size: int, what: str = "codec blob"):
         if name == "none":
             out = data
         elif name == "lz4":
-            import lz4.block
+            import lz4.block  # only lz4 blobs need it
 
             out = lz4.block.decompress(data, uncompressed_size=size) if size else b""
         elif name == "zstd":

@@ -132,9 +132,9 @@ def predict_odd(E, axis: int, m: int, cubic: bool, positive: bool = False):
         P = np.empty_like(Ef)
         add = np.add
     else:
-        import torch
+        import torch  # a tensor argument: torch is loaded; numpy-only encoding never gets here
 
-        from .torch_ops import scratch
+        from .torch_ops import scratch  # imports torch, as above
 
         P = scratch.get("pred", L, Ef.dtype, Ef.device)
         add = torch.add
@@ -315,9 +315,9 @@ def interp_decode(R, shape: tuple[int, ...], cubic_levels, itype=None, escapes=N
     each pass's choices a few contiguous row slices, each predicted with its own kind; only a
     pass with more than ``_MAX_RUNS`` slices computes both predictions and selects per row.
     """
-    import torch
+    import torch  # decode only: solar.codec imports this module and stays numpy-only
 
-    from .torch_ops import scratch
+    from .torch_ops import scratch  # imports torch, as above
 
     itype = itype or R.dtype
     B, n = R.shape
@@ -398,7 +398,7 @@ def mask_order(masks) -> np.ndarray:
 
 def natural_to_stream(r, shape: tuple[int, ...]):
     """Reorder residuals stored in natural (C) order (format version 1) into stream order."""
-    import torch
+    import torch  # decode only: solar.codec imports this module and stays numpy-only
 
     B = r.shape[0]
     r = r.reshape((B,) + tuple(shape))
@@ -452,9 +452,9 @@ def lorenzo_reconstruct(r, pad: bool | None = None):
     the dequantizer reads it once into the returned tensor. ``pad`` None pads on CPU only (cache
     sets are a CPU concern; a GPU scan gains nothing from it).
     """
-    import torch
+    import torch  # decode only: solar.codec imports this module and stays numpy-only
 
-    from .torch_ops import scratch
+    from .torch_ops import scratch  # imports torch, as above
 
     axes = [ax for ax in range(1, r.ndim) if r.shape[ax] > 1]  # a length-1 prefix sum is the identity
     if not axes:
