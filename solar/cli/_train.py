@@ -9,6 +9,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.utils.data as tud
+from tqdm import tqdm
+
+import solar
+from solar.io_backends.hdf5 import HDF5Backend
+from solar.io_backends.throttled import ThrottledBackend
+from solar.testing.baselines import PerSampleH5
 
 
 class Surrogate(nn.Module):
@@ -37,19 +43,13 @@ class Run:
 
 
 def _storage(path: str, args: argparse.Namespace, readers: int):
-    from solar.io_backends.hdf5 import HDF5Backend
-
     inner = HDF5Backend(path)
     if not args.bandwidth:
         return inner
-    from solar.io_backends.throttled import ThrottledBackend
-
     return ThrottledBackend(inner, bandwidth=args.bandwidth / readers, latency=args.latency)
 
 
 def train(name: str, loader, args: argparse.Namespace, n: int) -> Run:
-    from tqdm import tqdm
-
     torch.manual_seed(args.seed)
     model = Surrogate()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -72,9 +72,6 @@ def train(name: str, loader, args: argparse.Namespace, n: int) -> Run:
 
 def compare(path: str, args: argparse.Namespace) -> None:
     """Train with torch's and SOLAR's loaders on ``path`` and print the side-by-side table."""
-    import solar
-    from solar.testing.baselines import PerSampleH5
-
     torch.set_num_threads(1)
     if args.batch_size > args.samples:
         print(f"batch size {args.batch_size} > {args.samples} samples: using {args.samples}")

@@ -13,11 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import solar
+
 
 def bench_dir() -> Path:
     """``bench/`` of the source checkout this package runs from (editable install)."""
-    import solar
-
     return Path(solar.__file__).resolve().parents[1] / "bench"
 
 

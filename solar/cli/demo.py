@@ -21,10 +21,16 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
+from solar.capabilities import h5py_has_mpi
+from solar.dist import mpi_comm, under_mpirun
+from solar.synthetic import ptycho_sample, write_ptycho_h5
+
 
 def _at_least(lo: float, kind=int):
-    """An argparse type: ``kind`` values >= ``lo`` (a one-line usage error, exit 2, otherwise:
-    before, --samples 0 or --batch-size 0 failed with a traceback, some after the MPI write)."""
+    """An argparse type: ``kind`` values >= ``lo``, else a one-line usage error (exit 2) while the
+    arguments are parsed, before any MPI write starts."""
     def parse(text: str):
         try:
             v = kind(text)
@@ -60,15 +66,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _parallel_possible() -> bool:
-    from solar.capabilities import h5py_has_mpi
-
     return shutil.which("mpirun") is not None and h5py_has_mpi()
 
 
 def _write(args: argparse.Namespace, path: str) -> str:
-    from solar.dist import mpi_comm, under_mpirun
-    from solar.synthetic import write_ptycho_h5
-
     if args.write_only or under_mpirun():
         comm = mpi_comm()
         write_ptycho_h5(path, args.samples, args.size, args.seed, comm=comm, progress=not args.no_progress)
@@ -88,10 +89,7 @@ def _write(args: argparse.Namespace, path: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import h5py
-    import numpy as np
-
-    from solar.synthetic import ptycho_sample
+    import h5py  # heavy; `solar demo --help` stays fast without it
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "ptycho.h5")
@@ -112,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if not ok:
         return 1
     if args.epochs > 0:
-        from solar.cli._train import compare
+        from solar.cli._train import compare  # imports torch: the --write-only ranks never train
 
         compare(path, args)
     return 0

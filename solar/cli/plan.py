@@ -15,9 +15,14 @@ import os
 import sys
 import time
 
+import numpy as np
+import torch  # noqa: F401  (loaded before any timing: its import is not planning time)
+
+from solar.errors import ConfigError
 from solar.fileio import write_atomic, write_text_atomic
 from solar.memory import available_memory
-from solar.schedule import POLICIES
+from solar.schedule import POLICIES, PlanConfig, Planner
+from solar.testing.baselines import BaselinePlanner
 
 #: A dump holds one [index, hit] pair per access; above this many accesses it is refused.
 MAX_DUMP_ACCESSES = 2_000_000
@@ -47,16 +52,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace, policy: str):
-    from solar.schedule import PlanConfig
-
     return PlanConfig(args.samples, args.world_size, args.batch_size, args.buffer, args.seed,
                       shuffle=not args.no_shuffle, drop_last=args.drop_last, drop_last_batch=args.drop_last,
                       policy=policy)
 
 
 def _balanced(plan) -> bool:
-    import numpy as np
-
     P, G = plan.world_size, plan.global_batch
     if not len(plan.rank):
         return True
@@ -67,20 +68,14 @@ def _balanced(plan) -> bool:
 
 def _planner(cfg):
     """The schedule's planner for ``solar``; the baselines are a comparison, simulated outside the
-    library (:mod:`solar.testing.baselines`, imported only when one is asked for)."""
+    library (:mod:`solar.testing.baselines`)."""
     if cfg.policy == "solar":
-        from solar.schedule import Planner
-
         return Planner(cfg)
-    from solar.testing.baselines import BaselinePlanner
-
     return BaselinePlanner(cfg)
 
 
 def simulate(args: argparse.Namespace, policy: str, dump: list | None = None) -> dict:
     """Plan ``args.epochs`` epochs with ``policy``; the JSON report (and the dump, if a list is given)."""
-    import torch  # noqa: F401  (imported before timing: its ~3 s import is not planning time)
-
     cfg = _config(args, policy)
     planner = _planner(cfg)
     epochs, balanced, seconds = [], True, []
@@ -102,7 +97,7 @@ def simulate(args: argparse.Namespace, policy: str, dump: list | None = None) ->
 
 def plot(path: str, reports: dict[str, dict]) -> None:
     """Hit rate per epoch of each policy in ``reports``, against the bound (a PNG at ``path``)."""
-    import matplotlib
+    import matplotlib  # optional (the plot extra); only --plot needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -126,8 +121,6 @@ def plot(path: str, reports: dict[str, dict]) -> None:
 
 def check_output(option: str, path: str) -> None:
     """Refuse, before planning, an output ``path`` that cannot become a file (ConfigError)."""
-    from solar.errors import ConfigError
-
     if os.path.isdir(path) or path.endswith(("/", os.sep)):
         name = "plan.json" if option == "--dump" else "hits.png"
         raise ConfigError(f"{option} {path} is a directory; give a file path such as {os.path.join(path, name)}")
@@ -150,8 +143,6 @@ def plan_bytes(cfg, policy: str, accesses: int = 0) -> int:
 
 def check_memory(args: argparse.Namespace, cfg) -> None:
     """Refuse (ConfigError) a plan whose estimated memory exceeds what is available, before allocating it."""
-    from solar.errors import ConfigError
-
     avail = available_memory()
     if avail is None:
         return
@@ -172,8 +163,6 @@ def check_memory(args: argparse.Namespace, cfg) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from solar.errors import ConfigError
-
     try:
         if args.epochs < 1:
             raise ConfigError(f"--epochs must be >= 1, got {args.epochs}")

@@ -35,6 +35,8 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from solar.errors import DatasetFormatError, InputError, MissingDependencyError
+from solar.io_backends import open_backend
+from solar.io_backends.fsspec import missing_protocol_error, url_to_fs
 from solar.io_backends.npy_format import npy_array
 from solar.layout import describe_fields, name_matches, tensor_dtype_ok
 
@@ -132,9 +134,7 @@ class Source:
         if self._handle is not None and self._pid == os.getpid():
             return self._handle
         if self.kind == "npz":
-            import fsspec  # optional (the s3 extra), and only .npz inputs need it here
-
-            from solar.io_backends.fsspec import missing_protocol_error  # imports fsspec (optional)
+            import fsspec  # imported when an .npz input is opened, the only kind read through it here
 
             # the members are read without np.load (its header parser races other threads' ast
             # use on CPython 3.11; see io_backends/npy_format.py); keys as in np.load(...).files
@@ -151,8 +151,6 @@ class Source:
                 raise DatasetFormatError(f"{self.url}: not a readable .npz archive ({type(exc).__name__}: {exc}); "
                                          "check the file (np.savez writes one)") from exc
         else:
-            from solar.io_backends import open_backend  # the backends import h5py and fsspec
-
             url = self.url
             if self.kind == "hdf5" and _h5_dataset_suffix(url):
                 url = url.rpartition(":")[0]
@@ -179,8 +177,6 @@ class Source:
         if _is_local(path):
             st = os.stat(_local_path(path))
             return [st.st_size, st.st_mtime_ns]
-        from solar.io_backends.fsspec import url_to_fs  # imports fsspec (optional)
-
         fs, p = url_to_fs(path, **self.storage_options)
         try:
             info = fs.info(p)
@@ -230,8 +226,6 @@ class Source:
                     fh.seek(lo)
                     out.append(fh.read(hi - lo))
             return out
-        from solar.io_backends.fsspec import url_to_fs  # imports fsspec (optional)
-
         fs, p = url_to_fs(path, **self.storage_options)
         return fs.cat_ranges([p] * len(ranges), [lo for lo, _ in ranges], [hi for _, hi in ranges], on_error="raise")
 

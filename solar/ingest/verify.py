@@ -15,6 +15,7 @@ import numpy as np
 from solar import codec
 from solar.dist import comm_or_serial, share
 from solar.errors import CorruptDataError
+from solar.io_backends.hdf5 import HDF5Backend
 from solar.layout import checksum_key, describe_fields, sample_checksum
 
 __all__ = ["verify_file"]
@@ -27,8 +28,6 @@ def verify_file(path: str, *, plan: Any = None, comm: Any = "auto", batch_size: 
     on this rank; raises :class:`CorruptDataError` naming the field and sample of the first
     mismatch found on any rank.
     """
-    from solar.io_backends.hdf5 import HDF5Backend  # imports h5py (heavy)
-
     if comm is None or isinstance(comm, str):
         comm, _ = comm_or_serial(comm)
     problem: str | None = None
@@ -82,7 +81,7 @@ def _stored_samples(be, spec, s: int, e: int, offsets, lo: int) -> list:
 def _decode_all(blobs, spec, first: int) -> np.ndarray:
     out = codec.decode_batch([np.asarray(b) for b in blobs], names=list(range(first, first + len(blobs))))
     if isinstance(out, list):
-        import torch  # heavy; the codec returned torch tensors, so it is loaded already
+        import torch  # the codec returned tensors, so torch is loaded; ingest imports this module without it
 
         out = torch.stack(out)
     return out.numpy().reshape(len(blobs), *spec.sample_shape)

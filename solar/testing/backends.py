@@ -21,6 +21,7 @@ still joins the collective call.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import pickle
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from solar.dist import get_dist_info
 from solar.io_backends import Backend
 
 __all__ = ["BackendTests", "write_h5", "sample_arrays", "SAMPLE_ATTRS"]
@@ -47,7 +49,7 @@ def sample_arrays(n: int = N_ROWS) -> dict[str, np.ndarray]:
 
 def write_h5(path, arrays: dict[str, np.ndarray], attrs: dict[str, dict[str, Any]] | None = None):
     """Write ``arrays`` (key -> array, ``/`` for groups) and ``attrs`` to an HDF5 file; returns path."""
-    import h5py
+    import h5py  # heavy; only the suites that write HDF5 files need it
 
     with h5py.File(path, "w") as f:
         for key, a in arrays.items():
@@ -87,8 +89,6 @@ class BackendTests:
     def mine(self, backend: Backend, ranges):
         """``ranges`` for this rank; on a collective backend only rank 0 reads, the others pass []."""
         if backend.collective:
-            from solar.dist import get_dist_info
-
             if get_dist_info().rank != 0:
                 return []
         return ranges
@@ -218,8 +218,6 @@ class BackendTests:
     def test_reopens_after_fork(self, backend, arrays):
         # collective backends too: a child reads through a serial handle (NOTE [ mpi-hdf5 in a
         # child process ] in io_backends/mpi_hdf5.py), as a torch DataLoader worker does
-        import multiprocessing as mp
-
         self.check(backend, arrays, "x", [(0, 1)])  # open in the parent first
         ctx = mp.get_context("fork")
         queue = ctx.Queue()

@@ -14,17 +14,21 @@ adversarial arrays), bit-exact NaN/Inf, header round trip, batch decode equal to
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
+
+import solar.codec as sc
+from solar.codec import get_codec
+from solar.codec.quantize import within_bound
+from solar.errors import CorruptDataError
 
 __all__ = ["CodecTests", "adversarial_arrays", "assert_within_bound"]
 
 
 def assert_within_bound(x: np.ndarray, y: np.ndarray, eb: float) -> None:
     """Decoded ``y`` matches ``x``: same shape, NaN/Inf bit-exact, finite values within ``eb``."""
-    from solar.codec.quantize import within_bound
-
     assert y.shape == x.shape and y.dtype == x.dtype, (y.shape, y.dtype, x.shape, x.dtype)
     fin = np.isfinite(x)
     nonfin = ~fin
@@ -47,7 +51,7 @@ def adversarial_arrays():
     Constant arrays, huge ranges, denormals, values exactly on bin edges, NaN/Inf, size 0 and 1,
     odd shapes, 0-D to 4-D, float32 and float64, absolute and relative bounds.
     """
-    from hypothesis import strategies as st
+    from hypothesis import strategies as st  # the test extra: importing the suite does not need it
     from hypothesis.extra import numpy as hnp
 
     @st.composite
@@ -97,14 +101,10 @@ class CodecTests:
     codec: object = None
 
     def _enc(self, x, **kw):
-        import solar.codec as sc
-
         return sc.encode(x, codec=self.codec, **kw)
 
     def test_bound_adversarial(self):
-        from hypothesis import HealthCheck, given, settings
-
-        import solar.codec as sc
+        from hypothesis import HealthCheck, given, settings  # the test extra, as above
 
         @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
         @given(adversarial_arrays())
@@ -123,8 +123,6 @@ class CodecTests:
         run()
 
     def test_nan_inf_exact(self):
-        import solar.codec as sc
-
         x = np.linspace(-5, 5, 1000, dtype=np.float32).reshape(10, 100)
         x[1, 2], x[3, 4], x[5, 6] = np.nan, np.inf, -np.inf
         x.reshape(-1)[7] = np.float32(np.frombuffer(np.uint32(0x7FC12345).tobytes(), np.float32)[0])  # NaN payload
@@ -132,9 +130,7 @@ class CodecTests:
         assert_within_bound(x, sc.decode(blob).numpy(), sc.header_info(blob).abs_error)
 
     def test_batch_equals_single(self):
-        import torch
-
-        import solar.codec as sc
+        import torch  # heavy; the rest of the suite is numpy-only
 
         rng = np.random.default_rng(1)
         xs = [np.cumsum(rng.standard_normal((12, 17)), 1).astype(np.float32) for _ in range(5)]
@@ -150,9 +146,7 @@ class CodecTests:
         assert sc.decode_batch([]) == []
 
     def test_out_parameter(self):
-        import torch
-
-        import solar.codec as sc
+        import torch  # heavy; the rest of the suite is numpy-only
 
         x = np.arange(60, dtype=np.float64).reshape(3, 4, 5) / 7
         blob = self._enc(x, abs_error=1e-6)
@@ -162,10 +156,7 @@ class CodecTests:
         assert_within_bound(x, out.numpy(), 1e-6)
 
     def test_corruption_is_detected(self):
-        import pytest
-
-        import solar.codec as sc
-        from solar.errors import CorruptDataError
+        import pytest  # the test extra: importing the suite does not need it
 
         x = np.sin(np.linspace(0, 20, 4096)).astype(np.float32).reshape(64, 64)
         blob = self._enc(x, rel_error=1e-3)
@@ -185,10 +176,6 @@ class CodecTests:
             sc.decode_batch([blob, blob[:-5]], names=[3, 17])
 
     def test_config_round_trip(self):
-        from solar.codec import get_codec
-
         c = get_codec(self.codec)
         cfg = c.get_config()
-        import json
-
         assert get_codec(json.loads(json.dumps(cfg))).get_config() == cfg

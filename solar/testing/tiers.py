@@ -18,7 +18,9 @@ ever shows up as a key, and persistent tiers keep values across instances.
 
 from __future__ import annotations
 
+import sys
 import tempfile
+import threading
 
 import numpy as np
 
@@ -37,9 +39,6 @@ def race_put_new(tier, rounds: int = 15, threads: int = 6, switch_interval: floa
     interleaves a check-then-write inside one process; leave it ``None`` when the storage's own
     server runs in this process (moto), whose conditional writes are not atomic under it.
     """
-    import sys
-    import threading
-
     old = sys.getswitchinterval()
     if switch_interval is not None:
         sys.setswitchinterval(switch_interval)
@@ -147,11 +146,8 @@ class TierTests:
     def test_concurrent_puts_keep_the_budget_and_the_count(self, tier_cls, tmp_path):
         """Threads putting (different keys and one shared key) and deleting under a byte budget,
         switching every microsecond: ``nbytes`` never goes over the budget, always equals what
-        is stored, and is 0 once every key is deleted (an audit: a disk tier overshot 5000 B by
-        700 B, and puts of one key left the count high for good, refusing later puts)."""
-        import sys
-        import threading
-
+        is stored, and is 0 once every key is deleted (so puts of one key never leave the count
+        high and refuse later puts)."""
         budget, threads, rounds = 2000, 6, 40
         tier = tier_cls.example(str(tmp_path), budget)
         over, barrier = [], threading.Barrier(threads)
@@ -213,7 +209,7 @@ class TierTests:
 
     def test_model_based_operations(self, tier_cls):
         """Random put/delete/overwrite sequences agree with a dict (Hypothesis)."""
-        from hypothesis import given, settings
+        from hypothesis import given, settings  # the test extra: importing the suite does not need it
         from hypothesis import strategies as st
 
         ops = st.lists(
