@@ -106,8 +106,8 @@ def in_lockstep() -> bool:
 def agreement_at_end(backend: Any, where: str | None = None) -> Iterator[None]:
     """Within the block ``agree(problem, later=True)`` records this rank's first problem and
     returns; the block's end agrees on it once, as :func:`agree` (NOTE [ One agreement per
-    pass ]). A block inside another joins it. An exception leaving the block is not agreed
-    (as it was not before: only the problems handed to ``agree`` are)."""
+    pass ]). A block inside another joins it. An exception leaving the block is not agreed:
+    only the problems handed to ``agree`` are."""
     if _LATER.get() is not None:
         yield
         return

@@ -14,12 +14,11 @@ NOTE [ Several files ]
     every rank which files some rank reads, and the others are skipped). On a collective backend
     each file a pass reads costs a few collective calls (an ``H5Dread`` and an agreement per
     field), and each file of a pass costs Python work of its own: with hundreds of files of a few
-    samples each, a pass pays more for them than for its bytes (``bench/loader/files.py``,
-    ``mpirun -n 2``, 200 files of 20 samples: 0.46 s per epoch against torch's 0.30 s with
-    per-sample serial h5py reads; one rank, 0.75-1.15 s against 0.50-0.68 s). Other backends read the
-    files of a pass side by side on one lasting pool of request threads, each file in one thread.
-    The buffer's keys stay the positions
-    in the concatenation. A pass runs in the four phases of one file's fetch, across all files:
+    samples each, a pass pays more for them than for its bytes (``bench/loader/files.py``;
+    bench/loader/files.json and files-1rank.json, against torch's per-sample serial h5py
+    reads). Other backends read the files of a pass side by side on one lasting pool of
+    request threads, each file in one thread. The buffer's keys stay the positions in the
+    concatenation. A pass runs in the four phases of one file's fetch, across all files:
     every file's hits are taken, then every file is read, then the pass's evictions leave the
     buffer, then the kept misses are put (so a hit is never evicted before it is taken, and a put
     never waits on an eviction of a later file). Each file decodes and transforms its own samples

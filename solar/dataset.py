@@ -14,15 +14,15 @@ NOTE [ Stored vs decoded ]
     byte budget holds ratio-times more compressed samples and decoding can run on the GPU.
     Without workers, :meth:`fetch_steps` decodes a whole prefetch pass at once on the prefetch
     thread (``decode=True``): one ``decode_batch`` call per field for several steps amortizes
-    the codec's per-call cost (about 1.6x faster per sample on the CPU at 256 vs 32 samples) and
+    the codec's per-call cost (a larger batch decodes faster per sample) and
     overlaps decoding with the training step; the buffer still holds only compressed bytes.
 
 NOTE [ Subclass items ]
     A subclass that overrides ``__getitem__`` (normalization, log-scaling, an extra target: a
     common pattern) expects it called for every sample, as torch calls it for any map-style
     dataset. But torch's fetcher calls ``__getitems__`` when a dataset has one (so does torch's
-    ``Subset``), and SOLAR's loader hands each step's loaded bytes to ``__getitems__``: the
-    override was bypassed by both loaders. So ``__getitems__`` (and the loader's ``Subset`` and
+    ``Subset``), and SOLAR's loader hands each step's loaded bytes to ``__getitems__``: both
+    loaders would bypass the override. So ``__getitems__`` (and the loader's ``Subset`` and
     ``ConcatDataset`` views) first makes the batch's samples with H5Dataset's own methods, from
     one coalesced read or the bytes the loader loaded (buffer hits included), then calls the
     override once per sample in batch order, with the index torch would pass it (the file's
@@ -324,8 +324,9 @@ class H5Dataset(RowReads, Dataset):
         declared sample shape and dtype, or it is damage.
 
         Why: a file whose blobs disagree with their field's attributes (hand-made, or damaged
-        where no checksum reaches) gave batches of the blobs' shape, an empty batch of the
-        declared one, and blobs of two shapes a bare ``torch.stack`` error naming nothing."""
+        where no checksum reaches) would otherwise give batches of the blobs' shape, an empty
+        batch of the declared one, and for blobs of two shapes a bare ``torch.stack`` error naming
+        nothing."""
         if h.shape != tuple(spec.sample_shape) or h.dtype != spec.dtype:
             what = f"sample {name}" if name is not None else f"a sample of field {spec.name!r}"
             raise CorruptDataError(
@@ -422,7 +423,7 @@ class H5Dataset(RowReads, Dataset):
         return self._samples(self.decode(stored), 1)[0]
 
     def __iter__(self):
-        """Every sample in order. Without it ``for s in ds`` used the old sequence protocol,
-        which ends at the first ``IndexError`` from anywhere inside, silently."""
+        """Every sample in order. Without it ``for s in ds`` would use the sequence protocol,
+        which ends silently at the first ``IndexError`` from anywhere inside."""
         for i in range(len(self)):
             yield self[i]

@@ -73,12 +73,12 @@ def get_dist_info() -> DistInfo:
 #
 #     * SOLAR's calls go over a **private duplicate** of the communicator (:func:`private_comm`),
 #       never COMM_WORLD itself, so a script's ``comm.allreduce`` cannot pair with one of ours
-#       (it did: a user's sum met our allreduce's tuple, or both ranks hung).
+#       (a user's sum would meet our allreduce's tuple, or both ranks would hang).
 #     * they all run on **one thread per process** (:func:`mpi_executor`), in the order they
 #       were submitted. Submissions come from the training loop's thread, in program order,
-#       which is the same on every rank, so the calls are too, however many loaders run. Before,
-#       each loader's read-ahead thread made its calls when it got to them, and a validation
-#       loader's pass met the training loader's read-ahead in a different order on each rank.
+#       which is the same on every rank, so the calls are too, however many loaders run. A
+#       thread per loader would make its calls when it got to them, and a validation loader's
+#       pass would meet the training loader's read-ahead in a different order on each rank.
 #
 #     Reads outside the loader's passes (``ds[i]``) stay independent and run where they are
 #     called. A script making its own *parallel HDF5* calls (an ``mpio`` h5py file of its own)

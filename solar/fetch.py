@@ -24,9 +24,9 @@ __all__ = ["FetchPass", "FetchStats", "StoredBatch", "StepBatch", "as_indices", 
 def as_indices(indices: Sequence[int], path: str, n: int) -> np.ndarray:
     """``indices`` (a batch's sample indices) as a 1-D int64 array.
 
-    Why: a cast alone read floats as their integer part, a boolean mask as 0s and 1s and a nested
-    list flattened, so a buggy sampler got wrong samples silently, where ``ds[1.7]`` and torch's
-    per-item fetch refuse them.
+    Why: a cast alone would read floats as their integer part, a boolean mask as 0s and 1s and a
+    nested list flattened, so a buggy sampler would get wrong samples silently, where ``ds[1.7]``
+    and torch's per-item fetch refuse them.
 
     Raises:
         InputError: not a flat sequence of integers.

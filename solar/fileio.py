@@ -123,7 +123,7 @@ def flock_or_holder(fd: int, owner: dict) -> str | None:
     leaves a stale lock to delete by hand. File systems without it (Lustre mounted without
     ``flock``) raise ``OSError``; the caller decides whether to go on unlocked.
     """
-    import fcntl
+    import fcntl  # POSIX only: the rest of this module stays importable without it
 
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

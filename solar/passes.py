@@ -41,8 +41,8 @@ def drop_frame_locals(exc: BaseException) -> None:
     Why: fetch code keeps errors in locals (``problem = exc``, then ``backend.agree(problem)``
     raises it on every rank), so the error's traceback reaches the error again: a reference
     cycle. torch's worker iterator, whose ``__init__`` or ``__next__`` frame the error passes
-    through next, then lived until the garbage collector broke the cycle, and closed its worker
-    queues from there while their feeder threads closed them too: "Exception in thread
+    through next, would then live until the garbage collector broke the cycle, and close its
+    worker queues from there while their feeder threads close them too: "Exception in thread
     QueueFeederThread ... Bad file descriptor" tracebacks after the real error. Without the
     cycle the iterator goes when the error is handled, and shuts its workers down as torch does.
     The frames below this one are done; only their locals (for a post-mortem debugger) are lost.

@@ -78,9 +78,10 @@ class RowReads:
     def _check_offsets(self, spec: FieldSpec, off: np.ndarray) -> None:
         """A compressed field's offsets start at 0, never decrease and end inside its data.
 
-        Why: they carry no checksum, and a damaged one read as a byte range past the data (the
-        backend's ``IndexError``, which ``for s in ds`` took for the end of the data and stopped
-        early, silently) or a backward range (a bare ``ValueError``), depending on the batch."""
+        Why: they carry no checksum, and a damaged one would read as a byte range past the data
+        (the backend's ``IndexError``, which ``for s in ds`` takes for the end of the data, so it
+        stops early, silently) or a backward range (a bare ``ValueError``), depending on the
+        batch."""
         size = int(self.backend.info(spec.data_key).shape[0])
         bad = None
         if len(off) != self.num_samples + 1 or (len(off) and off[0] != 0):
@@ -223,14 +224,13 @@ class RowReads:
 
         NOTE [ Checksums are read with the rows ]: a file of up to ``WHOLE_CHECKSUMS_BYTES``
         (16 MiB, 2e6 samples) of checksums per field is read whole once: one request instead of
-        one range per data run every pass (twice the read calls; 3 s against 1.5 s for a local
-        file in the page cache, in the review's measurement). Above that,
-        each pass reads the checksums of exactly the runs its data read (8 bytes per row read,
-        in as many ranges as the data; sieving them again at 8 bytes a row merged nearly every
-        gap, and a random pass read almost the whole array, every pass):
-        reading them whole made every rank load 8 bytes per sample and field at its first fetch,
-        O(N) memory per rank and P times the whole array from the parallel file system at
-        start-up (4096 ranks, 10^8 samples: 3.3 TB), to check N/P samples each."""
+        one range per data run every pass, which would double the read calls. Above that, each
+        pass reads the checksums of exactly the runs its data read (8 bytes per row read, in as
+        many ranges as the data, not sieved: at 8 bytes a row sieving merges nearly every gap,
+        and a random pass would read almost the whole array every pass): reading them whole
+        would make every rank load 8 bytes per sample and field at its first fetch, O(N) memory
+        per rank and P times the whole array from the parallel file system at start-up (4096
+        ranks, 10^8 samples: 3.3 TB), to check N/P samples each."""
         key = checksum_key(spec.name)
         sums = self._checksums.get(spec.name)
         if sums is None and self.num_samples * 8 <= self.WHOLE_CHECKSUMS_BYTES:

@@ -314,17 +314,17 @@ class SolarBatchSampler(BatchSampler):
     def _plan_ahead(self, epoch: int) -> None:
         """NOTE [ Planning ahead ]: plan ``epoch`` on a copy of the planner, in the background.
 
-        Why: an epoch's plan needs the previous plan's residency, so it was made when the
-        epoch's iteration started, before its first batch: 1.6 s per epoch at N = 4e6 on this
-        machine (more when the cores are busy), on every rank, where torch's loader spends
-        0.15 s on ``randperm``. The next iteration is usually ``epoch + 1`` from its start (or
-        the same epoch again, where the last two iterations had one: a loader never given
-        ``set_epoch``), with the residency the current plan left, so the plan is made on a
-        copy of the planner on :func:`_plan_thread` while this epoch trains, and taken at the
-        next iteration if nothing changed the planner meanwhile (:meth:`_planned_ahead`). An early stop (rewind),
-        a new geometry, a loaded state or another epoch discards it and plans inline, as
-        before: the plans are the same either way (planning is a pure function of the planner's
-        state). Only with read-ahead on (``prefetch > 0``) and ``plan_ahead`` (default True).
+        Why: an epoch's plan needs the previous plan's residency; made inline, it runs when the
+        epoch's iteration starts, before its first batch, on every rank, and costs far more than
+        torch's ``randperm`` there (bench/plan/ahead.json: first batch inline vs ahead). The next
+        iteration is usually ``epoch + 1`` from its start (or the same epoch again, where the last
+        two iterations had one: a loader never given ``set_epoch``), with the residency the
+        current plan left, so the plan is made on a copy of the planner on :func:`_plan_thread`
+        while this epoch trains, and taken at the next iteration if nothing changed the planner
+        meanwhile (:meth:`_planned_ahead`). An early stop (rewind), a new geometry, a loaded state
+        or another epoch discards it and plans inline: the plans are the same either way
+        (planning is a pure function of the planner's state). Only with read-ahead on
+        (``prefetch > 0``) and ``plan_ahead`` (default True).
         Until it is taken it holds a copy of the planner's state and the plan made ahead: 19
         bytes per sample (tracemalloc, N = 2e6), on top of the planner's own 9 and the current
         plan's 10; ``loader.solar_sampler.plan_ahead = False`` gives that back.
@@ -383,14 +383,14 @@ class SolarBatchSampler(BatchSampler):
         referenced when the next one starts (its read-ahead may still run). On a collective
         backend such an iteration is ended instead (its generator closed: its read-ahead's
         passes finish on every rank alike, as many as the consumer took), then settled as an
-        early stop: the tutorial's ``dataiter = iter(loader); next(dataiter)`` before the
-        training loop stopped the script with an error there.
+        early stop: a peek before the training loop (torch's tutorial does
+        ``dataiter = iter(loader); next(dataiter)``) is an early stop like any other, not an error.
         """
         plan = self.current.get("plan") if self.current.get("mode") == "schedule" else None
         if self._open and plan is not None and self._handed >= plan.num_steps:
             # every step was handed out: the iteration ran to its end, whether or not its loop
             # saw StopIteration (islice(loader, len(loader)), zip over loaders); counted as an
-            # early stop, it started over on one rank while the others kept their plans
+            # early stop, it would start over on one rank while the others keep their plans
             self._open = False
         P, rank, _ = self._geometry()
         if self._open and self._stopped is None:

@@ -320,7 +320,7 @@ class EpochPlan:
         for k in range(self.num_steps):
             sl = self.step_slice(k)
             r, s, h = self.rank[sl], self.samples[sl], self.hit[sl]
-            o = np.argsort(r, kind="stable")  # group by rank once (a mask per rank was O(G * P))
+            o = np.argsort(r, kind="stable")  # group by rank once (a mask per rank would be O(G * P))
             cut = np.searchsorted(r[o], np.arange(self.world_size + 1))
             pairs = list(zip(s[o].tolist(), h[o].tolist()))
             steps.append([[[i, bool(x)] for i, x in pairs[a:b]] for a, b in zip(cut[:-1], cut[1:])])

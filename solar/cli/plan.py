@@ -28,8 +28,8 @@ from solar.testing.baselines import BaselinePlanner
 MAX_DUMP_ACCESSES = 2_000_000
 
 #: Peak bytes one plan holds, per sample of the dataset and per position of the padded epoch
-#: order, by policy (measured ~100 B per sample for solar, ~260 B for the Python baselines, with
-#: N equal to the positions), and per dumped access (nested lists plus the JSON text).
+#: order, by policy (upper estimates, with N equal to the positions; measured peaks:
+#: bench/plan/memory.json), and per dumped access (nested lists plus the JSON text).
 PLAN_BYTES = {"solar": (40, 80), "lru": (160, 160), "fifo": (160, 160)}
 DUMP_BYTES_PER_ACCESS = 200
 

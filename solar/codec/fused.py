@@ -2,15 +2,14 @@
 
 Why a second formulation: the eager decoder (:func:`solar.codec.predict.interp_decode`) issues
 a handful of tensor ops per (level, axis) pass, and each op is one memory pass; on a CPU that
-is the floor of the eager design (about 7-13 ns per value). Here every pass is written
-*pointwise over its output*: the odd points' prediction (cubic and linear for every row, chosen
-with ``where`` on a per-row flag and on the border columns), the ``+ K * residual`` and the
-interleave with the even points are one expression, so inductor emits one vectorized loop per
-pass (C++ on the CPU, Triton on CUDA). Nibble unpacking (or joining wider codes' byte planes),
-the sparse residual corrections (side values, escapes), widening and the ``G * u``
-dequantization are in the graph too. Measured on
-one CPU thread: the interpolation core runs 2-8x faster than eager, and whole decodes of
-interpolation blobs 1.2-4x (``bench/codec``; the lossless stage and per-blob work stay as they are).
+is the floor of the eager design. Here every pass is written *pointwise over its output*: the
+odd points' prediction (cubic and linear for every row, chosen with ``where`` on a per-row flag
+and on the border columns), the ``+ K * residual`` and the interleave with the even points are
+one expression, so inductor emits one vectorized loop per pass (C++ on the CPU, Triton on
+CUDA). Nibble unpacking (or joining wider codes' byte planes), the sparse residual corrections
+(side values, escapes), widening and the ``G * u`` dequantization are in the graph too; the
+lossless stage and per-blob work stay eager. Compiled and eager decode speeds side by side:
+bench/codec/results.json.
 
 The integers are the eager decoder's, bit for bit: the same plan, the same border rules and the
 same arithmetic-shift rounding; ``tests/test_codec_fused.py`` compares both on random and
@@ -152,9 +151,9 @@ _compiled: dict[bool, object] = {}
 _failed: str | None = None
 
 #: Batches of up to this many values run whole; larger ones in chunks of about this many
-#: (8 MiB per int32 intermediate grid). Measured on one CPU thread, 64-256 PtychoNN samples
-#: (0.26-2.1 M values): one call for the whole batch was 8-23% faster than chunks of 2**18
-#: values (the chunks' outputs must be joined, each chunk's corrections selected).
+#: (8 MiB per int32 intermediate grid). A mini-batch (64-256 PtychoNN samples, 0.26-2.1 M
+#: values) runs as one call, faster than smaller chunks, whose outputs must be joined and each
+#: chunk's corrections selected.
 CHUNK_VALUES = 1 << 21
 #: The batch size that gets the static graph, per signature: the first one seen (in a training
 #: loop, the batch size; the epoch's last, smaller batch then takes the dynamic graph instead of
@@ -165,10 +164,9 @@ _static_batch: dict[tuple, int] = {}
 def _get(static: bool):
     """The compiled graph: ``static`` specializes on the batch size, else the size is dynamic.
 
-    Why two: inductor's CPU kernels for a fixed batch size measured 1.5-1.6x faster than the
-    same kernels with a symbolic one (256 samples of 2x64x64: 10-11 ms against 16-17 ms), and
-    the loader bench's compiled epochs were 9-25% faster with fixed-size chunks (0.46 against
-    0.51-0.60 s). A mini-batch of the signature's batch size therefore runs through the static
+    Why two: inductor's CPU kernels for a fixed batch size are faster than the same kernels
+    with a symbolic one, and so are the loader's compiled epochs with fixed-size chunks
+    (bench/loader). A mini-batch of the signature's batch size therefore runs through the static
     graph (one more compiled variant per signature), other sizes through the dynamic one (see
     :func:`run`). They are separate functions because dynamo would otherwise serve a fixed-size
     call from a cached dynamic variant.

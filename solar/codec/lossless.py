@@ -76,7 +76,7 @@ def compress(data, name: str, level: int | None = None) -> bytes:
             zs = _zstd()
             # min_match=7: residual codes are noise-like; short matches cost more than the
             # literals they replace, and skipping them leaves zstd's Huffman literal coder the
-            # whole stream (measured: +3-6 % ratio, 3x faster encode than level 3 defaults)
+            # whole stream: a better ratio and a faster encode than the level's defaults
             params = zs.ZstdCompressionParameters.from_level(lvl, min_match=7, write_content_size=True)
             c = _local.compressors[lvl] = zs.ZstdCompressor(compression_params=params)
         return c.compress(data)

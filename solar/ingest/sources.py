@@ -337,8 +337,9 @@ def _describe(url: str, wanted, storage_options) -> Source:
 def _check_dtypes(src: Source) -> None:
     """Refuse a ``.npy``/``.npz`` field that a torch tensor cannot hold (strings, bytes,
     datetimes, structured records), as :func:`solar.layout.describe_fields` refuses such an HDF5
-    dataset. Why: h5py cannot store a unicode array (a TypeError after ``OUT.tmp`` was made),
-    and a bytes array made an output that SOLAR cannot read back (no usable field)."""
+    dataset. Why: h5py cannot store a unicode array (its TypeError would come after ``OUT.tmp``
+    is made), and a bytes array would make an output that SOLAR cannot read back (no usable
+    field)."""
     for name, fi in src.fields.items():
         if tensor_dtype_ok(fi.dtype):
             continue

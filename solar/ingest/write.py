@@ -439,7 +439,7 @@ class _Run:
     def _commit(self, b: int, g1: int) -> bool:
         """Commit batch ``b`` (see NOTE [ Ingest crash safety ]) when it is the last one or
         ``commit_interval`` has passed since the last commit: an mpio flush is a collective
-        MPI_File_sync, ~0.1 s, too dear for every batch. Rank 0 decides, so that every rank
+        MPI_File_sync, too dear for every batch. Rank 0 decides, so that every rank
         makes the same collective calls. Returns whether it committed."""
         comm, now = self.comm, time.monotonic()
         commit = comm.bcast(b + 1 == self.plan.num_batches or now - self.last_commit >= self.opts.commit_interval,
