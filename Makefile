@@ -32,6 +32,13 @@ test-mpi:
 	SOLAR_STRICT=1 SOLAR_EXPECT_WORLD=$(NP) timeout -k 15 1200 \
 	  mpirun -n $(NP) --bind-to none bash scripts/mpi-pytest.sh -m mpi tests
 
+# Lint (issue 20): ruff (pycodestyle errors and warnings, pyflakes: [tool.ruff] in pyproject.toml) and
+# codespell ([tool.codespell]) over the whole tree; both come with the test extra `make setup` installs.
+.PHONY: lint
+lint:
+	$(PY) -m ruff check .
+	$(VENV)/bin/codespell
+
 demo: setup
 	$(VENV)/bin/solar demo
 

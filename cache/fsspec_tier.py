@@ -90,7 +90,8 @@ class FsspecTier(FileTier):
                 except (OSError, FileNotFoundError):
                     pass
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise TierFullError(f"no space left writing {path} on {self.url} ({view.nbytes} B); free space on that storage") from exc
+                raise TierFullError(f"no space left writing {path} on {self.url} ({view.nbytes} B); "
+                                    "free space on that storage") from exc
             raise
 
     def _create(self, path: str, view: memoryview) -> bool:

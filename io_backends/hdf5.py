@@ -224,7 +224,8 @@ class HDF5Backend(Backend):
         if spans is None:
             return None
         if key not in spans:
-            ok = self.__dict__.get("_fd") is not None and hasattr(os, "preadv") and self.options.get("direct_reads", True)
+            ok = (self.__dict__.get("_fd") is not None and hasattr(os, "preadv")
+                  and self.options.get("direct_reads", True))
             spans[key] = _Span.of(self._dset(key), self._file) if ok else None
         return spans[key]
 

@@ -118,8 +118,8 @@ def solar_save(writer: CheckpointWriter, state, step: int) -> dict:
 
 def touch_fraction_of_chunks(state: dict, chunk: int, fraction: float, rng) -> int:
     """Change one element in ``fraction`` of all chunks (spread over every tensor); return how many."""
-    tensors = [t for t in list(state["model"].values()) + [s for st in state["optim"]["state"].values()
-                                                               for s in st.values()] if t.numel() * t.element_size() >= chunk]
+    optim = [s for st in state["optim"]["state"].values() for s in st.values()]
+    tensors = [t for t in list(state["model"].values()) + optim if t.numel() * t.element_size() >= chunk]
     slots = [(t, c) for t in tensors for c in range(t.numel() * t.element_size() // chunk)]
     pick = rng.choice(len(slots), max(1, int(round(fraction * len(slots)))), replace=False)
     for i in pick:
@@ -207,15 +207,18 @@ def main(argv=None) -> int:
     total = int(args.gib * (1 << 30))
     base = Baselines(work)
     res: dict = {"machine": {"python": sys.version.split()[0], "torch": torch.__version__, "cpus": os.cpu_count(),
-                             "platform": platform.platform(), "note": "shared 2-core VM; times are noisy, ratios are from one run"},
+                             "platform": platform.platform(),
+                             "note": "shared 2-core VM; times are noisy, ratios are from one run"},
                  "chunk_size": chunk}
     try:
         model, opt = make_model(total)
         state = state_of(model, opt)
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
-            t.numel() * t.element_size() for st in opt.state_dict()["state"].values() for t in st.values() if torch.is_tensor(t))
+            t.numel() * t.element_size()
+            for st in opt.state_dict()["state"].values() for t in st.values() if torch.is_tensor(t))
         res["state_bytes"] = nbytes
-        print(f"state dict: {nbytes / 2**30:.2f} GiB ({len(state['model'])} model tensors), chunk {chunk / MiB:g} MiB, scratch {work}")
+        print(f"state dict: {nbytes / 2**30:.2f} GiB ({len(state['model'])} model tensors), "
+              f"chunk {chunk / MiB:g} MiB, scratch {work}")
 
         root = os.path.join(work, "solar")
         with CheckpointWriter(root, chunk_size=chunk) as w:
@@ -223,7 +226,8 @@ def main(argv=None) -> int:
             t_pt, b_pt = base.torch_save(state)
             t_dcp, b_dcp = base.dcp_save(state)
             full = solar_save(w, state, 0)
-            rows["full"] = {"torch_save_s": t_pt, "torch_save_bytes": b_pt, "dcp_s": t_dcp, "dcp_bytes": b_dcp, "solar": full}
+            rows["full"] = {"torch_save_s": t_pt, "torch_save_bytes": b_pt, "dcp_s": t_dcp, "dcp_bytes": b_dcp,
+                            "solar": full}
 
             rng = np.random.default_rng(0)
             n_touched = touch_fraction_of_chunks(state, chunk, 0.01, rng)
@@ -273,8 +277,10 @@ def main(argv=None) -> int:
 
     s = res["scenarios"]
     targets = {
-        "sparse_1pct_bytes_vs_torch_save": (s["sparse_1pct"]["solar"]["bytes"] / s["sparse_1pct"]["torch_save_bytes"], "<= 0.015"),
-        "dense_bytes_vs_torch_save": (s["dense_finetune_step"]["solar"]["bytes"] / s["dense_finetune_step"]["torch_save_bytes"], "<= 1.05"),
+        "sparse_1pct_bytes_vs_torch_save": (
+            s["sparse_1pct"]["solar"]["bytes"] / s["sparse_1pct"]["torch_save_bytes"], "<= 0.015"),
+        "dense_bytes_vs_torch_save": (
+            s["dense_finetune_step"]["solar"]["bytes"] / s["dense_finetune_step"]["torch_save_bytes"], "<= 1.05"),
         "async_blocking_vs_torch_save_time": (s["async"]["ratio"], "<= 0.10"),
         "lazy_async_blocking_vs_torch_save_time": (s["async"]["lazy_ratio"], "<= 0.10"),
         "hash_gbps_one_core": (res["hash_gbps_one_core"], ">= 5"),
@@ -285,12 +291,15 @@ def main(argv=None) -> int:
     for name, r in s.items():
         if name == "async":
             continue
-        print(f"{name:24s} {r['torch_save_bytes'] / MiB:8.1f} MiB {r['torch_save_s']:5.2f}s  {r['dcp_bytes'] / MiB:8.1f} MiB {r['dcp_s']:5.2f}s  "
+        print(f"{name:24s} {r['torch_save_bytes'] / MiB:8.1f} MiB {r['torch_save_s']:5.2f}s  "
+              f"{r['dcp_bytes'] / MiB:8.1f} MiB {r['dcp_s']:5.2f}s  "
               f"{r['solar']['bytes'] / MiB:8.2f} MiB {r['solar']['blocking_s']:.3f}/{r['solar']['total_s']:.2f}s "
               f"({r['solar']['chunks_written']}/{r['solar']['chunks_total']} chunks)")
     a = s["async"]
-    print(f"async: save() blocks {[round(b, 3) for b in a['blocking_s']]} s vs torch.save {[round(t, 2) for t in a['torch_save_s']]} s; "
-          f"lazy save() returns in {[round(b, 4) for b in a['lazy_blocking_s']]} s, state copied after {[round(b, 3) for b in a['lazy_staged_after_s']]} s")
+    print(f"async: save() blocks {[round(b, 3) for b in a['blocking_s']]} s "
+          f"vs torch.save {[round(t, 2) for t in a['torch_save_s']]} s; "
+          f"lazy save() returns in {[round(b, 4) for b in a['lazy_blocking_s']]} s, "
+          f"state copied after {[round(b, 3) for b in a['lazy_staged_after_s']]} s")
     for e in res["embedding"]:
         print(f"embedding {e['rows']}x{e['dim']}, {e['rows_per_step']} rows/step, chunk {e['chunk_size'] // 1024} KiB: "
               f"solar writes {e['mean_bytes_ratio']:.3%} of torch.save's bytes per step")

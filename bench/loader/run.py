@@ -176,7 +176,8 @@ def main(argv=None) -> int:
                     help="SOLAR's num_workers (per-batch decode, transform and collate run there)")
     ap.add_argument("--io-threads", type=int, default=4, help="SOLAR's concurrent requests (H5Dataset io_threads)")
     ap.add_argument("--sieve", type=float, default=None,
-                    help="SOLAR sieve_bytes (default: latency x per-reader bandwidth on throttled storage, 64 KiB local)")
+                    help="SOLAR sieve_bytes (default: latency x per-reader bandwidth on throttled storage, "
+                         "64 KiB local)")
     ap.add_argument("--storage", nargs="+", default=["local", "throttled"], choices=["local", "throttled"])
     bound = ap.add_mutually_exclusive_group()
     bound.add_argument("--rel-error", type=float, default=None,
@@ -210,7 +211,8 @@ def main(argv=None) -> int:
     ds_probe.close()
     dataset_bytes = n * sample_bytes
     budget = int(args.buffer * dataset_bytes / P)  # the same byte budget per rank for every SOLAR run
-    say(f"{P} rank(s); dataset {args.data}: {n} samples x {sample_bytes / 1024:.0f} KiB = {dataset_bytes / 2**20:.0f} MiB; "
+    say(f"{P} rank(s); dataset {args.data}: {n} samples x {sample_bytes / 1024:.0f} KiB "
+        f"= {dataset_bytes / 2**20:.0f} MiB; "
         f"SOLAR buffer {args.buffer:.0%} of it ({budget / 2**20:.0f} MiB per rank); batch {args.batch_size}; "
         f"{args.epochs} epochs; shared 2-core machine")
     results = {"config": vars(args), "machine": platform.platform(), "samples": n, "sample_bytes": sample_bytes,
@@ -290,7 +292,8 @@ def main(argv=None) -> int:
                      speedup_total_vs_torch=sum(t_torch) / sum(c["epoch_s"]),
                      speedup_steady_vs_solar_raw=raw["steady_s"] / c["steady_s"],
                      hit_rate_bound=results["compression"]["hit_rate_bound"],
-                     within_bound=all(c["max_abs_error"][f] <= b for f, b in results["compression"]["abs_error_bound"].items()))
+                     within_bound=all(c["max_abs_error"][f] <= b
+                                      for f, b in results["compression"]["abs_error_bound"].items()))
             run["compressed"] = c
             if args.decode_compile:
                 cc = solar_run(cdata, check=True, compile=True)
@@ -304,7 +307,8 @@ def main(argv=None) -> int:
         results["runs"][storage] = run
         say(f"\n[{storage}]" + ("" if storage == "local" else
             f" {args.bandwidth / 1e6:.0f} MB/s per rank, {args.latency * 1e3:.1f} ms per request"))
-        cols = [("torch", t_torch), ("solar", t_solar)] + ([("solar+codec", run["compressed"]["epoch_s"])] if compress else [])
+        cols = [("torch", t_torch), ("solar", t_solar)]
+        cols += [("solar+codec", run["compressed"]["epoch_s"])] if compress else []
         if "compressed_compiled" in run:
             cols.append(("+compiled", run["compressed_compiled"]["epoch_s"]))
         say("  epoch " + "".join(f"{name + ' s':>13}" for name, _ in cols) + "".join(
@@ -312,14 +316,17 @@ def main(argv=None) -> int:
         for e in range(args.epochs):
             say(f"  {e:>5} " + "".join(f"{ts[e]:>13.3f}" for _, ts in cols) + "".join(
                 f"{t_torch[e] / ts[e]:>17.2f}x" for _, ts in cols[1:]))
-        say(f"  steady-state speedup (epochs >= 2): {run['speedup_steady']:.2f}x   whole run: {run['speedup_total']:.2f}x")
+        say(f"  steady-state speedup (epochs >= 2): {run['speedup_steady']:.2f}x   "
+            f"whole run: {run['speedup_total']:.2f}x")
         say(f"  storage calls: torch {run['torch_read_calls']}, solar {run['solar_read_calls']}; "
             f"bytes: torch {run['torch_bytes_read'] / 2**20:.0f} MiB, solar {run['solar_bytes_read'] / 2**20:.0f} MiB; "
-            f"SOLAR hit rate after the fill epoch {run['solar_hit_rate_after_fill']:.3f} (bound {run['hit_rate_bound']:.3f})")
+            f"SOLAR hit rate after the fill epoch {run['solar_hit_rate_after_fill']:.3f} "
+            f"(bound {run['hit_rate_bound']:.3f})")
         if compress:
             c = run["compressed"]
-            say(f"  solar+codec: steady {c['speedup_steady_vs_torch']:.2f}x torch, {c['speedup_steady_vs_solar_raw']:.2f}x "
-                f"solar (uncompressed); whole run {c['speedup_total_vs_torch']:.2f}x torch; storage calls {c['read_calls']}, "
+            say(f"  solar+codec: steady {c['speedup_steady_vs_torch']:.2f}x torch, "
+                f"{c['speedup_steady_vs_solar_raw']:.2f}x solar (uncompressed); "
+                f"whole run {c['speedup_total_vs_torch']:.2f}x torch; storage calls {c['read_calls']}, "
                 f"bytes {c['bytes_read'] / 2**20:.1f} MiB; resident samples {c['resident_samples']} (uncompressed "
                 f"{raw['resident_samples']}); hit rate after fill {c['hit_rate_after_fill']:.3f} (bound "
                 f"{c['hit_rate_bound']:.3f}); decode {c['decode_s']:.2f} s = {c['decode_share']:.0%} of the epochs; "
@@ -337,7 +344,8 @@ def main(argv=None) -> int:
         applies = abs(args.buffer - 0.5) < 1e-9
         results["target"] = {"what": "steady-state speedup on throttled storage at buffer 50%", "target": 2.0,
                              "measured": r, "applies": applies, "met": bool(r >= 2.0 and applies)}
-        verdict = ("MET" if r >= 2.0 else "NOT MET") if applies else f"not checked (this run's buffer is {args.buffer:.0%})"
+        verdict = (("MET" if r >= 2.0 else "NOT MET") if applies
+                   else f"not checked (this run's buffer is {args.buffer:.0%})")
         say(f"\ntarget >= 2x on throttled storage at buffer 50%: measured {r:.2f}x -> {verdict}")
         if compress:
             c = results["runs"]["throttled"]["compressed"]

@@ -90,7 +90,8 @@ def main() -> None:
               "torch/spill": rows["torch"]["steady_s"] / rows["spill"]["steady_s"],
               "memory/spill": rows["memory"]["steady_s"] / rows["spill"]["steady_s"]}
     report(f"{n} samples, {total / 2**20:.1f} MiB; throttled {a.bandwidth / 1e6:.0f} MB/s, {a.latency * 1e3:.1f} "
-           f"ms/request; buffer {a.memory:.0%} in memory, spill {a.disk:.0%} on local disk", rows, ratios, vars(a), a.out)
+           f"ms/request; buffer {a.memory:.0%} in memory, spill {a.disk:.0%} on local disk",
+           rows, ratios, vars(a), a.out)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ exports and garbage-collects. See ``docs/checkpoint.md``.
 from __future__ import annotations
 
 from .collect import GcReport, gc
-from .errors import CheckpointReadOnlyError, CheckpointVersionRemovedError, NotACheckpointRootError, UntrustedPickleError
+from .errors import (CheckpointReadOnlyError, CheckpointVersionRemovedError, NotACheckpointRootError,
+                     UntrustedPickleError)
 from .reader import Reader, list_versions, load
 from .manifest import Manifest
 from .store import CheckpointStore

@@ -80,14 +80,16 @@ def cmd_log(args) -> int:
                     "chunks_written": m.stats.get("chunks_written"),
                     "chunks_rewritten": m.stats.get("chunks_rewritten", 0), "dedup_ratio": ratio, "root": m.root})
         rows.append([m.step, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created)), len(m.tensors),
-                     fmt_bytes(m.logical_bytes), fmt_bytes(written), f"{m.stats.get('chunks_written', '?')}/{m.nchunks}",
+                     fmt_bytes(m.logical_bytes), fmt_bytes(written),
+                     f"{m.stats.get('chunks_written', '?')}/{m.nchunks}",
                      "inf" if ratio is None else f"{ratio:.1f}x"])
     summary = {"root": store.root, "versions": out, "logical_bytes": total_logical, "bytes_written": total_written,
                "dedup_ratio": total_logical / total_written if total_written else None}
     text = table(["step", "created", "tensors", "logical", "written", "new chunks", "dedup"], rows)
     unreadable = f" (+{len(damaged)} unreadable manifests)" if damaged else ""
     if total_written:
-        text += f"\n{len(manifests)} versions{unreadable}, {fmt_bytes(total_logical)} logical, {fmt_bytes(total_written)} written ({total_logical / total_written:.1f}x de-duplication)"
+        text += (f"\n{len(manifests)} versions{unreadable}, {fmt_bytes(total_logical)} logical, "
+                 f"{fmt_bytes(total_written)} written ({total_logical / total_written:.1f}x de-duplication)")
     elif not rows:
         store.require_root()  # the parent of a root (a mistyped path) is an error, not an empty log
         text = f"no checkpoints in {store.root}"
@@ -111,7 +113,8 @@ def _check_safetensors_input(path: str) -> None:
             f.keys()
     except SafetensorError as exc:
         raise InputError(f"{path}: cannot read as a .safetensors file ({exc}); the file is damaged or not "
-                         f"safetensors: re-export or re-download it, or compare a .pt, ROOT@STEP or DCP checkpoint") from exc
+                         f"safetensors: re-export or re-download it, or compare a .pt, ROOT@STEP or DCP "
+                         f"checkpoint") from exc
 
 
 def cmd_diff(args) -> int:
@@ -162,7 +165,8 @@ def cmd_show(args) -> int:
             f"{fmt_bytes(m.chunk_size)} ({m.hash}), Merkle root {m.root[:16]}..., parent {m.parent}\n")
     text += table(["tensor", "dtype", "shape", "bytes", "device", "chunks", ""], rows)
     if leaves:
-        text += "\n\nother entries:\n" + table(["key", "value"], [[k, v if len(v) < 60 else v[:57] + "..."] for k, v in leaves])
+        short = [[k, v if len(v) < 60 else v[:57] + "..."] for k, v in leaves]
+        text += "\n\nother entries:\n" + table(["key", "value"], short)
     _emit(args, payload, text)
     return 0
 
@@ -185,7 +189,8 @@ def cmd_verify(args) -> int:
                      f"{len(rep.marked_chunks)} damaged or missing ones; the next writer's save that "
                      "produces their bytes rewrites them (until then the steps above cannot be loaded)")
     status = "OK" if rep.ok else f"FAILED ({len(rep.problems)} problems)"
-    lines.append(f"verify {root}: {status}: {len(rep.steps)} versions, {rep.chunks_checked} chunks, {fmt_bytes(rep.bytes_checked)} re-hashed")
+    lines.append(f"verify {root}: {status}: {len(rep.steps)} versions, {rep.chunks_checked} chunks, "
+                 f"{fmt_bytes(rep.bytes_checked)} re-hashed")
     _emit(args, payload, "\n".join(lines))
     return 0 if rep.ok else 1
 
@@ -202,9 +207,11 @@ def _check_output(path: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         what = "is not a directory" if os.path.exists(parent) else "does not exist"
-        raise InputError(f"output {path}: {parent} {what}; create the directory (mkdir -p {parent}) or choose another -o path")
+        raise InputError(f"output {path}: {parent} {what}; create the directory (mkdir -p {parent}) "
+                         "or choose another -o path")
     if not os.access(parent, os.W_OK):
-        raise InputError(f"output {path}: directory {parent} is not writable; fix its permissions or choose another -o path")
+        raise InputError(f"output {path}: directory {parent} is not writable; fix its permissions "
+                         "or choose another -o path")
 
 
 def _write_output(path: str, write) -> None:

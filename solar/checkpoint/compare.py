@@ -74,7 +74,8 @@ def _strip(table: TensorTable, prefix: str) -> TensorTable:
         return table
     names = {n[len(prefix):]: n for n in table.tensors if n.startswith(prefix)}
     loader = table.loader
-    plain = None if table.plain is None else {k[len(prefix):]: v for k, v in table.plain.items() if k.startswith(prefix)}
+    plain = (None if table.plain is None
+             else {k[len(prefix):]: v for k, v in table.plain.items() if k.startswith(prefix)})
     return TensorTable(table.source, table.chunk_size, table.hash, {k: table.tensors[v] for k, v in names.items()},
                        lambda k: loader(names[k]), table.step, table.logical_bytes, plain, table.plain_note)
 
@@ -123,7 +124,8 @@ def _align(ta: TensorTable, tb: TensorTable, prefix: str | None = None) -> _Alig
         names = ", ".join(f"{p!r} (in {ta.source if s == 'a' else tb.source})" for s, p in tied)
         raise InputError(f"ambiguous prefix: {names} each match {best} tensor names of the other side once stripped "
                          f"(e.g. a model and its EMA copy); choose one with --prefix, e.g. --prefix {tied[0][1]} "
-                         f"(diff(..., prefix={tied[0][1]!r}) in Python), or --prefix '' to compare the names as they are")
+                         f"(diff(..., prefix={tied[0][1]!r}) in Python), "
+                         f"or --prefix '' to compare the names as they are")
     side, p = tied[0]
     return _stripped(ta, tb, p if side == "a" else "", p if side == "b" else "")
 

@@ -153,7 +153,8 @@ def _prepare(t: torch.Tensor, name: str) -> torch.Tensor:
         raise InputError(f"tensor {name!r} is a nested tensor; save its parts (.unbind()) or a padded copy "
                          f"(.to_padded_tensor(0.0)) instead")
     if dtype_name(t.dtype) not in DTYPES:
-        raise InputError(f"tensor {name!r} has unsupported dtype {t.dtype}; cast it to a supported one ({', '.join(DTYPES)})")
+        raise InputError(f"tensor {name!r} has unsupported dtype {t.dtype}; "
+                         f"cast it to a supported one ({', '.join(DTYPES)})")
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     return t.detach()
@@ -187,8 +188,8 @@ def flatten(state: Any) -> Flat:
             ptr = storage.data_ptr()
             key = (str(t.device), ptr) if ptr and storage.nbytes() else ("private", len(tensors))
             idx = len(tensors)
-            tensors.append(TensorRef(name, -1, lo, dtype_name(t.dtype), list(t.shape), list(t.stride()), str(obj.device),
-                                     isinstance(obj, torch.nn.Parameter), bool(obj.requires_grad)))
+            tensors.append(TensorRef(name, -1, lo, dtype_name(t.dtype), list(t.shape), list(t.stride()),
+                                     str(obj.device), isinstance(obj, torch.nn.Parameter), bool(obj.requires_grad)))
             groups.setdefault(key, []).append(_Member(idx, t, lo, hi))
             return {"__tensor__": idx}
         if obj is None or type(obj) in (bool, int, str):  # exact types: IntEnum etc. are pickled below
@@ -249,7 +250,8 @@ def _blobs(groups: Iterable[list[_Member]], tensors: list[TensorRef]) -> list[Bl
     return blobs
 
 
-def materialize(refs: list[TensorRef], blob_buffers: "list[torch.Tensor] | dict[int, torch.Tensor]") -> list[torch.Tensor]:
+def materialize(refs: list[TensorRef],
+                blob_buffers: "list[torch.Tensor] | dict[int, torch.Tensor]") -> list[torch.Tensor]:
     """Build the tensors as views over their blobs' (uint8) buffers, so shared storage stays shared.
 
     ``blob_buffers`` is indexed by blob number: a list of all of them, or a dict of the ones needed.

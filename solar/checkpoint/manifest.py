@@ -2,7 +2,8 @@
 
 Binary layout (``solar-ckpt/1``), little-endian::
 
-    MAGIC (16 B) | header length (u64) | JSON header | chunk digests (n x 16 B) | xxh3-128 of all before (16 B) | END (8 B)
+    MAGIC (16 B) | header length (u64) | JSON header | chunk digests (n x 16 B)
+        | xxh3-128 of all before (16 B) | END (8 B)
 
 The JSON header holds the step, hash name, chunk size, the state dict's skeleton, the tensor table
 (safetensors-style ``dtype``/``shape`` plus blob, byte offset and strides), the blob table (bytes,
@@ -120,7 +121,8 @@ def decode(data: bytes, where: str = "manifest") -> Manifest:
         raise CorruptDataError(f"{where} fails its checksum; it is torn or was altered")
     (hlen,) = struct.unpack_from("<Q", body, 16)
     if hlen > len(body) - 24:
-        raise CorruptDataError(f"{where} declares a {hlen} B header in {len(body) - 24} B; it is damaged or was crafted")
+        raise CorruptDataError(f"{where} declares a {hlen} B header in {len(body) - 24} B; "
+                               "it is damaged or was crafted")
     try:
         h = json.loads(bytes(body[24:24 + hlen]))
     except (ValueError, RecursionError) as exc:
@@ -136,7 +138,8 @@ def decode(data: bytes, where: str = "manifest") -> Manifest:
     return Manifest(
         step=h["step"], hash=h["hash"], chunk_size=h["chunk_size"], skeleton=h["skeleton"],
         tensors=[TensorRef(**t) for t in h["tensors"]], blobs=[BlobEntry(**b) for b in h["blobs"]],
-        digests=digests, root=h["root"], created=h["created"], parent=h["parent"], stats=h["stats"], meta=h.get("meta", {}),
+        digests=digests, root=h["root"], created=h["created"], parent=h["parent"], stats=h["stats"],
+        meta=h.get("meta", {}),
     )
 
 
@@ -205,7 +208,8 @@ def _check_header(h: Any, ndigests: int, where: str) -> None:
         raise bad("'hash'", f"is {h['hash']!r:.80}; known hashes: {sorted(HASHES)}")
     chunk_size = h["chunk_size"]
     if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:  # the writer's range
-        raise bad("'chunk_size'", f"is {chunk_size}, outside the range {MIN_CHUNK_SIZE} .. {MAX_CHUNK_SIZE} a writer uses")
+        raise bad("'chunk_size'",
+                  f"is {chunk_size}, outside the range {MIN_CHUNK_SIZE} .. {MAX_CHUNK_SIZE} a writer uses")
     blobs = h["blobs"]
     for i, b in enumerate(blobs):
         entry = f"blobs[{i}] (blob {i})"
@@ -236,7 +240,8 @@ def _check_tensor(i: int, t: Any, blobs: list, bad) -> None:
     """One tensor-table entry: known keys, a known dtype, non-negative geometry, inside its blob."""
     if not isinstance(t, dict):
         raise bad(f"tensors[{i}] (tensor {i})", "is not an object")
-    entry = f"tensors[{i}] (tensor {t['name']!r:.120})" if isinstance(t.get("name"), str) else f"tensors[{i}] (tensor {i})"
+    entry = (f"tensors[{i}] (tensor {t['name']!r:.120})" if isinstance(t.get("name"), str)
+             else f"tensors[{i}] (tensor {i})")
     keys = set(t)
     if not _TENSOR_REQUIRED <= keys <= _TENSOR_KEYS:
         raise bad(entry, f"has keys {sorted(keys)}; expected {sorted(_TENSOR_REQUIRED)} (and optionally "

@@ -223,7 +223,8 @@ class Reader:
         buffers = []
         bar = None
         if progress:
-            bar = tqdm(total=m.logical_bytes, unit="B", unit_scale=True, desc=f"load step {m.step}", leave=False, disable=None)
+            bar = tqdm(total=m.logical_bytes, unit="B", unit_scale=True, desc=f"load step {m.step}", leave=False,
+                       disable=None)
         try:
             for i, entry in enumerate(m.blobs):
                 buf = self.read_blob(i)

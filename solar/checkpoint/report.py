@@ -73,7 +73,8 @@ def _tensor_lines(rep: DiffReport) -> list[str]:
             detail.append(f"shape {e['shape'][0]} -> {e['shape'][1]}")
         row = ["changed", e["name"], f"{e['chunks']}/{e['total_chunks']}", fmt_bytes(e["bytes"]), ", ".join(detail)]
         if rep.values:
-            row += [f"{e['max_abs']:.3g}", f"{e['max_rel']:.3g}", f"{e['changed_elements']}/{e['elements']}"] if "max_abs" in e else ["", "", ""]
+            row += ([f"{e['max_abs']:.3g}", f"{e['max_rel']:.3g}", f"{e['changed_elements']}/{e['elements']}"]
+                    if "max_abs" in e else ["", "", ""])
         rows.append(row)
     lines.append(table(head, rows))
     lines.append(

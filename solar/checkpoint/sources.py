@@ -151,7 +151,8 @@ def _from_version(root: str, step: int | None) -> TensorTable:
     for t in m.tensors:
         b = m.blobs[t.blob]
         exact = t.offset == 0 and t.nbytes == b.nbytes and t.contiguous_extent() is not None
-        tensors[t.name] = TensorInfo(t.dtype, list(t.shape), t.nbytes, m.blob_digests(t.blob), bytes.fromhex(b.root), exact)
+        tensors[t.name] = TensorInfo(t.dtype, list(t.shape), t.nbytes, m.blob_digests(t.blob), bytes.fromhex(b.root),
+                                     exact)
     return TensorTable(f"{store.root}@{m.step}", m.chunk_size, m.hash, tensors, load_tensor, m.step, m.logical_bytes,
                        plain_values(m.skeleton))
 

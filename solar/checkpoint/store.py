@@ -141,7 +141,8 @@ def _must_exist(root: str, storage_options: dict) -> None:
         fs, path = url_to_fs(root, **storage_options)
         exists = fs.exists(path) or fs.isdir(path)
     if not exists:
-        raise CheckpointError(f"no checkpoint root at {root}; check the path (a CheckpointWriter creates it on first use)")
+        raise CheckpointError(f"no checkpoint root at {root}; "
+                              "check the path (a CheckpointWriter creates it on first use)")
 
 
 class _Lock:
@@ -391,9 +392,11 @@ class CheckpointStore:
             with _no_links_out(self.root):
                 ok = self.tier.put(manifest_key(m.step), data)
         except TierFullError as exc:
-            raise CheckpointError(f"cannot commit step {m.step} to {self.root}: {exc}; earlier versions are intact") from exc
+            raise CheckpointError(f"cannot commit step {m.step} to {self.root}: {exc}; "
+                                  "earlier versions are intact") from exc
         if not ok:
-            raise CheckpointError(f"checkpoint root {self.root} is over its byte budget committing step {m.step}; earlier versions are intact")
+            raise CheckpointError(f"checkpoint root {self.root} is over its byte budget committing step {m.step}; "
+                                  "earlier versions are intact")
         self._manifest_cache.pop(m.step, None)
         return len(data)
 

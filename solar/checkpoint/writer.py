@@ -5,8 +5,9 @@ tensors live on a GPU); a background thread then hashes the copy chunk by chunk,
 the store does not hold (a lookup by digest: content-addressed, so identical chunks across tensors
 and versions are stored once), and commits the manifest last by an atomic write. One Merkle tree
 per blob is built on the way and compared top-down with the previous version's tree; that diff
-feeds the save's statistics and the manifest's roots, it does not decide what is written. Memory stays bounded: there are ``max_in_flight``
-staging buffers (one by default), and a save waits for a free one.
+feeds the save's statistics and the manifest's roots, it does not decide what is written. Memory
+stays bounded: there are ``max_in_flight`` staging buffers (one by default), and a save waits for
+a free one.
 
 With ``staging=`` the version is first committed to a fast (node-local) root and then drained to
 the main root in the background: chunks first, the manifest last, so the main root only ever shows
@@ -367,7 +368,8 @@ class CheckpointWriter:
                 raise
 
     # -- background work --
-    def _commit(self, flat: Flat, host: list[np.ndarray], slot: int, step: int, meta: dict, stage_seconds: float) -> SaveResult:
+    def _commit(self, flat: Flat, host: list[np.ndarray], slot: int, step: int, meta: dict,
+                stage_seconds: float) -> SaveResult:
         t0 = time.perf_counter()
         sink = self._stage or self._main
         try:
