@@ -16,6 +16,12 @@ import sys
 
 import pytest
 
+# Fixtures shared by several test modules, defined beside their helpers and imported here once, so
+# every module in tests/ takes them as parameters (a module importing them itself would have each
+# parameter shadow the import: pyflakes' F811).
+from loader_helpers import h5path  # noqa: F401  (the 96-sample PtychoNN-like file)
+from servers import http_root, place, s3_bucket, s3_root  # noqa: F401  (storage servers on 127.0.0.1)
+
 STRICT = os.environ.get("SOLAR_STRICT") == "1"
 
 # CI runs Hypothesis derandomized, so a green or red CI is reproducible; developers' runs keep
@@ -81,7 +87,8 @@ def pytest_runtest_makereport(item: pytest.Item, call):
     if EXPECT_WORLD > 1 and report.failed and report.when == "call":
         comm = _world()
         if comm is not None and comm.size > 1:
-            sys.stderr.write(f"\n[rank {comm.rank}] {item.nodeid} failed; aborting the MPI job so no rank hangs\n{report.longreprtext}\n")
+            sys.stderr.write(f"\n[rank {comm.rank}] {item.nodeid} failed; aborting the MPI job so no rank hangs\n"
+                             f"{report.longreprtext}\n")
             sys.stderr.flush()
             comm.Abort(1)
 

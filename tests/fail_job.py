@@ -24,7 +24,6 @@ parallel HDF5 chosen by itself under mpirun). ``POINT`` names where rank ``FAIL_
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 

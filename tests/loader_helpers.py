@@ -1,5 +1,5 @@
 """Shared by the solar.DataLoader tests (tests/test_loader_*.py): small plain datasets, a
-96-sample PtychoNN-like file (the ``h5path`` fixture; import it into a test module) and one loader
+96-sample PtychoNN-like file (the ``h5path`` fixture, which tests/conftest.py imports) and one loader
 per rank over it."""
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 requests), Python's http.server (no Range support, optional 403s) and moto's S3 server, each
 started and stopped by the tests that use them.
 
-Import the fixtures into a test module (``from servers import http_root, s3_root, place``).
+The fixtures (``http_root``, ``s3_root``, ``s3_bucket``, ``place``) are imported once, by
+tests/conftest.py, so every test module takes them as parameters without importing them.
 ``place`` is parametrized over every fsspec protocol SOLAR supports and gives a writable spot plus
 the URL a reader uses for it, so one test body runs against file, memory, http and s3 alike.
 """
@@ -166,10 +167,26 @@ def s3_root() -> Iterator[tuple[str, dict[str, Any]]]:
 
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
         # moto keeps its state per process, shared by every server it runs: a fresh bucket name
-        # keeps test modules that each import this fixture apart
+        # keeps this bucket apart from s3_bucket's
         bucket = f"solar-test-{uuid.uuid4().hex[:8]}"
         fs.mkdir(bucket)
         yield f"s3://{bucket}", opts
+
+
+@pytest.fixture(scope="module")
+def s3_bucket():
+    """``(bucket_url, storage_options)``: a fresh bucket on a moto S3 server on 127.0.0.1, one per
+    test module (the tier and checkpoint-store tests).
+
+    (Own bucket name: moto keeps buckets process-wide, so fixtures of other modules may exist.)
+    """
+    pytest.importorskip("s3fs")
+    with moto_s3_server() as opts:
+        import s3fs
+
+        name = f"solar-ckpt-{uuid.uuid4().hex[:8]}"
+        s3fs.S3FileSystem(skip_instance_cache=True, **opts).mkdir(name)
+        yield f"s3://{name}", opts
 
 
 @dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import os
-from collections import defaultdict
 
 import pytest
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from servers import Place, free_port, http_root, place, python_http_server, s3_root  # noqa: F401  (fixtures)
+from servers import Place, free_port, python_http_server
 
 from solar.errors import ConfigError, DatasetFormatError, MissingDependencyError, MPIUnavailableError, StorageError
 from solar.io_backends import choose_backend, open_backend, registry

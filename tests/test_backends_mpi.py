@@ -282,7 +282,8 @@ def test_a_damaged_chunk_on_one_rank_fails_every_rank_of_the_loader(comm, shared
     ds = solar.H5Dataset(path, "x")
     loader = solar.DataLoader(ds, batch_size=2, buffer=0, prefetch=1, sampler=tud.DistributedSampler(
         ds, num_replicas=comm.size, rank=comm.rank, shuffle=False))
-    with pytest.raises(solar.StorageError, match=r"rows \d+-\d+ of 'x' failed .*Fletcher32|rank \d+ of \d+ failed to read"):
+    with pytest.raises(solar.StorageError,
+                       match=r"rows \d+-\d+ of 'x' failed .*Fletcher32|rank \d+ of \d+ failed to read"):
         for _ in loader:
             pass
     del loader

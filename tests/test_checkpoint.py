@@ -52,18 +52,21 @@ def rich_state() -> dict:
     buf = torch.arange(1000, dtype=torch.float32)
     dtypes = [torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32, torch.uint8,
               torch.bool, torch.complex64, torch.complex128]
-    dtypes += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64") if hasattr(torch, n)]
+    dtypes += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")
+               if hasattr(torch, n)]
     typed = {str(d): (torch.randn(5, 3, generator=g) * 10).to(d) for d in dtypes}
     special = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-45])
     return {
         "model": OrderedDict(
-            [("w", w), ("w_tied", w), ("w_t", w.t()), ("rows", w[3:9]), ("col", w[:, 5]), ("p", torch.nn.Parameter(torch.ones(4))),
+            [("w", w), ("w_tied", w), ("w_t", w.t()), ("rows", w[3:9]), ("col", w[:, 5]),
+             ("p", torch.nn.Parameter(torch.ones(4))),
              ("buf_lo", buf[:100]), ("buf_hi", buf[900:]), ("as_int", buf[10:20].view(torch.int32)),
              ("scalar", torch.tensor(3.5)), ("empty", torch.zeros(0, 7)), ("special", special)]
         ),
         "typed": typed,
         "optim": {"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.zeros(64, 48)}, 1: {}},
-                  "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "params": [0, 1], "foreach": None}]},
+                  "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "params": [0, 1],
+                                    "foreach": None}]},
         "meta": {"epoch": 3, "name": "run-1", "nan": float("nan"), "inf": float("inf"), "dtype": torch.bfloat16,
                  "size": torch.Size([2, 3]), "device": torch.device("cpu"), "blob": b"\x00\xff", "__weird__": 1,
                  (1, 2): "tuple key", "frac": Fraction(1, 3)},
@@ -94,7 +97,8 @@ def test_roundtrip_bit_exact_with_sharing(tmp_path):
     assert isinstance(m["p"], torch.nn.Parameter)
     # the tied weight is stored once; buf[100:900] is never touched by any view and is not stored
     logical = sum(b.nbytes for b in CheckpointStore(tmp_path / "ck").read_manifest(1).blobs)
-    assert logical < sum(t.numel() * t.element_size() for t in (state["model"]["w"], state["optim"]["state"][0]["exp_avg"])) + 50 * KB
+    stored_once = (state["model"]["w"], state["optim"]["state"][0]["exp_avg"])
+    assert logical < sum(t.numel() * t.element_size() for t in stored_once) + 50 * KB
     assert res.chunks_written < res.chunks_total  # exp_avg is zeros: one chunk for all of it
 
 

@@ -35,7 +35,8 @@ from solar.errors import SolarError
 
 ROOT, N, HEADROOM = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 base = torch.arange(1024, dtype=torch.float32)
-state = {"model": {"w": base, "view": base[8:520].view(16, 32), "t": base[::3], "h": torch.ones(600, dtype=torch.float16)},
+state = {"model": {"w": base, "view": base[8:520].view(16, 32), "t": base[::3],
+                   "h": torch.ones(600, dtype=torch.float16)},
          "optim": {"state": {0: {"step": torch.tensor(3)}}, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
          "extra": {"frac": Fraction(1, 3), "raw": b"\x00\x01", "dt": torch.float32, "dev": torch.device("cpu"),
                    "size": torch.Size([2, 3]), "nan": float("nan"), "none": None}}
@@ -49,7 +50,8 @@ HEADER = json.loads(good[24:24 + hlen])
 DIGESTS = good[24 + hlen:-24]
 
 rng = random.Random(27)
-INTERESTING = [0, 1, -1, 2, 7, 64, 1023, 1024, 1025, 4096, 2 ** 30, 2 ** 31, 2 ** 32 + 1, 2 ** 50, 2 ** 62, 2 ** 63, 2 ** 64, -2 ** 63,
+INTERESTING = [0, 1, -1, 2, 7, 64, 1023, 1024, 1025, 4096, 2 ** 30, 2 ** 31, 2 ** 32 + 1, 2 ** 50, 2 ** 62, 2 ** 63,
+               2 ** 64, -2 ** 63,
                0.5, 1e308, float("nan"), "", "x", "float32", "object", "xxh3_128", "cuda:0", "meta", None, True, False,
                [], {}, [1, 2], [-1], [2 ** 40, 2 ** 40], [0, 0], {"__tensor__": 99}, {"__tensor__": -1},
                {"__pickle__": "AAAA"}, {"__pickle__": base64.b64encode(b"cos\nsystem\n(S'true'\ntR.").decode()},

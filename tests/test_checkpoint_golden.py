@@ -70,7 +70,8 @@ def test_writer_still_produces_the_golden_format(golden, tmp_path):
     assert sorted(old.chunk_digests()) == sorted(new.chunk_digests())
     for step in (1, 2):
         a, b = old.read_manifest(step), new.read_manifest(step)
-        assert (a.root, a.hash, a.chunk_size, a.skeleton, a.parent, a.stats) == (b.root, b.hash, b.chunk_size, b.skeleton, b.parent, b.stats)
+        assert ((a.root, a.hash, a.chunk_size, a.skeleton, a.parent, a.stats)
+                == (b.root, b.hash, b.chunk_size, b.skeleton, b.parent, b.stats))
         assert [t.to_json() for t in a.tensors] == [t.to_json() for t in b.tensors]
         assert [x.to_json() for x in a.blobs] == [x.to_json() for x in b.blobs]
         assert a.digests.tobytes() == b.digests.tobytes()

@@ -115,8 +115,8 @@ def test_nested_and_meta_tensors_are_refused_by_name(tmp_path):
     assert "dequantize" not in str(info.value)
 
 
-@pytest.mark.parametrize("meta", [{"loss": float("nan")}, {"cfg": torch.ones(1)}, {"path": __import__("pathlib").Path("/x")},
-                                  ["not", "a", "dict"]])
+@pytest.mark.parametrize("meta", [{"loss": float("nan")}, {"cfg": torch.ones(1)},
+                                  {"path": __import__("pathlib").Path("/x")}, ["not", "a", "dict"]])
 def test_meta_that_is_not_json_is_refused_when_save_is_called(tmp_path, meta):
     """It failed only in the background commit, after every chunk was written, with a bare json
     error that did not mention meta."""

@@ -18,8 +18,6 @@ from solar.checkpoint import CheckpointReadOnlyError, CheckpointWriter, gc, list
 from solar.checkpoint.store import CheckpointStore
 from solar.errors import CheckpointError, CheckpointLockedError, ConfigError
 from test_checkpoint import KB, assert_same, bits, seeded_state
-from test_tiers import s3_bucket  # noqa: F401  (fixture: moto S3 on 127.0.0.1)
-from servers import http_root  # noqa: F401  (fixture: nginx on 127.0.0.1)
 
 
 def test_writers_on_one_root_are_locked_out(tmp_path):
@@ -29,7 +27,8 @@ def test_writers_on_one_root_are_locked_out(tmp_path):
         with pytest.raises(CheckpointLockedError):
             gc(tmp_path, keep_last=1)
         # also from another process (flock is per open file description)
-        code = f"from solar.checkpoint import CheckpointWriter\ntry:\n CheckpointWriter({str(tmp_path)!r})\nexcept Exception as e:\n print(type(e).__name__)"
+        code = (f"from solar.checkpoint import CheckpointWriter\ntry:\n CheckpointWriter({str(tmp_path)!r})\n"
+                "except Exception as e:\n print(type(e).__name__)")
         out = subprocess.run([os.sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert out.stdout.strip() == "CheckpointLockedError", out.stderr
     CheckpointWriter(tmp_path).close()  # released on close

@@ -337,10 +337,12 @@ def test_a_truncated_manifest_is_called_damaged_and_log_counts_only_complete_ver
 
 def test_console_scripts(root):
     path, _ = root
-    out = subprocess.run([os.path.join(BIN, "solar-ckpt"), "log", str(path), "--json"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([os.path.join(BIN, "solar-ckpt"), "log", str(path), "--json"],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert [v["step"] for v in json.loads(out.stdout)["versions"]] == [10, 20, 30]
-    out = subprocess.run([os.path.join(BIN, "solar"), "ckpt", "diff", f"{path}@10", f"{path}@20"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([os.path.join(BIN, "solar"), "ckpt", "diff", f"{path}@10", f"{path}@20"],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "model.w" in out.stdout, out.stderr
 
 
@@ -364,7 +366,8 @@ def test_diff_refuses_an_ambiguous_prefix_and_takes_an_explicit_one(tmp_path, ca
     with CheckpointWriter(tmp_path / "ck", chunk_size=4 * KB) as wr:
         wr.save({"model": model, "ema": ema, "step": 1}, 1)
     save_file(model, tmp_path / "model.safetensors")
-    for a, b in ((f"{tmp_path}/ck@1", tmp_path / "model.safetensors"), (tmp_path / "model.safetensors", f"{tmp_path}/ck")):
+    for a, b in ((f"{tmp_path}/ck@1", tmp_path / "model.safetensors"),
+                 (tmp_path / "model.safetensors", f"{tmp_path}/ck")):
         code, _out, err = run_cli(capsys, "diff", a, b, "--exit-code")
         _one_line_error(code, err, "ambiguous prefix", "'ema.'", "'model.'", "--prefix ema.", "--prefix ''")
     code, out, _ = run_cli(capsys, "diff", f"{tmp_path}/ck@1", tmp_path / "model.safetensors", "--exit-code",

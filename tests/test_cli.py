@@ -84,8 +84,10 @@ def test_demo_refuses_bad_arguments_in_one_line_before_writing(tmp_path, capsys)
     """They were tracebacks with exit 1, some only after the dataset was written (--buffer 5)."""
     import pytest
 
-    for argv, says in ((["--samples", "0"], "--samples: must be >= 1"), (["--batch-size", "0"], "--batch-size: must be >= 1"),
-                       (["--buffer", "5"], "--buffer: is a fraction of the dataset"), (["--size", "x"], "expected a number")):
+    for argv, says in ((["--samples", "0"], "--samples: must be >= 1"),
+                       (["--batch-size", "0"], "--batch-size: must be >= 1"),
+                       (["--buffer", "5"], "--buffer: is a fraction of the dataset"),
+                       (["--size", "x"], "expected a number")):
         with pytest.raises(SystemExit) as info:
             main(["demo", "--out", str(tmp_path / "d"), "--no-progress", *argv])
         err = capsys.readouterr().err

@@ -19,8 +19,8 @@ from solar.testing.codecs import CodecTests, assert_within_bound
 FIXTURES = Path(__file__).parent / "fixtures" / "codec"
 
 # every registered codec runs the shipped conformance suite, with each of its main configurations
-CONFIGS = [{"id": "ebq", "predictor": p, "lossless": l}
-           for p, l in [("auto", "zstd"), ("fine", "lz4"), ("interp", "zstd"), ("cubic", "lz4"),
+CONFIGS = [{"id": "ebq", "predictor": p, "lossless": ls}
+           for p, ls in [("auto", "zstd"), ("fine", "lz4"), ("interp", "zstd"), ("cubic", "lz4"),
                         ("linear", "zstd"), ("lorenzo", "none")]]
 CONFIGS += [{"id": name} for name in sc.registry.names() if name != "ebq"]
 

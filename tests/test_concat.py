@@ -93,10 +93,12 @@ def test_mixed_members_overlaps_transforms_and_a_split_of_the_whole(shards):
     rmix = tud.ConcatDataset([rtr, tud.Subset(refs[1], [2, 0]), tud.ConcatDataset([tud.Subset(rtr, [4, 1, 4])])])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        loader = solar.DataLoader(mix, batch_size=7, shuffle=True, buffer=0.5, generator=torch.Generator().manual_seed(3))
+        loader = solar.DataLoader(mix, batch_size=7, shuffle=True, buffer=0.5,
+                                  generator=torch.Generator().manual_seed(3))
     assert isinstance(loader.dataset, solar.StoredConcat) and loader.dataset.perm is not None
     assert not loader.dataset.distinct  # row 4 of the split twice
-    _same_epochs(loader, tud.DataLoader(rmix, batch_size=7, shuffle=True, generator=torch.Generator().manual_seed(3)), 2)
+    _same_epochs(loader, tud.DataLoader(rmix, batch_size=7, shuffle=True,
+                                        generator=torch.Generator().manual_seed(3)), 2)
     for d in dss + refs:
         d.close()
 
@@ -135,7 +137,8 @@ def test_concatenations_the_loader_cannot_drive_warn_and_run_as_torchs(shards, t
     with h5py.File(other, "w") as f:
         f["z"] = np.arange(12, dtype=np.float32).reshape(6, 2)
     a, o = solar.H5Dataset(shards[0], "x"), solar.H5Dataset(other)
-    for cat in (tud.ConcatDataset([a, o]), tud.ConcatDataset([a, tud.TensorDataset(torch.zeros(4, 1, 8, 8)).tensors[0]])):
+    for cat in (tud.ConcatDataset([a, o]),
+                tud.ConcatDataset([a, tud.TensorDataset(torch.zeros(4, 1, 8, 8)).tensors[0]])):
         with pytest.warns(UserWarning, match=r"ConcatDataset of H5Dataset .*shard0.h5.*runs as torch's would"):
             loader = solar.DataLoader(cat, batch_size=4)
         assert loader.solar_sampler is None and loader.dataset is cat
@@ -183,7 +186,8 @@ def test_subclasses_that_make_their_own_items_run_as_torchs(shards):
         with pytest.warns(UserWarning, match="cannot drive.*not subclasses"):
             loader = solar.DataLoader(mine, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0))
         assert loader.solar_sampler is None and loader.dataset is mine
-        _same_epochs(loader, tud.DataLoader(ref, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0)), 1)
+        _same_epochs(loader, tud.DataLoader(ref, batch_size=2, shuffle=True,
+                                            generator=torch.Generator().manual_seed(0)), 1)
 
 
 def test_an_empty_split_is_driven_and_the_concatenation_answers_for_its_files(shards):
@@ -284,6 +288,7 @@ def test_splits_of_one_concatenation_share_its_files_and_a_stored_one_splits_aga
         warnings.simplefilter("error")
         again = solar.DataLoader(part, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(8))
     assert isinstance(again.dataset, solar.StoredSubset) and again.dataset.base is cat
-    _same_epochs(again, tud.DataLoader(rpart, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(8)), 1)
+    _same_epochs(again, tud.DataLoader(rpart, batch_size=4, shuffle=True,
+                                       generator=torch.Generator().manual_seed(8)), 1)
     for d in dss + refs:
         d.close()

@@ -65,7 +65,8 @@ def test_dali_operators_run_on_solar_batches(h5):
     ref = torch.cat([w[0] for w in want])
     torch.testing.assert_close(torch.cat([g["x2"] for g in got]), ref * 2)
     assert got[0]["y64"].dtype == torch.float64
-    np.testing.assert_array_equal(torch.cat([g["y64"] for g in got]).numpy(), torch.cat([w[1] for w in want]).double().numpy())
+    np.testing.assert_array_equal(torch.cat([g["y64"] for g in got]).numpy(),
+                                  torch.cat([w[1] for w in want]).double().numpy())
 
 
 def _keys(batch):

@@ -144,7 +144,8 @@ def test_every_rank_calls_read_ranges_once_per_field_even_when_all_hit(raw_path)
     ds = solar.H5Dataset(raw_path, io_threads=1)
     calls = []
     real = ds.backend.read_ranges
-    ds.backend.read_ranges = lambda key, ranges, out=None, **kw: calls.append((key, len(ranges))) or real(key, ranges, out, **kw)
+    ds.backend.read_ranges = lambda key, ranges, out=None, **kw: (calls.append((key, len(ranges)))
+                                                                  or real(key, ranges, out, **kw))
     buf = MemoryTier()
     ds.fetch_stored([4, 5], buffer=buf, keep=lambda m: m >= 0)
     ds.fetch_stored([5, 4], buffer=buf)
@@ -335,7 +336,8 @@ def test_nested_datasets_by_path_or_last_name_and_unresolved_links_are_named(tmp
         f["x"] = h5py.ExternalLink("absent.h5", "/x")
     with pytest.warns(RuntimeWarning, match=r"skipped x \(-> absent\.h5:/x\): links that cannot be resolved"):
         assert solar.H5Dataset(q).fields == ("y",)
-    with pytest.raises(solar.DatasetFormatError, match=r"field 'x' is a link to absent\.h5:/x, which cannot be resolved"):
+    with pytest.raises(solar.DatasetFormatError,
+                       match=r"field 'x' is a link to absent\.h5:/x, which cannot be resolved"):
         solar.H5Dataset(q, fields=("x", "y"))
 
 

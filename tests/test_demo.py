@@ -12,7 +12,8 @@ def test_demo_trains_with_both_loaders_and_prints_the_table(tmp_path, capsys):
                "--batch-size", "8", "--latency", "1e-4", "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0 and "match" in out and "MISMATCH" not in out
-    for label in ("epoch 0 time (s)", "steady epoch", "samples/s", "storage MiB read", "storage requests", "final loss"):
+    for label in ("epoch 0 time (s)", "steady epoch", "samples/s", "storage MiB read", "storage requests",
+                  "final loss"):
         assert label in out
     torch_calls, solar_calls = map(int, re.search(r"storage requests\s+(\d+)\s+(\d+)", out).groups())
     assert torch_calls == 2 * 40 * 2  # per-sample reads: 2 fields x 40 samples x 2 epochs

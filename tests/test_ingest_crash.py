@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from ingest_helpers import _children, _mpirun, _mpirun_env, _npy_inputs, _read_field
-from servers import http_root, place, s3_root  # noqa: F401  (fixtures)
 
 from solar.errors import InputError
 from solar.ingest import ingest, verify_file
@@ -68,7 +67,7 @@ def test_cli_serial_and_exit_codes(tmp_path):
     out = str(tmp_path / "o.h5")
     assert main(["ingest", *paths, "-o", out, "--no-progress", "--verify"]) == 0
     assert main(["ingest", *paths, "-o", out, "--no-progress"]) == 2  # exists
-    with h5py.File(out, "r") as f:
+    with h5py.File(out, "r"):
         from solar.io_backends import open_backend
 
         n, specs = describe_fields(open_backend(out))
@@ -176,7 +175,8 @@ def test_storage_failure_lines_name_the_file_and_the_cause(tmp_path, monkeypatch
 
     tmp = str(tmp_path / "o.h5.tmp")
     sec2 = OSError(errno.ENOSPC, "Can't write data (file write failed: time = Sun Nov 22 18:14:20 2026\n, "
-                                 f"filename = '{tmp}', errno = 28, error message = 'No space left on device', buf = 0x1)")
+                                 f"filename = '{tmp}', errno = 28, error message = 'No space left on device', "
+                                 "buf = 0x1)")
     err = ing.storage_error(sec2, f"writing {tmp}", tmp)
     assert isinstance(err, OSError) and err.errno == errno.ENOSPC
     assert str(err).startswith(f"writing {tmp} failed: No space left on device (errno 28; its file system has ")

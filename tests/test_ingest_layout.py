@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from ingest_helpers import _npy_inputs, _read_field
-from servers import http_root, place, s3_root  # noqa: F401  (fixtures)
 
 from solar.errors import ConfigError, InputError
 from solar.ingest import ingest, verify_file

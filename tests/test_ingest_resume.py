@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from ingest_helpers import _crash, _npy_inputs, _read_field
-from servers import http_root, place, s3_root  # noqa: F401  (fixtures)
 
 from solar.errors import InputError
 from solar.ingest import ingest

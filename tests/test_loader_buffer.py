@@ -11,7 +11,7 @@ import torch.utils.data as tud
 import solar
 from solar.testing.resume import batches_equal
 
-from loader_helpers import _rank_loaders, h5path  # noqa: F401  (fixture)
+from loader_helpers import _rank_loaders
 
 
 @pytest.mark.parametrize("workers", [0, 2])

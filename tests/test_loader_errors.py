@@ -10,8 +10,6 @@ import torch.utils.data as tud
 import solar
 from solar.synthetic import write_ptycho_h5
 
-from loader_helpers import h5path  # noqa: F401  (fixture)
-
 
 class Boom(tud.Dataset):
     def __len__(self):

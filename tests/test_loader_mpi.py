@@ -140,7 +140,8 @@ def test_a_damaged_sample_on_one_rank_fails_every_rank_instead_of_hanging(comm, 
 
     from solar.ingest import ingest
 
-    src, path = os.path.join(shared_tmp, "dmg.npy"), os.path.join(shared_tmp, f"dmg-{verify}-{whole}-{workers}-{concat}.h5")
+    src = os.path.join(shared_tmp, "dmg.npy")
+    path = os.path.join(shared_tmp, f"dmg-{verify}-{whole}-{workers}-{concat}.h5")
     if comm.rank == 0:
         np.save(src, np.random.default_rng(3).standard_normal((40, 12, 12)).astype(np.float32))
     comm.Barrier()

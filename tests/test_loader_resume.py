@@ -12,7 +12,7 @@ import solar
 from solar.testing.resume import check_save_load_state
 from solar.synthetic import write_ptycho_h5
 
-from loader_helpers import Squares, Stream, _rank_loaders, h5path  # noqa: F401  (fixture)
+from loader_helpers import Squares, Stream, _rank_loaders
 
 
 @pytest.mark.parametrize("workers", [0, 2])

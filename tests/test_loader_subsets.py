@@ -10,8 +10,6 @@ import torch.utils.data as tud
 
 import solar
 
-from loader_helpers import h5path  # noqa: F401  (fixture)
-
 
 def _epochs(loader, n, set_epoch=None):
     out = []

@@ -114,7 +114,7 @@ def test_three_ranks_reading_interleaved_rows_get_the_right_rows(tmp_path):
            "OMPI_MCA_rmaps_base_oversubscribe": "1"}
     for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_SIZE", "SOLAR_EXPECT_WORLD"):
         env.pop(var, None)
-    out = subprocess.run(["mpirun", "-n", "3", "--bind-to", "none", sys.executable, "-c", _THREE_RANK_READS, path, small],
-                         env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(["mpirun", "-n", "3", "--bind-to", "none", sys.executable, "-c", _THREE_RANK_READS,
+                          path, small], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "BAD 0", out.stdout + out.stderr[-3000:]

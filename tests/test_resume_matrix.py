@@ -25,7 +25,6 @@ from solar.io_backends import registry as backends
 from solar.synthetic import write_ptycho_h5
 from solar.testing.resume import check_save_load_state
 
-from servers import http_root  # noqa: F401  (fixture: nginx on 127.0.0.1)
 
 # 96 samples of 768 B (two fields), 8 a batch per rank; in one process the world mode runs 2 ranks
 N, BATCH, WORLD = 96, 8, 2

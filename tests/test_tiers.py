@@ -8,7 +8,6 @@ import uuid
 import numpy as np
 import pytest
 
-from servers import moto_s3_server
 from solar.cache import get_tier, registry
 from solar.cache.disk import DiskTier
 from solar.cache.fsspec_tier import FsspecTier
@@ -21,21 +20,6 @@ class _MemoryURLTier(FsspecTier):
     @classmethod
     def example(cls, scratch_dir, capacity_bytes=None):
         return cls(f"memory://tiers/{abs(hash(scratch_dir))}", capacity_bytes)
-
-
-@pytest.fixture(scope="module")
-def s3_bucket():
-    """``(bucket_url, storage_options)``: a fresh bucket on a moto S3 server on 127.0.0.1.
-
-    (Own bucket name: moto keeps buckets process-wide, so fixtures of other modules may exist.)
-    """
-    pytest.importorskip("s3fs")
-    with moto_s3_server() as opts:
-        import s3fs
-
-        name = f"solar-ckpt-{uuid.uuid4().hex[:8]}"
-        s3fs.S3FileSystem(skip_instance_cache=True, **opts).mkdir(name)
-        yield f"s3://{name}", opts
 
 
 def _s3_tier(bucket: str, opts: dict) -> type:
@@ -63,7 +47,8 @@ class TestRegisteredTiers(TierTests):
     pass
 
 
-@pytest.mark.parametrize("tier_cls", [_MemoryURLTier, DiskTier, get_tier("memory")], ids=["memory-url", "disk", "memory"])
+@pytest.mark.parametrize("tier_cls", [_MemoryURLTier, DiskTier, get_tier("memory")],
+                         ids=["memory-url", "disk", "memory"])
 def test_exclusive_create_holds_under_fast_thread_switching(tier_cls, tmp_path):
     """memory://'s own "create" is a check then a write: with threads switching every
     microsecond two racers both won (29 of 200 trials) until creates took a process-wide lock."""
