@@ -23,7 +23,7 @@ NOT_RUN = {
     "import nvidia.dali.fn as fn": "needs NVIDIA DALI (tests/test_dali.py runs DALILoader on a stand-in)",
     "open_backend(\"s3://bucket/train.h5\"": "placeholder credentials and hosts",
     "ds = solar.H5Dataset(\"s3://bucket/train.h5\"": "placeholder credentials and hosts",
-    "import aiohttp": "placeholder credentials (the timeouts are tested in tests/test_backends.py)",
+    "import aiohttp": "placeholder credentials (the timeouts are tested in tests/test_backends_fsspec.py)",
     "fut = writer.save(state, step, lazy=True)": "a fragment of a training step (tests/test_checkpoint.py)",
     "from solar.testing.codecs import CodecTests": "a class for a third-party codec's own tests",
 }
