@@ -168,7 +168,8 @@ def describe_fields(backend, fields=None) -> tuple[int, list[FieldSpec]]:
                                  f"{_available(backend, keys, order)}")
     lengths = {}
     for s in specs:
-        lengths[s.name] = backend.info(s.data_key).shape[0] if s.kind == "raw" else backend.info(s.offsets_key).shape[0] - 1
+        lengths[s.name] = (backend.info(s.data_key).shape[0] if s.kind == "raw"
+                           else backend.info(s.offsets_key).shape[0] - 1)
     if len(set(lengths.values())) != 1:
         raise DatasetFormatError(f"{backend.url}: fields have different numbers of samples: {lengths}; "
                                  "pass fields=... to pick fields of one length")

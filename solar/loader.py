@@ -242,7 +242,8 @@ class DataLoader(tud.DataLoader[T_co]):
             self._set_rng_state(resume["rng"])
             rng = resume["rng"]
         self._progress.update(batches=int(resume["batches"]) if resume and resume.get("mode") == "passthrough" else 0,
-                              done=False, rng=rng, next_rng=None, started=True, epoch=getattr(self.sampler, "epoch", None),
+                              done=False, rng=rng, next_rng=None, started=True,
+                              epoch=getattr(self.sampler, "epoch", None),
                               start=int(resume["position"]) if resume and resume.get("mode") == "schedule" else 0)
         if resume and resume.get("mode") == "schedule" and resume["epoch"] != self._progress["epoch"]:
             if int(resume.get("position", 0)) > 0:  # (a state saved at an epoch's end never gets here)
@@ -373,7 +374,8 @@ class DataLoader(tud.DataLoader[T_co]):
         mode = self._mode()
         if state["mode"] != mode:
             raise ConfigError(f"load_state_dict: the state is from a '{state['mode']}' loader but this one is "
-                              f"'{mode}'; use the same kind of sampler (DistributedSampler or not) as when it was saved")
+                              f"'{mode}'; use the same kind of sampler (DistributedSampler or not) as when it "
+                              "was saved")
         if mode == "passthrough":
             self._check_passthrough_state(state)
         for key, value in self._sampler_classes().items():  # (version 1 states lack them: not checked)

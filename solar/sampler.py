@@ -446,7 +446,8 @@ class SolarBatchSampler(BatchSampler):
         specs = getattr(self.dataset, "specs", ())
         fields = repr([(s.name, tuple(s.sample_shape), str(s.dtype)) for s in specs]).encode()
         return {"dataset size": cfg.num_samples, "world size": cfg.world_size, "batch_size": cfg.batch_size,
-                "seed": cfg.seed, "epoch (set_epoch)": int(self.sampler.epoch), "shuffle": int(cfg.shuffle), "DistributedSampler drop_last": int(cfg.drop_last),
+                "seed": cfg.seed, "epoch (set_epoch)": int(self.sampler.epoch), "shuffle": int(cfg.shuffle),
+                "DistributedSampler drop_last": int(cfg.drop_last),
                 "drop_last": int(cfg.drop_last_batch), "buffer capacity (samples)": cfg.capacity,
                 "steps per pass (prefetch=)": self.group_size(cfg.batch_size),
                 "decode ahead (num_workers == 0 on compressed data)": int(self._decode_ahead),

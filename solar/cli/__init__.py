@@ -32,7 +32,8 @@ def _load(module: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="solar", description="SOLAR: fast data loading and I/O for distributed deep learning on scientific data.")
+    parser = argparse.ArgumentParser(
+        prog="solar", description="SOLAR: fast data loading and I/O for distributed deep learning on scientific data.")
     parser.add_argument("--version", action="version", version=f"solar {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_module, help_) in SUBCOMMANDS.items():

@@ -55,11 +55,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="out/demo", help="output directory (default out/demo)")
     parser.add_argument("--ranks", type=_at_least(1), default=2, help="MPI ranks for the parallel write (default 2)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--epochs", type=_at_least(0), default=3, help="training epochs per loader (default 3; 0 skips training)")
+    parser.add_argument("--epochs", type=_at_least(0), default=3,
+                        help="training epochs per loader (default 3; 0 skips training)")
     parser.add_argument("--batch-size", type=_at_least(1), default=32)
-    parser.add_argument("--buffer", type=_fraction, default=0.5, help="SOLAR buffer, fraction of the dataset (default 0.5)")
-    parser.add_argument("--bandwidth", type=_at_least(0.0, float), default=200e6, help="storage bytes/s for the process (default 200e6; 0: unthrottled)")
-    parser.add_argument("--latency", type=_at_least(0.0, float), default=1e-3, help="seconds per storage request (default 1e-3)")
+    parser.add_argument("--buffer", type=_fraction, default=0.5,
+                        help="SOLAR buffer, fraction of the dataset (default 0.5)")
+    parser.add_argument("--bandwidth", type=_at_least(0.0, float), default=200e6,
+                        help="storage bytes/s for the process (default 200e6; 0: unthrottled)")
+    parser.add_argument("--latency", type=_at_least(0.0, float), default=1e-3,
+                        help="seconds per storage request (default 1e-3)")
     parser.add_argument("--workers", type=_at_least(0), default=2, help="num_workers of the torch baseline (default 2)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--write-only", action="store_true", help=argparse.SUPPRESS)

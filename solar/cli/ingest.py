@@ -56,7 +56,8 @@ def configure(p) -> None:
                    help="read everything back before the rename: checksums, and values within the bound")
     p.add_argument("--batch-size", type=int, default=256, help="samples written per collective step (default 256)")
     p.add_argument("--commit-interval", type=float, default=2.0,
-                   help="seconds between commits (flush + journal) that --resume restarts from (default 2; 0: every batch)")
+                   help="seconds between commits (flush + journal) that --resume restarts from "
+                        "(default 2; 0: every batch)")
     p.add_argument("--samples", choices=("auto", "file", "axis0"), default="auto",
                    help="file: each .npy/.npz file is one sample; axis0: arrays have a leading sample axis; "
                         "auto (default): file when several inputs all have the same shape (stderr says so)")

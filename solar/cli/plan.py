@@ -42,7 +42,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--buffer", type=int, required=True, help="C, samples each rank's buffer keeps")
     parser.add_argument("--seed", type=int, default=0, help="DistributedSampler seed (default 0)")
     parser.add_argument("--policy", choices=POLICIES, default="solar",
-                        help="solar (pinned + remap), or the baselines lru (per-rank LRU) and fifo (SOLAR's released code)")
+                        help="solar (pinned + remap), or the baselines lru (per-rank LRU) and fifo "
+                             "(SOLAR's released code)")
     parser.add_argument("--drop-last", action="store_true",
                         help="drop_last for both DistributedSampler (truncate) and DataLoader (no partial batch)")
     parser.add_argument("--no-shuffle", action="store_true", help="shuffle=False (same order every epoch)")

@@ -301,7 +301,8 @@ class EBQCodec(Codec):
         int8_stream = h0.version >= 2 and m0.width in (NIBBLES, 1)
         g = _gather(blobs, metas, n, order, int8_stream)
         lead = math.prod(shape[:m0.fold])  # folded channels: each is one more batch row of the predictor
-        lay = _Layout(shape, lead, shape[m0.fold:], np.repeat(np.array([m.cubic_levels for m in metas], np.uint64), lead),
+        cubic = np.repeat(np.array([m.cubic_levels for m in metas], np.uint64), lead)
+        lay = _Layout(shape, lead, shape[m0.fold:], cubic,
                       1 << m0.kshift, h0.version >= 6, _INT[m0.qint][1])
         dtype = TORCH_DTYPES[h0.dtype.itemsize]
         if n and self._fusable(blobs[0]):

@@ -385,7 +385,8 @@ def open_sources(urls: list[str], *, fields: list[str] | None = None, samples: s
                 lengths.add(fi.shape[0])
         if len(lengths) > 1:
             raise InputError(f"{s.url}: its fields have different numbers of samples "
-                             f"({ {n: f.shape[0] for n, f in s.fields.items()} }); pick fields of one length with --fields")
+                             f"({ {n: f.shape[0] for n, f in s.fields.items()} }); "
+                             "pick fields of one length with --fields")
         s.fields, s.n = shaped, lengths.pop() if lengths else 0
         if ref is None:
             ref, ref_url = shaped, s.url

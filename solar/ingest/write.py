@@ -160,7 +160,8 @@ def _finish(f, plan: Plan, sizes: dict[str, int], comm, dxpl, fp: str) -> None:
         "argv": redact_argv(sys.argv),
         "world_size": comm.size,
         "fingerprint": fp,
-        "inputs": [{"url": redact_url(s.url), "samples": s.n, "first_sample": st, "fields": s.keys, "one_sample_per_file": s.per_file}
+        "inputs": [{"url": redact_url(s.url), "samples": s.n, "first_sample": st, "fields": s.keys,
+                    "one_sample_per_file": s.per_file}
                    for s, st in zip(plan.sources, plan.starts)],
         "bounds": {fpl.name: fpl.abs_error for fpl in plan.fields if fpl.compress},
     }
@@ -375,7 +376,8 @@ class _Run:
         try:
             f = h5py.File(self.tmp, "r+", **kw)
             for name, size in self.sizes.items():
-                if self.parallel and f[name]["data"].id.get_create_plist().get_alloc_time() != h5py.h5d.ALLOC_TIME_EARLY:
+                plist = f[name]["data"].id.get_create_plist
+                if self.parallel and plist().get_alloc_time() != h5py.h5d.ALLOC_TIME_EARLY:
                     # made by a serial run: its chunks are allocated as written, and parallel HDF5
                     # cannot grow such a dataset (MPI_ERR_TYPE on one rank, a hang on the others)
                     raise ValueError("it was started by a serial run; resume it without mpirun to keep its batches")
@@ -499,5 +501,6 @@ class _Run:
                 for fpl in plan.fields:
                     stored += h[fpl.name]["data"].shape[0] if fpl.compress else h[fpl.name].nbytes
         stored = comm.bcast(stored, root=0)
-        return IngestReport(self.out, plan.num_samples, [x.name for x in plan.fields], plan.row_bytes * plan.num_samples,
+        return IngestReport(self.out, plan.num_samples, [x.name for x in plan.fields],
+                            plan.row_bytes * plan.num_samples,
                             stored, time.perf_counter() - self.t0, self.start, self.opts.verify, comm.size)

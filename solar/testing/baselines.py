@@ -90,7 +90,7 @@ class BaselinePlanner(Planner):
         """Per position: rank, hit, keep. Steps are simulated in order, each from the buffers
         the earlier ones left."""
         c = self.config
-        caches, holder, C, b = self._caches, self._holder, c.capacity, c.batch_size
+        caches, holder, C = self._caches, self._holder, c.capacity
         n = len(samples)
         rank = np.empty(n, dtype=np.int64)
         hit = np.zeros(n, dtype=bool)
