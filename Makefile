@@ -16,9 +16,10 @@ export PYTHONDONTWRITEBYTECODE := 1
 setup:
 	@bash scripts/setup.sh
 
-# The MPI suite runs on 2 ranks and again on 3: some MPI-IO bugs only show with 3 or more
-# (NOTE [ No sieving in collective reads ] in solar/dataset.py).
+# Lint first; the MPI suite runs on 2 ranks and again on 3: some MPI-IO bugs only show with 3 or
+# more (NOTE [ No sieving in collective reads ] in solar/reads.py).
 test: setup
+	@$(MAKE) --no-print-directory lint
 	@$(MAKE) --no-print-directory test-unit
 	@$(MAKE) --no-print-directory test-mpi
 	@$(MAKE) --no-print-directory test-mpi NP=3
@@ -32,7 +33,7 @@ test-mpi:
 	SOLAR_STRICT=1 SOLAR_EXPECT_WORLD=$(NP) timeout -k 15 1200 \
 	  mpirun -n $(NP) --bind-to none bash scripts/mpi-pytest.sh -m mpi tests
 
-# Lint (issue 20): ruff (pycodestyle errors and warnings, pyflakes: [tool.ruff] in pyproject.toml) and
+# Lint: ruff (pycodestyle errors and warnings, pyflakes: [tool.ruff] in pyproject.toml) and
 # codespell ([tool.codespell]) over the whole tree; both come with the test extra `make setup` installs.
 .PHONY: lint
 lint:
