@@ -251,9 +251,9 @@ class FileTier(Tier):
     def _store(self, key: Hashable, value: Any, create: bool) -> bool:
         """Check the budget and reserve the bytes in one step, then write (outside the count's
         lock, so writes of different files overlap), then give the reservation back if the
-        write did not happen. Before, the check and the count were separate steps around the
-        write: concurrent puts overshot the budget, and two puts of one key counted its old size
-        once for both, so the count drifted up for good (an audit: 700 B over a 5000 B budget)."""
+        write did not happen. The check and the count are one step because concurrent puts must
+        not overshoot the budget, and two puts of one key must not both count its old size (the
+        count would drift up for good)."""
         path = self.path(key)
         view = _view(value)
         n = view.nbytes

@@ -34,6 +34,7 @@ from typing import Any, Hashable, Iterator
 import numpy as np
 
 from .base import Tier, TierFullError, _nbytes
+from .disk import DiskTier
 from .memory import MemoryTier
 
 __all__ = ["SpillTier"]
@@ -104,8 +105,6 @@ class SpillTier(Tier):
         """A :class:`MemoryTier` of ``memory_bytes`` spilling up to ``disk_bytes`` more (charged in
         blocks of ``block``, default the file system's) to files in a fresh directory under
         ``directory``, removed with the tier; stale directories of killed processes go first."""
-        from .disk import DiskTier
-
         directory = os.path.abspath(os.fspath(directory))
         # 0700: the files hold the user's samples, and the directory may be on a shared node-local
         # disk; an existing ``directory`` (e.g. /tmp) keeps its mode, the tier's own one is private

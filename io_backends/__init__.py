@@ -7,6 +7,8 @@ dependency is missing raises :class:`solar.MissingDependencyError` naming what t
 
 from __future__ import annotations
 
+from solar.capabilities import h5py_has_mpi
+from solar.dist import mpi_comm
 from solar.registry import Registry
 
 from .base import ArrayInfo, Backend, IOStats, normalize_ranges
@@ -38,9 +40,6 @@ def choose_backend(url: str) -> str:
     """The ``auto`` rule: ``mpi-hdf5`` under mpirun with MPI-enabled h5py (local files),
     ``fsspec`` for non-local URLs and for ``.npy`` stores (a directory or a ``.npy`` file),
     ``hdf5`` otherwise."""
-    from solar.capabilities import h5py_has_mpi
-    from solar.dist import mpi_comm
-
     if not _is_local(url):
         return "fsspec"
     import os

@@ -11,6 +11,7 @@ import gc
 import os
 from typing import Any
 
+from solar.capabilities import fsspec_protocol_missing, pip_name
 from solar.errors import ConfigError, MissingDependencyError, SolarError, StorageError, storage_errors
 
 __all__ = ["INHERITED", "CHANGED", "transport_error", "url_errors", "range_hint", "missing_protocol_error",
@@ -111,10 +112,8 @@ def missing_protocol_error(url: str, exc: ImportError | None = None) -> MissingD
     ``solar/capabilities.py``), naming the protocol, the package, fsspec's own hint and the pip
     command; None when every protocol's packages are found and ``exc`` (an ImportError fsspec
     raised for ``url``) names no module either."""
-    from fsspec.core import split_protocol
+    from fsspec.core import split_protocol  # fsspec: imported by the fsspec backends only
     from fsspec.registry import known_implementations
-
-    from solar.capabilities import fsspec_protocol_missing, pip_name
 
     protocols = [split_protocol(part)[0] or "file" for part in url.split("::")]
     proto, missing = protocols[-1], []

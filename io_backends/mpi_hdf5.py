@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from solar.dist import collective_call, private_comm
+from solar.dist import collective_call, mpi_comm, private_comm, under_mpirun
 from solar.failfast import register_exit_close, replace_exit_close, unregister_exit_close, weak_close
 from solar.errors import ConfigError, MPIUnavailableError
 
@@ -49,9 +49,7 @@ _FIX = ("launch with `mpirun -n N python ...` (or srun/mpiexec), with mpi4py ins
 
 def require_parallel_hdf5(what: str):
     """``MPI.COMM_WORLD`` if this process can do parallel HDF5, else raise saying how to fix it."""
-    import h5py
-
-    from solar.dist import mpi_comm, under_mpirun
+    import h5py  # heavy; imported when a parallel-HDF5 backend is asked for
 
     if not h5py.get_config().mpi:
         raise MPIUnavailableError(

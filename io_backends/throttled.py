@@ -89,7 +89,7 @@ class ThrottledBackend(Backend):
                 raise ConfigError(f"options {sorted(options)} apply only when ThrottledBackend opens a path; "
                                   "pass them to the inner backend instead")
         else:
-            from . import open_backend
+            from . import open_backend  # the registry's package imports this module: at call time
 
             if not isinstance(inner, str) or inner == self.name:
                 raise ConfigError(f"inner= must name a registered backend other than 'throttled', got {inner!r}")
