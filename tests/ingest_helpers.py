@@ -3,9 +3,11 @@ crash at a chosen write, and `mpirun -n 2 solar ingest` as a subprocess (optiona
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 
 import h5py
 import numpy as np
@@ -68,6 +70,24 @@ def _children(pid: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 pass
     return kids
+
+
+def _ranks_after_commits(proc, journal: str, commits: int = 3, then: str = "it could be killed") -> list[int]:
+    """Wait until the running `mpirun ... solar ingest` has committed ``commits`` batches (its
+    journal says so), then the pids of its two rank processes (the job must still be running)."""
+    deadline, done = time.monotonic() + 120, 0
+    while time.monotonic() < deadline and proc.poll() is None and done < commits:
+        try:
+            with open(journal) as f:
+                done = json.load(f)["batches_done"]
+        except (OSError, ValueError, KeyError):
+            pass
+        if done < commits:
+            time.sleep(0.05)
+    assert proc.poll() is None, f"ingest ended before {then}: {proc.communicate()}"
+    ranks = [p for p in _children(proc.pid) if "python" in open(f"/proc/{p}/cmdline").read()]
+    assert len(ranks) == 2, f"expected 2 rank processes under mpirun, found {ranks}"
+    return ranks
 
 
 def _mpirun_env() -> dict:

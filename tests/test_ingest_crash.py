@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-from ingest_helpers import _children, _mpirun, _mpirun_env, _npy_inputs, _read_field
+from ingest_helpers import _ranks_after_commits, _mpirun, _mpirun_env, _npy_inputs, _read_field
 
 from solar.errors import InputError
 from solar.ingest import ingest, verify_file
@@ -29,19 +29,7 @@ def test_sigkill_one_rank_then_resume_under_mpirun(tmp_path):
     args = [*paths, "-o", out, "--batch-size", "8", "--abs-error", "0.01", "--no-progress", "--commit-interval", "0"]
     proc = _mpirun(args, env)
     journal = out + ".ingest.json"
-    deadline = time.monotonic() + 120
-    done = 0
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            done = json.load(open(journal))["batches_done"]
-        except (OSError, ValueError, KeyError):
-            done = 0
-        if done >= 3:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, f"ingest ended before it could be killed: {proc.communicate()}"
-    ranks = [p for p in _children(proc.pid) if "python" in open(f"/proc/{p}/cmdline").read()]
-    assert len(ranks) == 2, f"expected 2 rank processes under mpirun, found {ranks}"
+    ranks = _ranks_after_commits(proc, journal)
     os.kill(max(ranks), signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode != 0
@@ -212,15 +200,8 @@ def test_storage_failure_under_mpirun_is_one_line_and_exit_code_4(tmp_path):
     env = _mpirun_env()
     args = [*paths, "-o", out, "--batch-size", "8", "--abs-error", "0.01", "--no-progress", "--commit-interval", "0"]
     proc = _mpirun(args, env)
-    journal, deadline, done = out + ".ingest.json", time.monotonic() + 120, 0
-    while time.monotonic() < deadline and proc.poll() is None and done < 3:
-        try:
-            done = json.load(open(journal))["batches_done"]
-        except (OSError, ValueError, KeyError):
-            time.sleep(0.05)
-    assert proc.poll() is None, f"ingest ended before the disk could fill: {proc.communicate()}"
-    ranks = [p for p in _children(proc.pid) if "python" in open(f"/proc/{p}/cmdline").read()]
-    assert len(ranks) == 2, f"expected 2 rank processes under mpirun, found {ranks}"
+    journal = out + ".ingest.json"
+    ranks = _ranks_after_commits(proc, journal, then="the disk could fill")
     size = os.path.getsize(out + ".tmp")
     for pid in ranks:
         resource.prlimit(pid, resource.RLIMIT_FSIZE, (size, size))

@@ -8,13 +8,12 @@ import hashlib
 import json
 import os
 import signal
-import time
 
 import h5py
 import numpy as np
 import pytest
 
-from ingest_helpers import _children, _crash, _mpirun, _mpirun_env
+from ingest_helpers import _ranks_after_commits, _crash, _mpirun, _mpirun_env
 
 from solar.errors import InputError
 from solar.ingest import ingest
@@ -110,15 +109,8 @@ def test_rerun_without_resume_after_sigkill_under_mpirun_is_refused_on_every_ran
         return _mpirun([*args, *extra], env, delay)
 
     proc = mpirun([], delay=0.25)
-    journal, done, deadline = out + ".ingest.json", 0, time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None and done < 3:
-        try:
-            done = json.load(open(journal))["batches_done"]
-        except (OSError, ValueError, KeyError):
-            time.sleep(0.05)
-    assert proc.poll() is None, f"ingest ended before it could be killed: {proc.communicate()}"
-    ranks = [p for p in _children(proc.pid) if "python" in open(f"/proc/{p}/cmdline").read()]
-    assert len(ranks) == 2, f"expected 2 rank processes under mpirun, found {ranks}"
+    journal = out + ".ingest.json"
+    ranks = _ranks_after_commits(proc, journal)
     os.kill(max(ranks), signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode != 0 and not os.path.exists(out)
