@@ -157,13 +157,21 @@ _CLOSES: dict[int, Callable[[], None]] = {}  # collective closes still due at ex
 _SEQ = [0]
 _PREVIOUS_HOOK: Any = None
 _EXIT_PID: int | None = None  # the process whose exit handler is registered
+_GUARD_PID: int | None = None  # the process the watch runs in (a forked child has none)
 
 
 def installed() -> bool:
     return _GUARD is not None and _GUARD_PID == os.getpid()
 
 
-_GUARD_PID: int | None = None
+def _ensure_exit_handler() -> None:
+    """Register :func:`_at_exit` once per process (a forked child's inherited closes are its
+    parent's: it starts with none)."""
+    global _EXIT_PID
+    if _EXIT_PID != os.getpid():
+        _CLOSES.clear()
+        _EXIT_PID = os.getpid()
+        atexit.register(_at_exit)
 
 
 def install(comm) -> None:
@@ -181,8 +189,7 @@ def install(comm) -> None:
     if os.environ.get("SOLAR_ABORT_ON_ERROR", "1") != "0":
         _PREVIOUS_HOOK = sys.excepthook
         sys.excepthook = _abort_on_uncaught
-    if _EXIT_PID != os.getpid():
-        register_exit_close(lambda: None)  # registers the exit handler
+    _ensure_exit_handler()
 
 
 def busy(what: str | None) -> None:
@@ -199,11 +206,7 @@ def register_exit_close(close: Callable[[], None]) -> int:
     """Register a collective close to make at exit if not done before; returns its token
     (:func:`unregister_exit_close`). Closes run in registration order, which is the order
     of the collective opens and so the same on every rank."""
-    global _EXIT_PID
-    if _EXIT_PID != os.getpid():
-        _CLOSES.clear()  # a forked child's inherited closes are its parent's
-        _EXIT_PID = os.getpid()
-        atexit.register(_at_exit)
+    _ensure_exit_handler()
     _SEQ[0] += 1
     _CLOSES[_SEQ[0]] = close
     return _SEQ[0]

@@ -20,15 +20,20 @@ from solar.ingest import ingest, verify_file
 from solar.layout import describe_fields
 
 
-@pytest.mark.slow
-def test_sigkill_one_rank_then_resume_under_mpirun(tmp_path):
-    """The real thing: `mpirun -n 2 solar ingest`, SIGKILL of rank 1 mid-run, `--resume --verify`."""
+def _slowed_ingest(tmp_path):
+    """`mpirun -n 2 solar ingest` of two .npy inputs, slowed and committing every batch, started:
+    (expected rows, output, journal, its arguments, environment, process)."""
     paths, want = _npy_inputs(tmp_path, sizes=(64, 40), shape=(8, 8))
     out = str(tmp_path / "o.h5")
     env = _mpirun_env()
     args = [*paths, "-o", out, "--batch-size", "8", "--abs-error", "0.01", "--no-progress", "--commit-interval", "0"]
-    proc = _mpirun(args, env)
-    journal = out + ".ingest.json"
+    return want, out, out + ".ingest.json", args, env, _mpirun(args, env)
+
+
+@pytest.mark.slow
+def test_sigkill_one_rank_then_resume_under_mpirun(tmp_path):
+    """The real thing: `mpirun -n 2 solar ingest`, SIGKILL of rank 1 mid-run, `--resume --verify`."""
+    want, out, journal, args, env, proc = _slowed_ingest(tmp_path)
     ranks = _ranks_after_commits(proc, journal)
     os.kill(max(ranks), signal.SIGKILL)
     proc.communicate(timeout=60)
@@ -195,12 +200,7 @@ def test_storage_failure_under_mpirun_is_one_line_and_exit_code_4(tmp_path):
     size, so the file cannot grow (EFBIG; HDF5 may report it from a write, a resize or a flush)."""
     import resource
 
-    paths, want = _npy_inputs(tmp_path, sizes=(64, 40), shape=(8, 8))
-    out = str(tmp_path / "o.h5")
-    env = _mpirun_env()
-    args = [*paths, "-o", out, "--batch-size", "8", "--abs-error", "0.01", "--no-progress", "--commit-interval", "0"]
-    proc = _mpirun(args, env)
-    journal = out + ".ingest.json"
+    want, out, journal, args, env, proc = _slowed_ingest(tmp_path)
     ranks = _ranks_after_commits(proc, journal, then="the disk could fill")
     size = os.path.getsize(out + ".tmp")
     for pid in ranks:
