@@ -3,6 +3,7 @@
 Examples::
 
     solar ingest data/*.npy -o train.h5                       # serial, one field "x"
+    solar ingest x=X.npy y=Y.npy -o train.h5                  # two fields from separate files
     mpirun -n 8 solar ingest run1.h5 run2.h5 -o train.h5 --rel-error 1e-3 --verify
     mpirun -n 8 solar ingest ... -o train.h5 --resume         # after a crash: continue
 
@@ -34,7 +35,8 @@ __all__ = ["configure", "run"]
 
 def configure(p) -> None:
     p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help=".npy/.npz files or HDF5 files (FILE.h5 or FILE.h5:/dataset), local paths or fsspec URLs")
+                   help=".npy/.npz files or HDF5 files (FILE.h5 or FILE.h5:/dataset), local paths or fsspec URLs; "
+                        "NAME=FILE (x=X.npy y=Y.npy) takes each field from its own files")
     p.add_argument("-o", "--output", required=True, help="the SOLAR HDF5 file to write")
     p.add_argument("--fields", nargs="+", metavar="NAME[=KEY]",
                    help="fields to keep, in order; NAME=KEY renames; for .npy inputs the field name (default x)")

@@ -10,6 +10,10 @@ How inputs map to fields
     * ``X.h5`` (any other name): every dataset with a leading sample axis, as in
       :func:`solar.layout.describe_fields`; ``X.h5:/path/to/dset`` picks one dataset, named by
       its last path component.
+    * ``NAME=FILE``: fields from separate files, one array each (``x=X.npy y=Y.npy``): the
+      ``i``-th file of each name give the same samples, so every name needs as many files, with
+      equally many samples, and ``--fields`` is not used. A path that exists as written (a file
+      named ``a=b.npy``) is a plain input.
     * ``--fields a b`` keeps only those fields, in that order; ``--fields new=old`` renames. For
       HDF5 a key is a dataset's path or, if unambiguous, its last component, and only the named
       datasets are described: the file's others may have another length (or be scalars).
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -40,7 +45,7 @@ from solar.io_backends.fsspec import missing_protocol_error, url_to_fs
 from solar.io_backends.npy_format import npy_array
 from solar.layout import describe_fields, name_matches, tensor_dtype_ok
 
-__all__ = ["Source", "FieldInfo", "open_sources", "parse_field_args", "input_kind", "digest_ranges"]
+__all__ = ["Source", "ZippedSource", "FieldInfo", "open_sources", "parse_field_args", "input_kind", "digest_ranges"]
 
 
 @dataclass(frozen=True)
@@ -296,6 +301,103 @@ class Source:
         return h.read_ranges(key, [(lo, hi)])
 
 
+class ZippedSource:
+    """Fields that come from separate files (``x=X.npy y=Y.npy``): one :class:`Source` per field,
+    read side by side. It offers what the ingest uses of a :class:`Source` (``url``, ``n``,
+    ``fields``, ``keys``, ``per_file``, :meth:`identity`, :meth:`read`, :meth:`close`), so the
+    plan concatenates zipped and plain inputs alike. Invariant: ``parts[name].fields`` and
+    ``parts[name].per_file`` always equal this source's, so each part reads its rows as a
+    plain input would."""
+
+    kind = "zipped"
+
+    def __init__(self, parts: dict[str, Source]):
+        self.parts = parts
+        self.url = " ".join(f"{name}={p.url}" for name, p in parts.items())
+        self.keys = {name: p.url for name, p in parts.items()}
+        self.n = 0
+        self._fields = {name: p.fields[name] for name, p in parts.items()}
+        self._per_file = False
+
+    @property
+    def plain_files(self) -> bool:
+        """Whether every part is a ``.npy``/``.npz`` file (whose whole array may be one sample)."""
+        return all(p.kind in ("npy", "npz") for p in self.parts.values())
+
+    @property
+    def fields(self) -> dict[str, FieldInfo]:
+        return self._fields
+
+    @fields.setter
+    def fields(self, value: dict[str, FieldInfo]) -> None:
+        self._fields = dict(value)
+        for name, p in self.parts.items():
+            p.fields = {name: value[name]}
+
+    @property
+    def per_file(self) -> bool:
+        return self._per_file
+
+    @per_file.setter
+    def per_file(self, value: bool) -> None:
+        self._per_file = bool(value)
+        for p in self.parts.values():
+            p.per_file = self._per_file and p.kind in ("npy", "npz")
+
+    def identity(self) -> list:
+        """``[sizes, modification stamps, content digest]`` of the parts, the three entries of a
+        :meth:`Source.identity`, so the job fingerprint covers every file."""
+        ids = [p.identity() for p in self.parts.values()]
+        digests = [i[2] for i in ids]
+        digest = None if None in digests else hashlib.blake2b("".join(digests).encode(), digest_size=16).hexdigest()
+        return [[i[0] for i in ids], [i[1] for i in ids], digest]
+
+    def read(self, name: str, lo: int, hi: int) -> np.ndarray:
+        return self.parts[name].read(name, lo, hi)
+
+    def close(self) -> None:
+        for p in self.parts.values():
+            p.close()
+
+
+_NAMED = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.+)$")
+
+
+def split_named(urls: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """``(plain inputs, {field name: [files]})`` of ``urls``: ``NAME=FILE`` entries name the field
+    their one array becomes; a path that exists as written stays a plain input."""
+    plain, named = [], {}
+    for u in urls:
+        m = _NAMED.match(u)
+        if m is None or os.path.exists(u):
+            plain.append(u)
+        else:
+            named.setdefault(m.group(1), []).append(m.group(2))
+    return plain, named
+
+
+def _zip_sources(named: dict[str, list[str]], storage_options) -> list[ZippedSource]:
+    counts = {name: len(files) for name, files in named.items()}
+    if len(set(counts.values())) > 1:
+        raise InputError(f"NAME=FILE inputs give each field a different number of files ({counts}); the i-th "
+                         "files of every name hold the same samples, so give each name as many files")
+    out = []
+    for group in zip(*named.values()):
+        parts = {}
+        for name, url in zip(named, group):
+            part = _describe(url, None, storage_options)
+            if len(part.fields) != 1:
+                pick = (f"pick one with {name}={url}:/DATASET" if part.kind == "hdf5"
+                        else "save the array you want as its own .npy")
+                raise InputError(f"{name}={url}: a NAME=FILE input gives one field, but {url} holds "
+                                 f"{len(part.fields)} arrays ({', '.join(part.keys.values())}); {pick}")
+            (key,) = part.keys.values()
+            part.keys, part.fields = {name: key}, {name: next(iter(part.fields.values()))}
+            parts[name] = part
+        out.append(ZippedSource(parts))
+    return out
+
+
 def _describe(url: str, wanted, storage_options) -> Source:
     kind = input_kind(url)
     src = Source(url, kind, False, {}, storage_options=dict(storage_options))
@@ -350,7 +452,8 @@ def _check_dtypes(src: Source) -> None:
 
 
 def open_sources(urls: list[str], *, fields: list[str] | None = None, samples: str = "auto",
-                 storage_options: dict[str, Any] | None = None) -> tuple[list[Source], dict[str, FieldInfo]]:
+                 storage_options: dict[str, Any] | None = None
+                 ) -> tuple[list[Source | ZippedSource], dict[str, FieldInfo]]:
     """Describe and validate every input; returns ``(sources, fields)``.
 
     Raises:
@@ -362,15 +465,21 @@ def open_sources(urls: list[str], *, fields: list[str] | None = None, samples: s
     if not urls:
         raise InputError("no inputs given")
     wanted = parse_field_args(fields)
-    sources = [_describe(u, wanted, storage_options or {}) for u in urls]
-    plain = [s for s in sources if s.kind in ("npy", "npz")]
+    plain_urls, named = split_named(urls)
+    if named and (plain_urls or wanted):
+        what = f"plain inputs ({', '.join(plain_urls)})" if plain_urls else "--fields"
+        raise InputError(f"NAME=FILE inputs ({', '.join(f'{n}=...' for n in named)}) name every field; they "
+                         f"cannot be mixed with {what}: write every input as NAME=FILE, or none")
+    sources = (_zip_sources(named, storage_options or {}) if named
+               else [_describe(u, wanted, storage_options or {}) for u in urls])
+    plain = [s for s in sources if s.kind in ("npy", "npz") or isinstance(s, ZippedSource) and s.plain_files]
     per_file = samples == "file" or (
         samples == "auto" and len(plain) >= 2 and len({tuple(sorted((n, f.shape) for n, f in s.fields.items()))
                                                        for s in plain}) == 1)
     ref: dict[str, FieldInfo] | None = None
     ref_url = ""
     for s in sources:
-        s.per_file = per_file and s.kind in ("npy", "npz")
+        s.per_file = per_file and any(s is p for p in plain)
         lengths = set()
         shaped: dict[str, FieldInfo] = {}
         for name, fi in s.fields.items():
@@ -384,9 +493,10 @@ def open_sources(urls: list[str], *, fields: list[str] | None = None, samples: s
                 shaped[name] = FieldInfo(fi.shape[1:], fi.dtype)
                 lengths.add(fi.shape[0])
         if len(lengths) > 1:
+            fix = ("the files given together must hold equally many samples" if isinstance(s, ZippedSource)
+                   else "pick fields of one length with --fields")
             raise InputError(f"{s.url}: its fields have different numbers of samples "
-                             f"({ {n: f.shape[0] for n, f in s.fields.items()} }); "
-                             "pick fields of one length with --fields")
+                             f"({ {n: f.shape[0] for n, f in s.fields.items()} }); {fix}")
         s.fields, s.n = shaped, lengths.pop() if lengths else 0
         if ref is None:
             ref, ref_url = shaped, s.url
