@@ -11,7 +11,7 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 export OMPI_MCA_btl_vader_single_copy_mechanism := none
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup test test-unit test-mpi demo bench clean
+.PHONY: setup test test-unit test-mpi demo bench clean docs
 
 setup:
 	@bash scripts/setup.sh
@@ -39,6 +39,12 @@ test-mpi:
 lint:
 	$(PY) -m ruff check .
 	$(VENV)/bin/codespell
+
+# The guide (docs/*.md) and the API reference from the docstrings (docs/reference/), built into
+# out/site with warnings as errors; tests/test_docs_site.py builds it in `make test` and renders it
+# in headless Chromium.
+docs: setup
+	$(PY) -m mkdocs build --strict
 
 demo: setup
 	$(VENV)/bin/solar demo

@@ -104,7 +104,12 @@ def _setup_throttled(tmp):
     return {"HDF5Backend": HDF5Backend, "open_backend": open_backend}
 
 
+def _setup_nothing(tmp):
+    return {}
+
+
 RUN = {
+    "import h5py, numpy as np": _setup_nothing,
     "import torch.utils.data as tud": _setup_loader,
     "ds = solar.H5Dataset(\"ptycho-c.h5\", device=\"cuda\")": _setup_compressed,
     "from solar.checkpoint import CheckpointWriter, load, list_versions": _setup_checkpoint,
