@@ -24,7 +24,7 @@ import numpy as np
 
 from solar.errors import ConfigError, CorruptDataError
 
-from . import fused
+from . import decoders, fused
 from .base import Codec, Parsed, get_codec, registry
 from .header import Header, payload_of, read_header
 from .quantize import resolve_bound
@@ -147,17 +147,21 @@ def _codec_for(p: Parsed) -> Codec:
     return cls()
 
 
-def decode(blob, *, device="cpu", out=None, compile: bool | None = None):
+def decode(blob, *, device="cpu", out=None, compile: bool | None = None, decoder: str | None = None,
+           threads: int | None = None):
     """Decode one blob into a tensor on ``device`` (dtype and shape from the header).
 
     ``out``: optional tensor of the right shape/dtype/device to write into (returned).
     ``compile``: decode with the ``torch.compile``-d graph (:mod:`solar.codec.fused`; worth it
     when one shape repeats); None follows ``SOLAR_CODEC_COMPILE`` (off by default).
+    ``decoder``: ``"auto"``, ``"reference"`` or ``"cpu-kernel"`` (:mod:`solar.codec.paths`; every
+    path gives the same bits); None follows ``SOLAR_CODEC_DECODER`` (default ``"auto"``).
+    ``threads``: the ``cpu-kernel`` path's threads (0: every core); None follows ``SOLAR_CODEC_THREADS``.
     Raises :class:`CorruptDataError` for truncated, corrupted or foreign blobs.
     """
     p = _parse(blob, "codec blob")
     _check_out(out, p.header, device)
-    with fused.use(compile):
+    with fused.use(compile), decoders.use(decoder, threads):
         x = _codec_for(p).decode_group([p], device, None if out is None else out.view((1,) + p.header.shape))[0]
     return x if out is None else out
 
@@ -182,7 +186,8 @@ def _check_out(out, h: Header, device) -> None:
             f"{out.dtype} {tuple(out.shape)} on {out.device}")
 
 
-def decode_batch(blobs: Sequence, *, device="cpu", names: Sequence[Any] | None = None, compile: bool | None = None):
+def decode_batch(blobs: Sequence, *, device="cpu", names: Sequence[Any] | None = None, compile: bool | None = None,
+                 decoder: str | None = None, threads: int | None = None):
     """Decode a mini-batch; blobs of one shape/dtype/codec are decoded with one sequence of ops.
 
     Returns a stacked ``(B, *shape)`` tensor when every blob has the same shape and dtype (the
@@ -194,6 +199,9 @@ def decode_batch(blobs: Sequence, *, device="cpu", names: Sequence[Any] | None =
         names: optional labels (e.g. sample indices) used in error messages, one per blob.
         compile: decode with the ``torch.compile``-d graph (see :func:`decode`); None follows
             ``SOLAR_CODEC_COMPILE``.
+        decoder: the decoder path (see :func:`decode`); None follows ``SOLAR_CODEC_DECODER``.
+        threads: the ``cpu-kernel`` path's threads over the batch's blobs (0: every core); None
+            follows ``SOLAR_CODEC_THREADS`` (default 1).
 
     Raises:
         CorruptDataError: naming the offending blob (``names[i]`` when given).
@@ -225,7 +233,7 @@ def decode_batch(blobs: Sequence, *, device="cpu", names: Sequence[Any] | None =
         from .torch_ops import TORCH_DTYPES, copy_rows_  # imports torch, as decoding does
 
         stacked = torch.empty((len(parsed),) + h.shape, dtype=TORCH_DTYPES[h.dtype.itemsize], device=device)
-    with fused.use(compile):
+    with fused.use(compile), decoders.use(decoder, threads):
         for key, idx in groups.items():
             decoded = codecs[key[0].partition("/")[0]].decode_group([parsed[i] for i in idx], device)
             if len(groups) == 1:

@@ -45,16 +45,18 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from solar.errors import ConfigError, CorruptDataError
+from solar.errors import ConfigError
 
 from . import fused
 from . import lossless as ll
+from . import paths
 from . import predict as pr
 from .base import Codec, Parsed
-from .ebq_meta import NIBBLES, WIDTHS, EbqMeta, code_len, fold_axes
+from .ebq_meta import NIBBLES, WIDTHS, EbqMeta, fold_axes
 from .header import pack_header
 from .predict import Predictor
 from .quantize import QMAX, Quantized, quantize, verify
+from .sections import Gathered, _sparse_group, gather  # noqa: F401  (tests import _sparse_group from here)
 from .torch_ops import (TORCH_DTYPES, copy_rows_, dequantize, join_planes, patch_, scratch, take_rows, unpack_nibbles,
                         unzigzag_)
 
@@ -277,7 +279,8 @@ class EBQCodec(Codec):
     def decode_group(self, blobs: Sequence[Parsed], device, out=None):
         metas = [self._meta(b) for b in blobs]
         levels = [m.cubic_levels for m in metas]
-        if len(blobs) > 1 and metas[0].predictor.per_level and len(set(levels)) > 1 and not self._fusable(blobs[0]):
+        if len(blobs) > 1 and metas[0].predictor.per_level and len(set(levels)) > 1 and not self._fusable(blobs[0]) \
+                and paths.choose(torch.device(device), blobs[0].header.version, metas[0].predictor, 1) != "cpu-kernel":
             # mixed per-level cubic/linear choices: decode in an order where equal choices are
             # contiguous row slices (one prediction kind each), then put rows back in input order
             order = pr.mask_order(levels)
@@ -299,11 +302,13 @@ class EBQCodec(Codec):
         shape = h0.shape or (1,)
         n, B = math.prod(shape), len(blobs)
         int8_stream = h0.version >= 2 and m0.width in (NIBBLES, 1)
-        g = _gather(blobs, metas, n, order, int8_stream)
         lead = math.prod(shape[:m0.fold])  # folded channels: each is one more batch row of the predictor
         cubic = np.repeat(np.array([m.cubic_levels for m in metas], np.uint64), lead)
         lay = _Layout(shape, lead, shape[m0.fold:], cubic,
                       1 << m0.kshift, h0.version >= 6, _INT[m0.qint][1])
+        if order is None and paths.choose(dev, h0.version, m0.predictor, n) == "cpu-kernel":
+            return _into(out, paths.decode_cpu(blobs, metas, lay, int8_stream).to(dev).view((B,) + h0.shape))
+        g = gather(blobs, metas, n, order, int8_stream)
         dtype = TORCH_DTYPES[h0.dtype.itemsize]
         if n and self._fusable(blobs[0]):
             x = self._decode_fused(g, lay, dtype, dev)
@@ -335,7 +340,7 @@ class EBQCodec(Codec):
             and m.width in (NIBBLES,) + WIDTHS
 
     @staticmethod
-    def _decode_fused(g: _Gathered, lay: _Layout, dtype, dev):
+    def _decode_fused(g: Gathered, lay: _Layout, dtype, dev):
         """Decode with the compiled graph -> ``(B, n)`` floats, or None (then decode eagerly).
 
         A group of nibble blobs goes in packed (unpacked inside the graph), an int8 group as is,
@@ -378,22 +383,6 @@ class EBQCodec(Codec):
         return None if x is None else x.view(B, n)
 
 
-class _Gathered(NamedTuple):
-    """A group's sections after the CPU lossless stage, before any tensor op."""
-
-    planes: dict  # code width -> (rows of that width, code bytes) uint8 array
-    rows: dict  # code width -> the group rows with that width
-    kinds: list  # per row: its code width
-    marks: np.ndarray | None  # nibble codes: flat positions of the side markers in the unpacked stream
-    side: np.ndarray | None  # nibble codes: the side values, in marker order
-    esc_idx: list  # escapes: flat positions in (B, n) and true residuals (at most one array each)
-    esc_val: list
-    out_idx: list  # exact outliers: flat positions in (B, n), in input order, and verbatim values
-    out_val: list
-    steps: np.ndarray  # per row, in the decoded (sorted) order
-    offs: np.ndarray
-
-
 class _Layout(NamedTuple):
     """How a group's integers are predicted."""
 
@@ -406,45 +395,6 @@ class _Layout(NamedTuple):
     t_int: torch.dtype
 
 
-def _gather(blobs: Sequence[Parsed], metas: list[EbqMeta], n: int, order, int8_stream: bool) -> _Gathered:
-    """Decompress every blob's sections and check the sparse ones for the whole group at once."""
-    h0, m0, B = blobs[0].header, metas[0], len(blobs)
-    kinds = [m.width for m in metas] if int8_stream else [m0.width] * B
-    rows = {k: [i for i, kk in enumerate(kinds) if kk == k] for k in sorted(set(kinds))}
-    planes = {k: np.empty((len(r), code_len(k, n)), np.uint8) for k, r in rows.items()}
-    slot = {i: j for r in rows.values() for j, i in enumerate(r)}
-    esc_idx, esc_val, out_idx, out_val, sides, esc, outl = [], [], [], [], [], [], []
-    steps = np.empty(B, h0.dtype)
-    offs = np.empty(B, h0.dtype)
-    for i, (b, m) in enumerate(zip(blobs, metas)):
-        steps[i], offs[i] = m.step, m.offset
-        name, p, c_len, e_len = ll.LOSSLESS[m.lossless], b.payload, m.codes_len, m.esc_len
-        nb = code_len(m.width, n)
-        raw = np.frombuffer(ll.decompress(p[:c_len], name, nb + m.n_side, b.what), np.uint8)
-        planes[m.width][slot[i]] = raw[:nb]
-        if m.n_side:
-            sides.append(raw[nb:])
-        if m.n_esc:
-            esc.append((p[c_len:c_len + e_len], name, m.n_esc, b.what, i))
-        if m.n_out:
-            outl.append((p[c_len + e_len:], name, m.n_out, b.what, i if order is None else int(order[i])))
-    if esc:  # all blobs' sparse sections checked and placed with a few array ops (not per blob)
-        pos, val = _sparse_group(esc, np.dtype("<i8"), n, limit=1 << 31 if m0.qint == 4 else None)
-        esc_idx, esc_val = [pos], [val.astype(_INT[m0.qint][0])]
-    if outl:
-        pos, val = _sparse_group(outl, h0.dtype, n)
-        out_idx, out_val = [pos], [val]
-    marks = side = None
-    if NIBBLES in planes:  # where the side values go: found on the packed bytes, before they leave the CPU
-        marks = _nibble_markers(planes[NIBBLES])
-        side = np.concatenate(sides) if sides else np.empty(0, np.uint8)
-        if marks.size != side.size:
-            raise CorruptDataError(
-                f"{blobs[0].what}: nibble stream has {marks.size} side markers for {side.size} "
-                "side values; corrupted payload")
-    return _Gathered(planes, rows, kinds, marks, side, esc_idx, esc_val, out_idx, out_val, steps, offs)
-
-
 def _decode_raw(blobs: Sequence[Parsed], metas: list[EbqMeta], dev) -> torch.Tensor:
     """Blobs of the RAW predictor: the values themselves behind the lossless stage."""
     h0 = blobs[0].header
@@ -454,7 +404,7 @@ def _decode_raw(blobs: Sequence[Parsed], metas: list[EbqMeta], dev) -> torch.Ten
     return torch.from_numpy(raw).to(dev).view((len(blobs),) + h0.shape)
 
 
-def _eager_integers(g: _Gathered, m0: EbqMeta, int8_stream: bool, version: int, lay: _Layout, dev):
+def _eager_integers(g: Gathered, m0: EbqMeta, int8_stream: bool, version: int, lay: _Layout, dev):
     """The group's quantized integers, ``(B * lead, *inner_shape)``, by eager tensor ops."""
     B, n = len(g.kinds), math.prod(lay.shape)
     rows = (B * lay.lead, n // lay.lead)
@@ -507,60 +457,8 @@ def _code_stream(planes: dict, rows: dict, kinds: list, marks, side, n: int, dev
     return t
 
 
-def _nibble_markers(packed: np.ndarray) -> np.ndarray:
-    """Flat positions (in the unpacked ``(B, 2k)`` stream) of the -8 markers in packed nibbles.
-
-    Byte masks and one flatnonzero on the CPU cost a fraction of a full-stream ``nonzero``
-    after unpacking, and the positions come out sorted, matching the side streams' order. The
-    bytes are scanned contiguously once; the per-nibble split is done on the few candidate bytes
-    only (far less work than flagging both nibbles through strided views of the whole stream).
-    """
-    p = packed.reshape(-1)
-    hit = (p & 0x0F) == 0x08
-    hit |= (p & 0xF0) == 0x80
-    c = np.flatnonzero(hit)
-    pc = p[c]
-    which = np.stack([(pc & 0x0F) == 0x08, (pc & 0xF0) == 0x80], axis=1)
-    return (2 * c[:, None] + np.arange(2))[which]
-
-
 def _deltas(pos: np.ndarray) -> np.ndarray:
     return np.diff(pos.astype(np.int64), prepend=np.int64(0))
-
-
-def _sparse_group(items: list, vdtype: np.dtype, n: int, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Sparse sections of a group's blobs -> flat positions in ``(B, n)`` and their values.
-
-    ``items``: ``(section, lossless, count, what, row)`` per blob that has one. A section is
-    ``count`` delta-coded int64 positions then ``count`` values. Every position is checked for
-    all blobs at once: strictly increasing, so patching is order-free; every delta and every sum
-    below ``n`` (with deltas below ``n`` the first sum past ``n`` is below ``2n``, so a later
-    int64 wrap-around cannot hide it). With ``limit``, every value must lie in
-    ``[-limit, limit)``. An error names the first offending blob.
-    """
-    raws = [ll.decompress(sec, name, cnt * (8 + vdtype.itemsize), what) for sec, name, cnt, what, _ in items]
-    counts = np.fromiter((it[2] for it in items), np.int64, len(items))
-    d = np.concatenate([np.frombuffer(r, "<i8", c) for r, c in zip(raws, counts)])
-    vals = np.concatenate([np.frombuffer(r, vdtype, c, offset=8 * c) for r, c in zip(raws, counts)])
-    ends = np.cumsum(counts)
-    starts = ends - counts
-    later = np.ones(d.size, bool)
-    later[starts] = False  # a blob's first delta is its first position (may be 0); later ones >= 1
-
-    def check(bad: np.ndarray, why: str):
-        at = np.flatnonzero(bad)
-        if at.size:
-            what = items[int(np.searchsorted(ends, at[0], "right"))][3]
-            raise CorruptDataError(f"{what}: {why}; corrupted payload")
-
-    check((d < later) | (d >= n), "sparse positions are not strictly increasing or out of range")
-    pos = np.cumsum(d)
-    pos -= np.repeat(pos[starts] - d[starts], counts)  # restart the sum at each blob's section
-    check(pos >= n, f"sparse position out of range for {n} values")  # every entry: see above
-    if limit is not None:
-        check((vals < -limit) | (vals >= limit), "escape value out of range")
-    pos += np.repeat(np.fromiter((it[4] for it in items), np.int64, len(items)) * n, counts)
-    return pos, vals
 
 
 def _cat(idx: list, val: list, dev):

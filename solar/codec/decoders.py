@@ -1,0 +1,63 @@
+"""The decoder path and thread count a decode asks for: per call (``decoder=``, ``threads=``),
+else the environment (``SOLAR_CODEC_DECODER``, ``SOLAR_CODEC_THREADS``).
+
+Numpy-only, so ``import solar.codec`` stays light; :mod:`solar.codec.paths` decides what runs.
+``threads`` is the ``cpu-kernel`` path's thread count: default 1 (a loader already decodes in
+several workers or threads), 0 = every core this process may use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from typing import NamedTuple
+
+from solar.errors import ConfigError
+
+__all__ = ["DECODERS", "use", "current"]
+
+DECODERS = ("auto", "reference", "cpu-kernel")
+
+
+class _Choice(NamedTuple):
+    decoder: str | None
+    threads: int | None
+
+
+_CHOICE: contextvars.ContextVar[_Choice] = contextvars.ContextVar("solar_codec_decoder", default=_Choice(None, None))
+
+
+def _check(decoder, threads) -> None:
+    if decoder is not None and decoder not in DECODERS:
+        raise ConfigError(f"decoder= must be one of {', '.join(map(repr, DECODERS))}, got {decoder!r}")
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
+        raise ConfigError(f"threads= must be an int >= 0 (0: every core), got {threads!r}")
+
+
+@contextlib.contextmanager
+def use(decoder: str | None = None, threads: int | None = None):
+    """Within the block, decode with ``decoder`` on ``threads`` threads (None: the environment)."""
+    _check(decoder, threads)
+    token = _CHOICE.set(_Choice(decoder, threads))
+    try:
+        yield
+    finally:
+        _CHOICE.reset(token)
+
+
+def current() -> _Choice:
+    """The decoder path and the thread count (0 resolved to the usable cores) in effect."""
+    c = _CHOICE.get()
+    decoder = c.decoder or os.environ.get("SOLAR_CODEC_DECODER", "auto").strip().lower() or "auto"
+    threads = c.threads
+    if threads is None:
+        raw = os.environ.get("SOLAR_CODEC_THREADS", "1").strip() or "1"
+        try:
+            threads = int(raw)
+        except ValueError:
+            threads = -1
+    if decoder not in DECODERS or threads < 0:
+        raise ConfigError(f"SOLAR_CODEC_DECODER must be one of {', '.join(DECODERS)} and SOLAR_CODEC_THREADS "
+                          f"an int >= 0, got {decoder!r} and {os.environ.get('SOLAR_CODEC_THREADS')!r}")
+    return _Choice(decoder, threads or len(os.sched_getaffinity(0)))

@@ -1,0 +1,211 @@
+"""The ``cpu-kernel`` decoder: numba kernels that decode a group of ``ebq`` blobs (format 2+)
+from their lossless-decoded sections straight into the output floats, one compiled call per
+group (or per thread's share of it).
+
+Why a second CPU formulation: the reference (:func:`solar.codec.predict.interp_decode`) issues
+a handful of tensor ops per (level, axis) pass, each a full memory pass and each with a fixed
+cost per call; here one blob row goes codes -> residuals -> integers -> floats while it is in
+cache, every pass in place on one grid (SZ3's layout) instead of a new polyphase grid.
+
+Bit-exactness with the reference is by construction, not by tolerance:
+
+* the same pass plan (:func:`solar.codec.predict.interp_plan`), the same residual stream order
+  (each pass's odd points in C order over its grid) and the same border rules as
+  :func:`~solar.codec.predict.predict_odd`;
+* the same integer formulas in the same association: ``K == 1`` cubic points use the reference's
+  sign -1 form ``res - ((a + d - 9 (b + c) + 7) >> 4)``, ``K != 1`` its positive form; every value
+  is wrapped to the reference's integer width (int32 or int64) before each arithmetic shift, so
+  even a forged blob whose sums overflow decodes to the reference's bits (two's complement adds
+  and multiplies agree modulo 2**32; shifts do not, hence the wrap);
+* escape corrections are added to the residual before its pass, which equals the reference's
+  ``K * correction`` added right after the pass (modular arithmetic again); escapes of wide
+  codes and of Lorenzo's int8 codes replace, as the reference's ``patch_`` does;
+* dequantization is ``float(q)`` (one rounding), a multiply, then an add when the group has any
+  nonzero offset: separate operations without fast-math, so no FMA contraction.
+
+numba is optional (the ``fast`` extra): :mod:`solar.codec.paths` imports this module only when
+numba imports, and the reference decodes otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numba
+import numpy as np
+
+from . import predict as pr
+
+__all__ = ["decode_rows", "interp_passes", "NDIM"]
+
+#: Sample shapes are padded with leading 1-axes to this many dimensions (encode takes 0-D to 4-D).
+NDIM = 4
+# pass descriptor columns: axis, neighbour distance, n_e, m even, level, then per axis start,
+# step and count (flat element units)
+_A, _D, _NE, _EVEN, _LV, _START, _STEP, _CNT = 0, 1, 2, 3, 4, 5, 5 + NDIM, 5 + 2 * NDIM
+_COLS = 5 + 3 * NDIM
+
+
+@lru_cache(maxsize=256)
+def interp_passes(shape: tuple[int, ...], reverse: bool) -> np.ndarray:
+    """``(passes, _COLS)`` int64 descriptors of :func:`~solar.codec.predict.interp_plan`'s passes
+    on ``shape`` padded to :data:`NDIM` axes: where each pass's odd points lie in the flat grid."""
+    pad = NDIM - len(shape)
+    full = (1,) * pad + tuple(shape)
+    flat = [math.prod(full[b + 1:]) for b in range(NDIM)]
+    plan = pr.interp_plan(tuple(shape), reverse)
+    out = np.zeros((len(plan), _COLS), np.int64)
+    for i, st in enumerate(plan):
+        a = st.axis - 1 + pad
+        s = 1 << st.level
+        out[i, :_START] = (a, s * flat[a], (st.m + 1) // 2, st.m % 2 == 0, st.level)
+        for b in range(NDIM):
+            if b == a:
+                start, step, cnt = s, 2 * s, st.m // 2
+            else:
+                stride = 1 if b < pad else st.sel[b - pad + 1].step
+                start, step, cnt = 0, stride, len(range(0, full[b], stride))
+            out[i, _START + b], out[i, _STEP + b], out[i, _CNT + b] = start * flat[b], step * flat[b], cnt
+    out.setflags(write=False)
+    return out
+
+
+@numba.njit(inline="always")
+def _wrap(x, is32):
+    """``x`` wrapped to int32 (two's complement) when the reference's integers are int32."""
+    if is32:
+        return ((x + 2147483648) & 4294967295) - 2147483648
+    return x
+
+
+@numba.njit(nogil=True, cache=True)
+def _residuals(b, R, n, kinds, slots, nib, i8, wide, marks, side, esc_pos, esc_val, esc_add, is32):
+    """Blob ``b``'s residual stream into ``R`` (length ``n``), as the reference widens it."""
+    kind, j = kinds[b], slots[b]
+    if kind == 0:  # nibbles: 4-bit two's complement pairs, low nibble first; markers take side values
+        for i in range(n):
+            v = np.int64(nib[j, i >> 1])
+            v = (v >> 4) if i & 1 else (v & 15)
+            R[i] = v - 16 if v >= 8 else v
+        w2 = 2 * nib.shape[1]
+        lo = np.searchsorted(marks, j * w2)
+        hi = np.searchsorted(marks, (j + 1) * w2)
+        for k in range(lo, hi):
+            c = marks[k] - j * w2
+            if c < n:
+                R[c] = np.int64(side[k]) - 256 if side[k] >= 128 else np.int64(side[k])
+    elif kind == 1:  # int8 two's complement
+        for i in range(n):
+            v = np.int64(i8[j, i])
+            R[i] = v - 256 if v >= 128 else v
+    else:  # zigzag codes as little-endian byte planes, joined in the reference's integer width
+        w = wide.shape[1]
+        for i in range(n):
+            u = np.int64(0)
+            for k in range(w):
+                u |= np.int64(wide[j, k, i]) << (8 * k)
+            u = _wrap(u, is32)
+            R[i] = (u >> 1) ^ -(u & 1)
+    lo = np.searchsorted(esc_pos, b * n)
+    hi = np.searchsorted(esc_pos, (b + 1) * n)
+    for k in range(lo, hi):
+        c = esc_pos[k] - b * n
+        if esc_add:  # int8 codes of the interpolation predictors: the correction adds
+            R[c] = _wrap(np.int64(R[c]) + esc_val[k] + 128, is32)
+        else:
+            R[c] = esc_val[k]
+
+
+@numba.njit(nogil=True, cache=True)
+def _interp(G, R, plan, cubic_mask, K, is32):
+    """In place on ``G`` (one predictor row): the anchor, then every pass of ``plan``."""
+    G[0] = _wrap(np.int64(R[0]) * K, is32)
+    pos = 1
+    for p in range(plan.shape[0]):
+        d, n_e, even = plan[p, _D], plan[p, _NE], plan[p, _EVEN]
+        cubic = ((cubic_mask >> np.uint64(plan[p, _LV])) & np.uint64(1)) != 0 and n_e >= 4
+        a = plan[p, _A]
+        c0, c1, c2, c3 = plan[p, _CNT], plan[p, _CNT + 1], plan[p, _CNT + 2], plan[p, _CNT + 3]
+        s0, s1, s2, s3 = plan[p, _STEP], plan[p, _STEP + 1], plan[p, _STEP + 2], plan[p, _STEP + 3]
+        b0 = plan[p, _START] + plan[p, _START + 1] + plan[p, _START + 2] + plan[p, _START + 3]
+        for i0 in range(c0):
+            for i1 in range(c1):
+                for i2 in range(c2):
+                    base = b0 + i0 * s0 + i1 * s1 + i2 * s2
+                    for i3 in range(c3):
+                        k = i3 if a == 3 else (i2 if a == 2 else (i1 if a == 1 else i0))
+                        q = base + i3 * s3
+                        res = np.int64(R[pos])
+                        pos += 1
+                        bb = np.int64(G[q - d])
+                        if even and k == n_e - 1:  # last odd point of an even count: copy
+                            v = bb + K * res
+                        elif cubic and k >= 1 and k <= n_e - 3:
+                            cc = np.int64(G[q + d])
+                            s = np.int64(G[q - 3 * d]) + np.int64(G[q + 3 * d])
+                            if K == 1:
+                                v = res - (_wrap(s - 9 * (bb + cc) + 7, is32) >> 4)
+                            else:
+                                v = (_wrap(9 * (bb + cc) - s + 8, is32) >> 4) + K * res
+                        else:
+                            v = (_wrap(bb + np.int64(G[q + d]), is32) >> 1) + K * res
+                        G[q] = _wrap(v, is32)
+
+
+@numba.njit(nogil=True, cache=True)
+def _lorenzo(G, R, dims):
+    """In place on ``G``: inclusive prefix sums of ``R`` along every axis of the padded shape."""
+    n = G.shape[0]
+    for i in range(n):
+        G[i] = R[i]
+    inner = 1
+    for ax in range(dims.shape[0] - 1, -1, -1):
+        m = dims[ax]
+        if m > 1:
+            outer = n // (m * inner)
+            for o in range(outer):
+                base = o * m * inner
+                for k in range(1, m):
+                    row = base + k * inner
+                    for i in range(inner):
+                        G[row + i] = np.int64(G[row + i]) + np.int64(G[row - inner + i])
+        inner *= m
+
+
+@numba.njit(nogil=True, cache=True)
+def decode_rows(b0, b1, n, lead, dims, lorenzo, plan, masks, K, proto, kinds, slots, nib, i8, wide, marks, side,
+                esc_pos, esc_val, esc_add, out_pos, out_val, steps, offs, add_off, out):
+    """Decode blobs ``b0 .. b1 - 1`` of a group into ``out`` (``(B, n)`` floats).
+
+    ``n`` values per blob, ``lead`` predictor rows per blob (folded channels), ``dims`` one
+    predictor row's padded shape; ``proto``: an empty array of the reference's integer type.
+    Codes: per blob ``kinds`` (0 nibbles, 1 int8, 2 byte planes) and its row ``slots`` in
+    ``nib`` / ``i8`` / ``wide``; nibble ``marks`` (flat positions in the unpacked nibble rows)
+    take the ``side`` values; ``esc_pos``/``esc_val`` and ``out_pos``/``out_val`` are flat
+    positions in ``(B, n)``, sorted, and their values.
+    """
+    is32 = proto.itemsize == 4
+    R = np.empty(n, proto.dtype)
+    G = np.empty(n // lead if lead else 0, proto.dtype)
+    nr = n // lead if lead else 0
+    for b in range(b0, b1):
+        _residuals(b, R, n, kinds, slots, nib, i8, wide, marks, side, esc_pos, esc_val, esc_add, is32)
+        for r in range(lead):
+            if lorenzo:
+                _lorenzo(G, R[r * nr:(r + 1) * nr], dims)
+            else:
+                _interp(G, R[r * nr:(r + 1) * nr], plan, masks[b * lead + r], K, is32)
+            x = out[b, r * nr:(r + 1) * nr]
+            st = steps[b]
+            for i in range(nr):
+                x[i] = G[i]
+                x[i] *= st
+            if add_off:
+                off = offs[b]
+                for i in range(nr):
+                    x[i] += off
+        lo = np.searchsorted(out_pos, b * n)
+        hi = np.searchsorted(out_pos, (b + 1) * n)
+        for k in range(lo, hi):
+            out[b, out_pos[k] - b * n] = out_val[k]

@@ -1,0 +1,134 @@
+"""Which decoder decodes a group of ``ebq`` blobs, and the ``cpu-kernel`` path's driver.
+
+Decoder paths (every one bit-exact with the reference; ``docs/codec.md``):
+
+* ``"reference"``: the torch-ops decoder (:mod:`solar.codec.predict`, any device), or the
+  ``torch.compile``-d graph when compiling is asked for (:mod:`solar.codec.fused`);
+* ``"cpu-kernel"``: numba kernels (:mod:`solar.codec.kernels_cpu`, the optional ``fast`` extra),
+  one compiled call per group or per thread's share of it; the result is moved to the device;
+* ``"auto"`` (default): ``cpu-kernel`` for CPU decodes when numba imports and compiling was not
+  asked for, else ``reference``.
+
+A named path is a preference: blobs it does not cover (format ``ebq/1``, lossless-only blobs,
+empty arrays) and machines without its dependency decode with the reference. The path comes from
+the ``decoder=`` argument of :func:`solar.codec.decode` / :func:`~solar.codec.decode_batch`, else
+``SOLAR_CODEC_DECODER`` (:mod:`solar.codec.decoders`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+import numpy as np
+import torch
+
+from . import fused
+from .decoders import current
+from .ebq_meta import NIBBLES
+from .predict import Predictor
+from .sections import gather
+from .torch_ops import TORCH_DTYPES
+
+__all__ = ["choose", "decode_cpu", "kernel_available"]
+
+_KERNELS = None
+_LOCK = threading.Lock()
+
+
+def _kernels():
+    """:mod:`solar.codec.kernels_cpu`, or None without numba (imported on first use: numba is
+    optional and takes a moment to import, which encoding and ``solar ingest`` never need)."""
+    global _KERNELS
+    if _KERNELS is None:
+        with _LOCK:
+            try:
+                from . import kernels_cpu  # optional dependency (numba), heavy import: see above
+            except ImportError:
+                kernels_cpu = False
+            _KERNELS = kernels_cpu
+    return _KERNELS or None
+
+
+def kernel_available() -> bool:
+    """Whether the ``cpu-kernel`` path can run here (numba imports)."""
+    return _kernels() is not None
+
+
+def choose(device: torch.device, version: int, predictor: Predictor, n: int) -> str:
+    """The path that decodes a group of ``n``-value blobs of ``version`` and ``predictor`` on ``device``."""
+    decoder, _ = current()
+    covered = n > 0 and version >= 2 and predictor in (Predictor.INTERP, Predictor.FINE, Predictor.LORENZO)
+    if decoder == "reference" or not covered:
+        return "reference"
+    if decoder == "auto" and (device.type != "cpu" or fused.enabled()):
+        return "reference"
+    return "cpu-kernel" if kernel_available() else "reference"
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    pool = _POOLS.get(threads)
+    if pool is None:
+        with _LOCK:
+            pool = _POOLS.setdefault(threads, ThreadPoolExecutor(threads, thread_name_prefix="solar-decode"))
+    return pool
+
+
+def decode_cpu(blobs, metas, lay, int8_stream: bool) -> torch.Tensor:
+    """Decode a group with the ``cpu-kernel`` path -> ``(B, n)`` CPU tensor.
+
+    ``lay`` is the group's layout (:class:`solar.codec.ebq._Layout`). Blobs are split into one
+    contiguous share per thread; each share runs the lossless stage and the kernel (both release
+    the GIL) and writes its own rows of the result.
+    """
+    h0 = blobs[0].header
+    B, n = len(blobs), math.prod(lay.shape)
+    x = torch.empty((B, n), dtype=TORCH_DTYPES[h0.dtype.itemsize])
+    xa = x.numpy()
+    threads = min(current().threads, B)
+    if threads <= 1:
+        _share(blobs, metas, lay, int8_stream, 0, B, xa)
+        return x
+    cuts = np.linspace(0, B, threads + 1).astype(int)
+    jobs = [_pool(threads).submit(_share, blobs, metas, lay, int8_stream, a, b, xa[a:b])
+            for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+    for j in jobs:
+        j.result()
+    return x
+
+
+_I8 = np.empty((0, 1), np.uint8)
+_WIDE = np.empty((0, 1, 1), np.uint8)
+_I64 = np.empty(0, np.int64)
+_U8 = np.empty(0, np.uint8)
+_PROTO = {4: np.empty(0, np.int32), 8: np.empty(0, np.int64)}
+
+
+def _share(blobs, metas, lay, int8_stream: bool, b0: int, b1: int, out: np.ndarray) -> None:
+    """Blobs ``b0 .. b1 - 1`` into ``out`` (their rows of the group's result)."""
+    k = _kernels()
+    bl, ms = blobs[b0:b1], metas[b0:b1]
+    m0, n = ms[0], out.shape[1]
+    g = gather(bl, ms, n, None, int8_stream)
+    code = {NIBBLES: 0, 1: 1}
+    kinds = np.fromiter((code.get(w, 2) for w in g.kinds), np.int8, len(g.kinds))
+    slots = np.empty(len(g.kinds), np.int64)
+    for w, rows in g.rows.items():
+        slots[rows] = np.arange(len(rows))
+    wide = next((p.reshape(p.shape[0], w, n) for w, p in g.planes.items() if w not in code), _WIDE)
+    lorenzo = m0.predictor == Predictor.LORENZO
+    dims = np.ones(k.NDIM, np.int64)
+    if lay.inner_shape:
+        dims[k.NDIM - len(lay.inner_shape):] = lay.inner_shape
+    plan = k.interp_passes(tuple(lay.inner_shape), lay.reverse)
+    esc_pos, esc_val = (g.esc_idx[0], g.esc_val[0].astype(np.int64)) if g.esc_idx else (_I64, _I64)
+    dt = out.dtype
+    out_pos, out_val = (g.out_idx[0], g.out_val[0]) if g.out_idx else (_I64, np.empty(0, dt))
+    k.decode_rows(0, b1 - b0, n, lay.lead, dims, lorenzo, plan, lay.masks[b0 * lay.lead:b1 * lay.lead], lay.K,
+                  _PROTO[m0.qint], kinds, slots, g.planes.get(NIBBLES, _I8), g.planes.get(1, _I8), wide,
+                  _I64 if g.marks is None else g.marks, _U8 if g.side is None else g.side, esc_pos, esc_val,
+                  int8_stream and m0.predictor.per_level, out_pos, out_val, g.steps, g.offs, bool(g.offs.any()),
+                  out)

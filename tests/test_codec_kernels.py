@@ -1,0 +1,216 @@
+"""Every fast decoder path gives the reference decoder's bits (solar.codec.paths, kernels_cpu).
+
+Compared as IEEE bit patterns (NaN payloads and signed zeros included): golden fixtures of every
+format version, Hypothesis arrays (adversarial values, odd shapes, sizes 0 and 1, every
+predictor, lossless stage and code width), mixed mini-batches, folded channels, threads, and
+resealed payload forgeries (the same tensor or the same error as the reference).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import solar.codec as sc
+from solar.codec import decoders, paths
+from solar.codec.header import read_header
+from solar.codec.predict import Predictor
+from solar.errors import ConfigError, CorruptDataError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "codec"
+FAST = [d for d in decoders.DECODERS if d not in ("auto", "reference")]
+
+needs_kernel = pytest.mark.skipif(not paths.kernel_available(),
+                                  reason="the cpu-kernel decoder needs numba: pip install 'solar-loader[fast]'")
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    a = t.contiguous().cpu().numpy()
+    return a.view(np.int32 if a.dtype == np.float32 else np.int64)
+
+
+def decode_all(blobs, decoder, threads=1):
+    return sc.decode_batch(blobs, decoder=decoder, threads=threads)
+
+
+def same(a, b) -> bool:
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype and np.array_equal(bits(a), bits(b))
+
+
+@needs_kernel
+def test_auto_takes_the_kernel_for_every_covered_blob_and_the_reference_otherwise():
+    cpu = torch.device("cpu")
+    for pred in (Predictor.INTERP, Predictor.FINE, Predictor.LORENZO):
+        assert paths.choose(cpu, 6, pred, 10) == "cpu-kernel"
+        assert paths.choose(cpu, 2, pred, 10) == "cpu-kernel"
+    assert paths.choose(cpu, 1, Predictor.CUBIC, 10) == "reference"  # ebq/1: natural order
+    assert paths.choose(cpu, 6, Predictor.RAW, 10) == "reference"
+    assert paths.choose(cpu, 6, Predictor.FINE, 0) == "reference"
+    with decoders.use("reference"):
+        assert paths.choose(cpu, 6, Predictor.FINE, 10) == "reference"
+    with sc.fused.use(True):  # compiling asked for: auto leaves it to the compiled graph
+        assert paths.choose(cpu, 6, Predictor.FINE, 10) == "reference"
+
+
+def test_bad_decoder_options_are_config_errors(monkeypatch):
+    blob = sc.encode(np.arange(10, dtype=np.float32), abs_error=0.1)
+    with pytest.raises(ConfigError, match="decoder= must be one of"):
+        sc.decode(blob, decoder="fastest")
+    with pytest.raises(ConfigError, match="threads= must be an int >= 0"):
+        sc.decode_batch([blob], threads=-1)
+    monkeypatch.setenv("SOLAR_CODEC_DECODER", "gpu")
+    with pytest.raises(ConfigError, match="SOLAR_CODEC_DECODER must be one of"):
+        sc.decode(blob)
+    monkeypatch.setenv("SOLAR_CODEC_DECODER", "reference")
+    monkeypatch.setenv("SOLAR_CODEC_THREADS", "many")
+    with pytest.raises(ConfigError, match="SOLAR_CODEC_THREADS"):
+        sc.decode(blob)
+
+
+def test_without_numba_a_named_kernel_falls_back_to_the_reference(monkeypatch):
+    x = np.cumsum(np.ones((9, 7), np.float32), 0)
+    blob = sc.encode(x, abs_error=1e-3)
+    want = sc.decode(blob, decoder="reference")
+    monkeypatch.setattr(paths, "_KERNELS", False)
+    assert not paths.kernel_available()
+    assert paths.choose(torch.device("cpu"), 6, Predictor.FINE, 10) == "reference"
+    assert same(sc.decode(blob, decoder="cpu-kernel"), want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("decoder", FAST)
+def test_golden_fixtures_decode_to_the_reference_bits(decoder):
+    index = json.loads((FIXTURES / "index.json").read_text())
+    versions = set()
+    for entry in index:
+        blob = (FIXTURES / entry["blob"]).read_bytes()
+        versions.add(sc.header_info(blob).version)
+        want = sc.decode(blob, decoder="reference")
+        got = sc.decode(blob, decoder=decoder)
+        assert same(got, want), entry["blob"]
+        assert got.numpy().tobytes().hex()[:64] == entry["decoded_prefix"]
+    assert versions >= {1, 2, 3, 4, 5, 6}
+    blobs = [(FIXTURES / e["blob"]).read_bytes() for e in index]  # one mixed batch, every group kind
+    assert same(decode_all(blobs, decoder, threads=3), decode_all(blobs, "reference"))
+
+
+_SPECIAL = [0.0, -0.0, np.nan, np.inf, -np.inf, 1e-40, -1e-45, 3.4e38, -3.4e38, 1e30, 0.5, 0.25]
+
+
+@st.composite
+def fields(draw, shape=None, dtype=None):
+    dtype = dtype or draw(st.sampled_from([np.float32, np.float64]))
+    shape = shape or tuple(draw(st.lists(st.sampled_from([0, 1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33]),
+                                         min_size=0, max_size=4)))
+    n = int(np.prod(shape)) if shape else 1
+    if n > 3000:
+        shape, n = (n % 61 + 1,), n % 61 + 1
+    kind = draw(st.sampled_from(["smooth", "noise", "steps", "special", "hypothesis"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    if kind == "smooth":
+        x = np.cumsum(rng.standard_normal(n)) * draw(st.sampled_from([1e-3, 1.0, 1e6]))
+    elif kind == "noise":
+        x = rng.standard_normal(n) * draw(st.sampled_from([1.0, 1e20, 1e-20]))
+    elif kind == "steps":
+        x = np.round(rng.standard_normal(n) * 4) * 0.5 + 0.25
+    elif kind == "special":
+        x = rng.choice(np.array(_SPECIAL), n) + rng.standard_normal(n) * rng.integers(0, 2, n)
+    else:
+        elems = st.floats(width=32 if dtype == np.float32 else 64, allow_nan=True, allow_infinity=True,
+                          allow_subnormal=True)
+        x = draw(hnp.arrays(dtype, n, elements=elems))
+    with np.errstate(all="ignore"):
+        return np.asarray(x, dtype=dtype).reshape(shape)
+
+
+_CODECS = st.fixed_dictionaries({
+    "id": st.just("ebq"),
+    "predictor": st.sampled_from(["auto", "fine", "interp", "cubic", "linear", "lorenzo"]),
+    "lossless": st.sampled_from(["zstd", "lz4", "none"]),
+})
+_BOUNDS = st.one_of(st.fixed_dictionaries({"rel_error": st.sampled_from([0.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-6])}),
+                    st.fixed_dictionaries({"abs_error": st.sampled_from([1e-3, 0.25, 0.5, 1e-30, 1e30])}))
+
+
+@needs_kernel
+@pytest.mark.parametrize("decoder", FAST)
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(x=fields(), codec=_CODECS, bound=_BOUNDS)
+def test_hypothesis_arrays_decode_to_the_reference_bits(decoder, x, codec, bound):
+    blob = sc.encode(x, codec=codec, **bound)
+    assert same(sc.decode(blob, decoder=decoder), sc.decode(blob, decoder="reference"))
+
+
+@needs_kernel
+@pytest.mark.parametrize("decoder", FAST)
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), shape=st.sampled_from([(1,), (2, 1), (3, 17, 5), (4, 9, 8), (2, 33), (16, 16), (5, 4, 3, 2)]),
+       batch=st.integers(1, 7), threads=st.sampled_from([1, 2, 4]))
+def test_mixed_batches_decode_to_the_reference_bits(decoder, data, shape, batch, threads):
+    """Blobs of one shape with different predictors, code widths, per-level choices and bounds
+    (several groups, mask-sorted by the reference) decode into the same rows on every path."""
+    xs = [data.draw(fields(shape=shape, dtype=np.float32)) for _ in range(batch)]
+    blobs = [sc.encode(x, codec=data.draw(_CODECS), **data.draw(_BOUNDS)) for x in xs]
+    assert same(decode_all(blobs, decoder, threads), decode_all(blobs, "reference"))
+
+
+@needs_kernel
+def test_threads_split_a_batch_and_write_each_row_once():
+    rng = np.random.default_rng(5)
+    xs = [np.cumsum(rng.standard_normal((3, 40, 24)), 1).astype(np.float32) for _ in range(13)]
+    blobs = [sc.encode(x, rel_error=1e-3) for x in xs]
+    want = decode_all(blobs, "reference")
+    for threads in (0, 1, 2, 5, 13, 40):
+        assert same(decode_all(blobs, "cpu-kernel", threads), want)
+    out = torch.empty((3, 40, 24), dtype=torch.float32)
+    assert sc.decode(blobs[4], out=out, decoder="cpu-kernel").data_ptr() == out.data_ptr()
+    assert same(out, want[4])
+
+
+def _reseal(blob: bytes, payload: bytes) -> bytes:
+    import struct
+
+    import xxhash
+
+    h = read_header(blob)
+    head = blob[:h.payload_offset - 16] + struct.pack("<Q", xxhash.xxh3_64_intdigest(payload))
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + payload
+
+
+def _outcome(blob, decoder):
+    try:
+        return sc.decode(blob, decoder=decoder)
+    except CorruptDataError as e:
+        return type(e)
+
+
+@needs_kernel
+@pytest.mark.parametrize("decoder", FAST)
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(x=fields(shape=(11, 13), dtype=np.float32), codec=_CODECS, bound=_BOUNDS,
+       edits=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), min_size=1, max_size=6))
+def test_forged_payloads_give_the_reference_outcome(decoder, x, codec, bound, edits):
+    """Resealed payload edits reach the codes, escapes, side values and outliers: a fast path
+    answers with the reference's tensor (overflowing sums included) or its CorruptDataError."""
+    blob = sc.encode(x, codec=codec, **bound)
+    h = read_header(blob)
+    p = bytearray(blob[h.payload_offset:])
+    if not p:
+        return
+    for where, value in edits:
+        p[int(where * len(p))] = value
+    forged = _reseal(blob, bytes(p))
+    want, got = _outcome(forged, "reference"), _outcome(forged, decoder)
+    if isinstance(want, type):
+        assert got is want
+    else:
+        assert not isinstance(got, type) and same(got, want)
