@@ -3,7 +3,8 @@
 ``CheckpointWriter(root).save(state_dict, step)`` returns a future; only chunks never stored
 before are written, and the manifest is committed last. ``load(root, step)`` restores any version
 directly from its manifest. ``solar-ckpt`` (also ``solar ckpt``) logs, diffs, verifies, restores,
-exports and garbage-collects. See ``docs/checkpoint.md``.
+exports and garbage-collects. ``CheckpointWriter(root, comm=MPI.COMM_WORLD)`` in every rank of a job
+commits one version for the whole job (``docs/checkpoint-job.md``). See ``docs/checkpoint.md``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from .collect import GcReport, gc
 from .errors import (CheckpointReadOnlyError, CheckpointVersionRemovedError, NotACheckpointRootError,
                      UntrustedPickleError)
+from .job import COMMIT_POINTS, JobWriter
 from .reader import Reader, list_versions, load
 from .manifest import Manifest
 from .store import CheckpointStore
@@ -19,6 +21,8 @@ from .writer import CheckpointWriter, SaveResult
 
 __all__ = [
     "CheckpointWriter",
+    "JobWriter",
+    "COMMIT_POINTS",
     "SaveResult",
     "load",
     "list_versions",

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 from solar.errors import ConfigError
 
+from .jobstore import JobStore, is_job_root
 from .store import CheckpointStore, referenced
 
-__all__ = ["GcReport", "collect", "gc"]
+__all__ = ["GcReport", "collect", "collect_job", "gc"]
 
 
 @dataclass
@@ -82,6 +83,56 @@ def gc(root, keep_last: int | None = None, *, dry_run: bool = False, storage_opt
     store.require_root()
     lock = store.lock()
     try:
+        if is_job_root(store):
+            return collect_job(JobStore(store), keep_last, dry_run=dry_run)
         return collect(store, keep_last, dry_run=dry_run)
     finally:
         lock.release()
+
+
+def collect_job(jobs: JobStore, keep_last: int | None = None, *, dry_run: bool = False, full_sweep: bool = True,
+                protect: "set[int] | frozenset[int]" = frozenset()) -> GcReport:
+    """:func:`collect` for a job root; the caller holds its lock (rank 0 of the writing job does).
+
+    Order, for crash safety: the global manifests of removed versions first (the versions are gone
+    from then on), then every part no kept version pins (also the parts of saves that never
+    committed), then the chunks no kept part references. ``full_sweep=False`` (the writer's
+    retention, which runs while no rank writes) considers only the removed versions' chunks.
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ConfigError(f"keep_last must be >= 1 (or None to keep every version), got {keep_last}")
+    store = jobs.store
+    valid = jobs.valid()
+    steps = {jm.step for jm in valid}
+    newest = {jm.step for jm in valid[-keep_last:]} if keep_last is not None else steps
+    keep = [jm for jm in valid if jm.step in newest or jm.step in protect]
+    kept = {jm.step for jm in keep}
+    dropped = [jm for jm in valid if jm.step not in kept]
+    report = GcReport(kept=sorted(kept), removed_versions=[jm.step for jm in dropped],
+                      removed_torn=[s for s in jobs.steps() if s not in steps])
+    live: set[bytes] = set()
+    for jm in keep:
+        live |= jobs.referenced(jm)
+    candidates: set[bytes] = set()
+    for jm in dropped:
+        candidates |= jobs.referenced(jm)
+    report.kept_chunks = len(live)
+    if not dry_run:
+        for step in report.removed_versions + report.removed_torn:
+            jobs.delete_global(step)
+    parts = jobs.part_steps()
+    for step in sorted(parts):
+        if step not in kept and not dry_run:
+            for rank in parts[step]:
+                jobs.delete_part(step, rank)
+    if full_sweep:
+        candidates = set(store.chunk_digests())
+        if not dry_run:
+            for digest in store.damaged_digests() - live:
+                store.clear_damaged(digest)
+    for digest in sorted(candidates - live):
+        report.removed_chunks += 1
+        if not dry_run:
+            store.delete_chunk(digest)
+    report.live = live
+    return report

@@ -29,7 +29,7 @@ from solar.errors import CorruptDataError
 from .chunking import DIGEST_SIZE, HASHES, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, chunk_count
 from .flatten import DTYPES, TensorRef
 
-__all__ = ["FORMAT", "Manifest", "BlobEntry", "encode", "decode"]
+__all__ = ["FORMAT", "Manifest", "BlobEntry", "encode", "decode", "seal", "unseal"]
 
 FORMAT = "solar-ckpt/1"
 MAGIC = b"SOLAR-CKPT\x00v1\x00\x00\x00"
@@ -99,18 +99,22 @@ def encode(m: Manifest) -> bytes:
     }
     head = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     digests = np.ascontiguousarray(m.digests, dtype=np.uint8).reshape(-1, DIGEST_SIZE)
-    body = b"".join([MAGIC, struct.pack("<Q", len(head)), head, digests.tobytes()])
+    return seal(b"".join([MAGIC, struct.pack("<Q", len(head)), head, digests.tobytes()]))
+
+
+def seal(body: bytes) -> bytes:
+    """``body`` followed by its xxh3-128 and the end marker: a torn or altered copy fails :func:`unseal`."""
     return body + xxhash.xxh3_128_digest(body) + END
 
 
-def decode(data: bytes, where: str = "manifest") -> Manifest:
-    """Parse and check a manifest.
+def unseal(data: bytes, magic: bytes, where: str) -> memoryview:
+    """The body of a sealed object starting with ``magic`` and a u64 header length, checked.
 
     Raises:
-        CorruptDataError: torn, truncated or altered bytes (names ``where``).
+        CorruptDataError: another magic, truncated, torn or altered (names ``where``).
     """
     mv = memoryview(data)
-    if len(mv) < len(MAGIC) + 8 + 16 + len(END) or bytes(mv[:16]) != MAGIC:
+    if len(mv) < len(magic) + 8 + 16 + len(END) or bytes(mv[:16]) != magic:
         raise CorruptDataError(f"{where} is not a SOLAR checkpoint manifest (bad magic or too short: {len(mv)} B)")
     if bytes(mv[-len(END):]) != END:
         # not "the save did not finish": a manifest is committed by one atomic write, so one under
@@ -123,6 +127,17 @@ def decode(data: bytes, where: str = "manifest") -> Manifest:
     if hlen > len(body) - 24:
         raise CorruptDataError(f"{where} declares a {hlen} B header in {len(body) - 24} B; "
                                "it is damaged or was crafted")
+    return body
+
+
+def decode(data: bytes, where: str = "manifest") -> Manifest:
+    """Parse and check a manifest.
+
+    Raises:
+        CorruptDataError: torn, truncated or altered bytes (names ``where``).
+    """
+    body = unseal(data, MAGIC, where)
+    (hlen,) = struct.unpack_from("<Q", body, 16)
     try:
         h = json.loads(bytes(body[24:24 + hlen]))
     except (ValueError, RecursionError) as exc:

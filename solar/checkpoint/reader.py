@@ -23,8 +23,11 @@ from tqdm import tqdm
 from solar.errors import CheckpointError, CorruptDataError
 
 from .chunking import chunk_spans, hasher
+from .comm import plain_comm
 from .errors import CheckpointVersionRemovedError
 from .flatten import materialize, unflatten
+from .jobstore import JobManifest, JobStore, is_job_root
+from .loaderstate import LOADER_KEY, decode_loader
 from .manifest import Manifest
 from .store import CheckpointStore
 
@@ -88,14 +91,54 @@ class Reader:
         root: checkpoint root (path, URL or tier).
         step: version; ``None`` for the newest complete one.
         verify: re-hash chunks as they are read (on by default; the cost is a few percent of a read).
+        rank: on a job root (``CheckpointWriter(root, comm=...)``), the rank whose state to read
+            (may be left out when one rank saved the version); ignored on a single-process root,
+            whose one state every rank loads (the DDP pattern).
     """
 
     def __init__(self, root: Any, step: int | None = None, *, verify: bool = True, store: CheckpointStore | None = None,
-                 storage_options: dict | None = None) -> None:
+                 storage_options: dict | None = None, rank: int | None = None) -> None:
         self.store = store or CheckpointStore(root, **(storage_options or {}))
         self.requested = step
         self.verify = verify
-        self._open(self.store.resolve(step))
+        self.rank = rank
+        self.jobs = JobStore(self.store) if is_job_root(self.store) else None
+        self.job_manifest: JobManifest | None = None
+        self._open(self._resolve(step))
+
+    def _resolve(self, step: int | None) -> Manifest:
+        """The manifest of ``step`` (newest: ``None``); on a job root, this rank's part of it."""
+        if self.jobs is None:
+            return self.store.resolve(step)
+        jm = self.jobs.resolve(step)
+        rank = self.rank
+        if rank is None:
+            if jm.world_size != 1:
+                raise CheckpointError(
+                    f"{self.store.root} is a job root; step {jm.step} was saved by {jm.world_size} ranks: pass "
+                    f"rank= (0 .. {jm.world_size - 1}), or comm= in every rank, to load a rank's state")
+            rank = 0
+        self.job_manifest = jm
+        return self.jobs.part(jm, rank)
+
+    def _still_stored(self) -> bool:
+        if self.jobs is None:
+            return self.store.holds(self.manifest)
+        try:
+            jm = self.jobs.find_global(self.manifest.step)
+        except CorruptDataError:
+            return True  # still there, damaged: reported as damage
+        return jm is not None and self.job_manifest is not None and jm.root == self.job_manifest.root
+
+    def versions(self) -> list[int]:
+        return self.store.versions() if self.jobs is None else self.jobs.versions()
+
+    def loader_state(self) -> dict | None:
+        """The data loader's state saved with this version (``save(..., loader=)``), or ``None``."""
+        skeleton = self.manifest.meta.get(LOADER_KEY)
+        if skeleton is None:
+            return None
+        return decode_loader(skeleton, f"step {self.manifest.step} of {self.store.root}")
 
     def _open(self, manifest: Manifest) -> None:
         """Switch to ``manifest``, dropping every blob read for the previous one.
@@ -127,7 +170,7 @@ class Reader:
                         f"{LATEST_RETRIES + 1} times in a row (last: step {self.manifest.step}): a CheckpointWriter's "
                         "keep_last retention deletes versions faster than a load reads them. Nothing is corrupt; "
                         "give the writer a larger keep_last, or load while it is not saving") from exc
-                self._open(self.store.resolve(None))
+                self._open(self._resolve(None))
         raise AssertionError("unreachable")  # pragma: no cover
 
     def corrupt(self, blob: int, digest: bytes, what: str) -> CorruptDataError:
@@ -140,7 +183,7 @@ class Reader:
 
     def removed(self) -> CheckpointVersionRemovedError:
         m = self.manifest
-        now = self.store.versions()
+        now = self.versions()
         return CheckpointVersionRemovedError(
             f"step {m.step} of {self.store.root} was removed while it was being read: a CheckpointWriter's keep_last "
             f"retention (or a gc) deleted it after committing newer versions. Nothing is corrupt; load a newer "
@@ -152,7 +195,7 @@ class Reader:
         ``gc`` deletes manifests before chunks, so if the manifest is gone (or replaced), the
         chunk went with the version, deleted by the writer's retention during this read.
         """
-        if not self.store.holds(self.manifest):
+        if not self._still_stored():
             return self.removed()
         return self.corrupt(blob, digest, what)
 
@@ -240,7 +283,8 @@ class Reader:
 
 
 def load(root: "str | os.PathLike", step: int | None = None, map_location: Any = None, *, verify: bool = True,
-         storage_options: dict | None = None, weights_only: bool = True) -> Any:
+         storage_options: dict | None = None, weights_only: bool = True, rank: int | None = None,
+         comm: Any = None, loader: Any = None) -> Any:
     """Load the state dict of version ``step`` (default: the newest complete one).
 
     Args:
@@ -255,6 +299,12 @@ def load(root: "str | os.PathLike", step: int | None = None, map_location: Any =
             and RNG states, enums of imported modules), as ``torch.load(weights_only=True)`` does.
             ``False`` unpickles anything, which runs whatever code the pickle names: only for a
             root you trust (one you wrote).
+        rank: on a job root, the rank whose state to load (see :class:`Reader`).
+        comm: on a job root, called by every rank of the job (an mpi4py communicator or a
+            torch.distributed group): each rank loads its own state, and with ``step=None`` all
+            load the same version (rank 0 picks the newest and tells the others).
+        loader: a ``solar.DataLoader``: the loader state saved in the version (``save(...,
+            loader=)``) is given to ``loader.load_state_dict``.
 
     Raises:
         CheckpointError: no such version, or nothing complete to load.
@@ -266,10 +316,38 @@ def load(root: "str | os.PathLike", step: int | None = None, map_location: Any =
         UntrustedPickleError: with ``weights_only=True``, a pickled value names a global off the
             allow-list (names the key, the global and the opt-in); nothing was unpickled.
     """
-    return Reader(root, step, verify=verify, storage_options=storage_options).state_dict(
-        map_location, weights_only=weights_only)
+    if comm is not None:
+        rank, step = _agreed_step(root, step, comm, storage_options)
+    reader = Reader(root, step, verify=verify, storage_options=storage_options, rank=rank)
+    state = reader.state_dict(map_location, weights_only=weights_only)
+    if loader is not None:
+        saved = reader.loader_state()
+        if saved is None:
+            raise CheckpointError(f"step {reader.manifest.step} of {reader.store.root} holds no loader state (it was "
+                                  "saved without save(..., loader=)); load it without loader=")
+        loader.load_state_dict(saved)
+    return state
+
+
+def _agreed_step(root: Any, step: int | None, comm: Any, storage_options: dict | None) -> tuple[int, int | None]:
+    """This rank and the step every rank of ``comm`` loads (rank 0 resolves the newest)."""
+    c = plain_comm(comm)
+    if step is not None:
+        return c.rank, step
+    found: Any = None
+    if c.rank == 0:
+        try:
+            found = Reader(root, None, storage_options=storage_options, rank=0).manifest.step
+        except Exception as exc:  # every rank raises it
+            found = f"{type(exc).__name__}: {exc}"
+    found = c.bcast(found)
+    if isinstance(found, str):
+        raise CheckpointError(f"rank 0 found no version to load in {root}: {found}")
+    return c.rank, found
 
 
 def list_versions(root: "str | os.PathLike", *, storage_options: dict | None = None) -> list[int]:
-    """Steps of the complete versions in ``root``, oldest first (torn manifests are ignored)."""
-    return CheckpointStore(root, **(storage_options or {})).versions()
+    """Steps of the complete versions in ``root``, oldest first (torn manifests are ignored); on a job
+    root, the versions whose global manifest verifies."""
+    store = CheckpointStore(root, **(storage_options or {}))
+    return JobStore(store).versions() if is_job_root(store) else store.versions()

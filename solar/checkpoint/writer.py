@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -33,10 +33,12 @@ from .chunking import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, chunk_
 from .collect import collect
 from .flatten import Flat, flatten
 from .host import HostPool
+from .jobstore import is_job_root
+from .loaderstate import LOADER_KEY, encode_loader, loader_state_of
 from .manifest import BlobEntry, Manifest
 from .store import CheckpointStore, chunk_key, referenced
 
-__all__ = ["CheckpointWriter", "SaveResult"]
+__all__ = ["CheckpointWriter", "SaveResult", "JOB_WRITER"]
 
 
 @dataclass
@@ -135,6 +137,18 @@ class _Sink:
             self.known = collect(self.store, keep_last, full_sweep=False, protect=protect).live - self.damaged
 
 
+class _Plan(NamedTuple):
+    """What hashing one save's blobs found (:meth:`CheckpointWriter._plan`)."""
+
+    entries: list[BlobEntry]
+    digests: list[np.ndarray]  # each blob's chunk digests
+    roots: list[bytes]  # each blob's Merkle root
+    trees: dict[str, list[np.ndarray]]
+    unchanged: int  # see SaveResult.chunks_unchanged
+    rewritten: set[bytes]  # see SaveResult.chunks_rewritten
+    new: dict[bytes, memoryview]  # chunks the store is not known to hold: digest -> bytes (one per digest)
+
+
 class _Written(NamedTuple):
     """What :meth:`CheckpointWriter._write_chunks` did: the manifest to commit, and its counters."""
 
@@ -166,8 +180,18 @@ def _checked_meta(meta: dict | None, step: int) -> dict:
                           f"strings, lists, dicts) in it, or put other objects in the state dict") from exc
 
 
+#: the class ``CheckpointWriter(root, comm=...)`` builds: solar.checkpoint.job's JobWriter, which
+#: subclasses this writer, puts itself here when imported (solar.checkpoint imports it)
+JOB_WRITER: list[type] = []
+
+
 class CheckpointWriter:
     """Writes incremental, content-addressed, Merkle-indexed checkpoints of state dicts.
+
+    With ``comm=`` (an mpi4py communicator or a torch.distributed process group) every rank of the
+    job constructs its writer on one shared ``root`` and the writer is a
+    :class:`~solar.checkpoint.job.JobWriter`: one version for the whole job, committed by one
+    global manifest (see ``docs/checkpoint-job.md``). Without it, one process owns the root.
 
     Args:
         root: local directory or fsspec URL of the checkpoint root (created if missing).
@@ -187,7 +211,13 @@ class CheckpointWriter:
 
     Raises:
         CheckpointLockedError: another writer holds ``root`` (or ``staging``).
+        CheckpointError: ``root`` is a job root (written with ``comm=``).
     """
+
+    def __new__(cls, *args: Any, comm: Any = None, **kwargs: Any) -> "CheckpointWriter":
+        if comm is not None and cls is CheckpointWriter:
+            return super().__new__(JOB_WRITER[0])
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -201,18 +231,20 @@ class CheckpointWriter:
         io_threads: int = 4,
         storage_options: dict | None = None,
         durable: bool = True,
+        comm: Any = None,
     ) -> None:
-        if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
-            raise ConfigError(f"chunk_size must be between 1 KiB and 1 GiB, got {chunk_size}")
-        if keep_last is not None and keep_last < 1:
-            raise ConfigError(f"keep_last must be >= 1 or None, got {keep_last}")
-        if max_in_flight < 1:
-            raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self._check_args(chunk_size, keep_last, max_in_flight)
         self.chunk_size = int(chunk_size)
         self.keep_last = keep_last
         self.hash = hash
         self._digest = hasher(hash)
-        self._main = _Sink(CheckpointStore(root, create=True, durable=durable, **(storage_options or {})))
+        store = CheckpointStore(root, create=True, durable=durable, **(storage_options or {}))
+        if is_job_root(store):
+            raise CheckpointError(
+                f"{store.root} is a job root, written by every rank of a job (CheckpointWriter(root, comm=...)); "
+                "a single-process writer would commit versions the job's ranks do not see. Open it with "
+                "CheckpointWriter(root, comm=MPI.COMM_WORLD) in every rank of the job, or use another root")
+        self._main = _Sink(store)
         try:
             self._stage = _Sink(CheckpointStore(staging, create=True, durable=durable)) if staging is not None else None
         except BaseException:
@@ -245,9 +277,18 @@ class CheckpointWriter:
         self._closed = False
         self._mutex = threading.Lock()
 
+    @staticmethod
+    def _check_args(chunk_size: int, keep_last: int | None, max_in_flight: int) -> None:
+        if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
+            raise ConfigError(f"chunk_size must be between 1 KiB and 1 GiB, got {chunk_size}")
+        if keep_last is not None and keep_last < 1:
+            raise ConfigError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if max_in_flight < 1:
+            raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}")
+
     # -- public API --
     def save(self, state_dict: Any, step: int, *, blocking: bool = False, lazy: bool = False,
-             meta: dict | None = None) -> Future:
+             meta: dict | None = None, loader: Any = None) -> Future:
         """Checkpoint ``state_dict`` as version ``step``; return a future of :class:`SaveResult`.
 
         Blocks while the state is copied to host memory (and while all staging buffers are busy
@@ -258,6 +299,9 @@ class CheckpointWriter:
         runs in the background while the forward and backward passes, which do not modify the
         weights, go on. The caller must then call :meth:`wait_staged` (or ``future.staged.result()``)
         before anything modifies the state, typically right before ``optimizer.step()``.
+
+        ``loader``: a ``solar.DataLoader`` whose ``state_dict()`` is stored in the same version;
+        ``load(root, loader=loader)`` restores it.
 
         Raises:
             InputError: a tensor cannot be saved (sparse, meta ...).
@@ -270,7 +314,13 @@ class CheckpointWriter:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         meta = _checked_meta(meta, step)
         t0 = time.perf_counter()
-        flat = flatten(state_dict)
+        try:
+            if loader is not None:
+                meta[LOADER_KEY] = encode_loader(loader_state_of(loader))
+            flat, failure = flatten(state_dict), None
+        except Exception as exc:  # a job's ranks learn of it together (_agree)
+            flat, failure = None, exc
+        self._agree(flat, step, failure)
         staged: Future = Future()
         ticket = self._pool.ticket()
         try:
@@ -293,6 +343,11 @@ class CheckpointWriter:
         if blocking:
             fut.result()
         return fut
+
+    def _agree(self, flat: Flat | None, step: int, failure: BaseException | None) -> None:
+        """Refuse the save before any work if it cannot be done (a job also checks its ranks agree)."""
+        if failure is not None:
+            raise failure
 
     def _stage_copy(self, flat: Flat, staged: Future, ticket: int) -> tuple[list[np.ndarray], int]:
         try:
@@ -398,10 +453,13 @@ class CheckpointWriter:
                           stage_seconds=stage_seconds, persist_seconds=time.perf_counter() - t0,
                           root=sink.store.root, chunks_rewritten=out.chunks_rewritten)
 
-    def _write_chunks(self, sink: _Sink, flat: Flat, host: list[np.ndarray], step: int, meta: dict) -> _Written:
+    def _plan(self, sink: _Sink, flat: Flat, host: list[np.ndarray],
+              on_new: Callable[[bytes, memoryview], None] | None = None) -> _Plan:
+        """Hash every blob, diff its Merkle tree against the previous version's, and find the chunks
+        the store is not known to hold (``on_new`` is called once for each, as it is found)."""
         cs, digest = self.chunk_size, self._digest
         entries, all_digests, new_trees, roots = [], [], {}, []
-        pending: dict[bytes, Future] = {}
+        new: dict[bytes, memoryview] = {}
         unchanged = 0
         rewritten: set[bytes] = set()
         first = 0
@@ -426,35 +484,53 @@ class CheckpointWriter:
                     continue
                 if same[j]:
                     rewritten.add(d)
-                if d in pending:
+                if d in new:
                     continue
                 a, e = spans[j]
-                pending[d] = self._io.submit(sink.store.put_chunk, d, view[a:e])
+                new[d] = view[a:e]
+                if on_new is not None:
+                    on_new(d, new[d])
             root = merkle.root(levels)
             roots.append(root)
             entries.append(BlobEntry(blob.nbytes, first, len(leaves), root.hex(), blob.device))
             all_digests.append(leaves)
             new_trees[name] = levels
             first += len(leaves)
+        return _Plan(entries, all_digests, roots, new_trees, unchanged, rewritten, new)
+
+    def _manifest(self, flat: Flat, plan: _Plan, step: int, meta: dict, written: int, nwritten: int) -> Manifest:
+        """The manifest of one save (``nwritten`` chunks of ``written`` bytes written by this process)."""
+        digest = self._digest
+        skeleton_digest = digest(json.dumps(flat.skeleton, sort_keys=True).encode())
+        m = Manifest(
+            step=step, hash=self.hash, chunk_size=self.chunk_size, skeleton=flat.skeleton, tensors=flat.tensors,
+            blobs=plan.entries,
+            digests=np.concatenate(plan.digests) if plan.digests else np.zeros((0, 16), np.uint8),
+            root=merkle.combine([skeleton_digest, *plan.roots], digest).hex(), created=time.time(),
+            parent=self._prev_step, meta=meta,
+        )
+        m.stats = {"logical_bytes": m.logical_bytes, "bytes_written": written, "chunks_total": m.nchunks,
+                   "chunks_written": nwritten, "chunks_unchanged": plan.unchanged}
+        if plan.rewritten:
+            # only when there are any: the manifests of ordinary saves keep their exact format
+            m.stats["chunks_rewritten"] = len(plan.rewritten)
+        return m
+
+    def _write_chunks(self, sink: _Sink, flat: Flat, host: list[np.ndarray], step: int, meta: dict) -> _Written:
+        pending: dict[bytes, Future] = {}
+
+        def put(d: bytes, view: memoryview) -> None:  # written while the next blobs are hashed
+            pending[d] = self._io.submit(sink.store.put_chunk, d, view)
+
+        plan = self._plan(sink, flat, host, put)
         wait_futures(list(pending.values()))
         failed = [f.exception() for f in pending.values() if f.exception() is not None]
         if failed:
             self._drop_orphans(sink, [d for d, f in pending.items() if f.exception() is None])
             raise failed[0]
         written = sum(f.result() for f in pending.values())
-        skeleton_digest = digest(json.dumps(flat.skeleton, sort_keys=True).encode())
-        m = Manifest(
-            step=step, hash=self.hash, chunk_size=cs, skeleton=flat.skeleton, tensors=flat.tensors, blobs=entries,
-            digests=np.concatenate(all_digests) if all_digests else np.zeros((0, 16), np.uint8),
-            root=merkle.combine([skeleton_digest, *roots], digest).hex(), created=time.time(), parent=self._prev_step,
-            meta=meta,
-        )
-        m.stats = {"logical_bytes": m.logical_bytes, "bytes_written": written, "chunks_total": m.nchunks,
-                   "chunks_written": len(pending), "chunks_unchanged": unchanged}
-        if rewritten:
-            # only when there are any: the manifests of ordinary saves keep their exact format
-            m.stats["chunks_rewritten"] = len(rewritten)
-        return _Written(m, written, len(pending), unchanged, len(rewritten), new_trees, set(pending))
+        m = self._manifest(flat, plan, step, meta, written, len(pending))
+        return _Written(m, written, len(pending), plan.unchanged, len(plan.rewritten), plan.trees, set(pending))
 
     @staticmethod
     def _drop_orphans(sink: _Sink, digests) -> None:

@@ -1,0 +1,205 @@
+"""One checkpoint for the whole job (``CheckpointWriter(root, comm=...)``), under a real ``mpirun``
+(``-n 2`` and ``-n 3``): every rank saves into one root, one global manifest commits each
+version, a chunk several ranks hold is stored once, bad input and a failing rank are refused on
+every rank before anything commits, and a single-process root and a job root refuse each other."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from solar.checkpoint import CheckpointWriter, list_versions, load
+from solar.checkpoint.jobstore import JobStore
+from solar.checkpoint.store import CheckpointStore
+from solar.errors import CheckpointError, ConfigError, InputError
+
+pytestmark = pytest.mark.mpi
+
+CHUNK = 4096
+
+
+def state(step: int, rank: int) -> dict:
+    """A state with a replicated part (the same on every rank) and a rank's own part."""
+    rep = torch.arange(8 * CHUNK, dtype=torch.float32) / 3 + step
+    own = torch.arange(2 * CHUNK, dtype=torch.float32) * (rank + 2) + step
+    return {"model": {"rep": rep, "own": own}, "optim": {"step": torch.tensor(step)}, "epoch": step // 2}
+
+
+def same(a: dict, b: dict) -> bool:
+    return all(a["model"][k].numpy().tobytes() == b["model"][k].numpy().tobytes() for k in ("rep", "own")) \
+        and a["optim"]["step"].item() == b["optim"]["step"].item() and a["epoch"] == b["epoch"]
+
+
+def chunk_bytes(root: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(os.path.join(root, "chunks")) for f in fs)
+
+
+def test_every_rank_commits_one_version_and_loads_its_own_state(comm, shared_tmp):
+    root = os.path.join(shared_tmp, "job")
+    with CheckpointWriter(root, comm=comm, chunk_size=CHUNK) as w:
+        futures = [w.save(state(s, comm.rank), s) for s in range(3)]  # async, several queued
+        results = [f.result() for f in futures]
+    assert [r.step for r in results] == [0, 1, 2]
+    assert list_versions(root) == [0, 1, 2]
+    for s in range(3):
+        assert same(load(root, s, rank=comm.rank), state(s, comm.rank))
+    assert same(load(root, comm=comm), state(2, comm.rank))
+    # replicated tensors stored once: the first version's chunks are one copy of `rep` and one
+    # `own` per rank (plus the small `step` tensors), not one `rep` per rank
+    comm.barrier()
+    rep_bytes, own_bytes = 8 * CHUNK * 4, 2 * CHUNK * 4
+    total = chunk_bytes(root)
+    assert total < 3 * (rep_bytes + comm.size * own_bytes) + comm.size * 3 * 64, total
+    written = comm.allreduce(results[0].bytes_written)
+    assert rep_bytes + comm.size * own_bytes <= written < 2 * rep_bytes + comm.size * own_bytes
+    comm.barrier()
+
+
+def test_any_rank_of_the_job_reads_any_rank_and_refuses_without_one(comm, shared_tmp):
+    root = os.path.join(shared_tmp, "job")
+    with CheckpointWriter(root, comm=comm, chunk_size=CHUNK) as w:
+        w.save(state(5, comm.rank), 5, blocking=True)
+    other = (comm.rank + 1) % comm.size
+    assert same(load(root, rank=other), state(5, other))
+    with pytest.raises(CheckpointError, match=rf"job root; step 5 was saved by {comm.size} ranks: pass rank="):
+        load(root)
+    with pytest.raises(CheckpointError, match=f"no rank {comm.size}"):
+        load(root, rank=comm.size)
+    comm.barrier()
+
+
+def test_a_rank_with_another_step_is_refused_on_every_rank_before_anything_commits(comm, shared_tmp):
+    root = os.path.join(shared_tmp, "job")
+    w = CheckpointWriter(root, comm=comm, chunk_size=CHUNK)
+    w.save(state(0, comm.rank), 0, blocking=True)
+    step = 7 if comm.rank == comm.size - 1 else 1
+    with pytest.raises(ConfigError, match=rf"rank 0 saves step 1 but rank {comm.size - 1} step 7"):
+        w.save(state(step, comm.rank), step)
+    comm.barrier()
+    assert list_versions(root) == [0]
+    w.save(state(1, comm.rank), 1, blocking=True)  # the writer goes on
+    w.close()
+    assert list_versions(root) == [0, 1]
+
+
+def test_state_keys_that_disagree_are_refused_naming_the_rank_and_the_key(comm, shared_tmp):
+    root = os.path.join(shared_tmp, "job")
+    with CheckpointWriter(root, comm=comm, chunk_size=CHUNK) as w:
+        s = state(0, comm.rank)
+        if comm.rank == 1:
+            s["model"]["extra"] = torch.ones(3)
+        with pytest.raises(ConfigError, match=r"rank 1's state for step 0 has key 'model.extra' that rank 0's lacks"):
+            w.save(s, 0)
+        s = state(0, comm.rank)
+        if comm.rank == comm.size - 1:
+            del s["model"]["own"]
+        with pytest.raises(ConfigError, match=rf"rank {comm.size - 1}'s state for step 0 lacks key 'model.own'"):
+            w.save(s, 0)
+    comm.barrier()
+    assert list_versions(root) == [] and chunk_bytes(root) == 0
+
+
+def test_a_state_one_rank_cannot_save_fails_every_rank_with_that_ranks_error(comm, shared_tmp):
+    root = os.path.join(shared_tmp, "job")
+    with CheckpointWriter(root, comm=comm, chunk_size=CHUNK) as w:
+        s = state(0, comm.rank)
+        if comm.rank == 1:
+            s["model"]["own"] = s["model"]["own"].to_sparse()
+        want = "layout" if comm.rank == 1 else r"rank 1 cannot save step 0: InputError: tensor 'model.own' has layout"
+        with pytest.raises((CheckpointError, InputError), match=want):
+            w.save(s, 0)
+    assert list_versions(root) == []
+
+
+def test_a_rank_failing_mid_save_fails_every_future_and_commits_nothing(comm, shared_tmp):
+    root = os.path.join(shared_tmp, "job")
+
+    def hook(point: str, step: int) -> None:
+        if point == "after-chunks" and step == 1 and comm.rank == comm.size - 1:
+            raise OSError(28, "No space left on device (injected)")
+
+    w = CheckpointWriter(root, comm=comm, chunk_size=CHUNK, on_commit_point=hook)
+    w.save(state(0, comm.rank), 0, blocking=True)
+    fut = w.save(state(1, comm.rank), 1)
+    with pytest.raises((OSError, CheckpointError), match="No space left on device"):
+        fut.result()
+    if comm.rank != comm.size - 1:
+        want = rf"rank {comm.size - 1} failed writing its chunks and part of step 1"
+        with pytest.raises(CheckpointError, match=want):
+            fut.result()
+    comm.barrier()
+    assert list_versions(root) == [0]
+    assert 1 not in JobStore(CheckpointStore(root)).part_steps()  # each rank removed its part
+    w.save(state(2, comm.rank), 2, blocking=True)
+    w.close()
+    assert list_versions(root) == [0, 2] and same(load(root, rank=comm.rank), state(2, comm.rank))
+
+
+def test_keep_last_retention_keeps_every_rank_loadable(comm, shared_tmp):
+    root = os.path.join(shared_tmp, "job")
+    with CheckpointWriter(root, comm=comm, chunk_size=CHUNK, keep_last=2) as w:
+        for s in range(5):
+            w.save(state(s, comm.rank), s)
+    comm.barrier()
+    assert list_versions(root) == [3, 4]
+    assert sorted(JobStore(CheckpointStore(root)).part_steps()) == [3, 4]
+    for s in (3, 4):
+        for r in range(comm.size):
+            assert same(load(root, s, rank=r), state(s, r))
+    # reopening continues from the newest version, on every rank
+    with CheckpointWriter(root, comm=comm, chunk_size=CHUNK, keep_last=2) as w:
+        res = w.save(state(4, comm.rank), 5).result()
+    assert res.bytes_written == 0 and res.chunks_unchanged == res.chunks_total
+    comm.barrier()
+
+
+def test_single_process_and_job_roots_refuse_each_other(comm, shared_tmp):
+    single, job = os.path.join(shared_tmp, "single"), os.path.join(shared_tmp, "job")
+    if comm.rank == 0:
+        with CheckpointWriter(single, chunk_size=CHUNK) as w:
+            w.save(state(0, 0), 0)
+    comm.barrier()
+    with pytest.raises(CheckpointError, match="single-process CheckpointWriter"):
+        CheckpointWriter(single, comm=comm)
+    with CheckpointWriter(job, comm=comm, chunk_size=CHUNK) as w:
+        w.save(state(0, comm.rank), 0)
+    if comm.rank == 0:
+        with pytest.raises(CheckpointError, match=r"is a job root.*comm=MPI.COMM_WORLD"):
+            CheckpointWriter(job)
+    comm.barrier()
+
+
+def test_a_second_job_on_a_root_in_use_is_refused_on_every_rank(comm, shared_tmp):
+    from solar.errors import CheckpointLockedError
+
+    root = os.path.join(shared_tmp, "job")
+    with CheckpointWriter(root, comm=comm, chunk_size=CHUNK):
+        with pytest.raises((CheckpointLockedError, CheckpointError), match="locked"):
+            CheckpointWriter(root, comm=comm)
+    comm.barrier()
+
+
+def test_a_torch_distributed_gloo_group_works_as_comm(comm, shared_tmp):
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed already initialised in this process")
+    port = None
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
+    try:
+        root = os.path.join(shared_tmp, "job")
+        with CheckpointWriter(root, comm=dist.group.WORLD, chunk_size=CHUNK, keep_last=1) as w:
+            for s in range(2):
+                w.save(state(s, comm.rank), s)
+        assert same(load(root, comm="torch"), state(1, comm.rank))
+    finally:
+        dist.destroy_process_group()
