@@ -6,12 +6,16 @@ Run: ``.venv/bin/python bench/codec/run.py [--rel 1e-3 1e-2 1e-4] [--n 128] [--d
 [--out results.json]``
 
 Everything runs in one process, single-threaded (``torch.set_num_threads(1)``, SZ3 without
-OpenMP), with the compressors interleaved and the best of ``--reps`` timings kept, so ratios of
-speeds are meaningful even on a shared machine. Prints, per field and compressor: ratio, max
-error / bound, PSNR, encode and decode MB/s (of original bytes, 1 MB = 1e6 B); then the targets:
-geometric-mean ratio vs SZ3 at each bound and CPU decode speed vs pysz. With a CUDA device it also
-prints the GPU decode GB/s of ``solar.codec.decode_batch`` (``--device auto``, the default;
-``--device cuda`` insists on it and also decodes the mini-batch section on the GPU, ``--device cpu``
+OpenMP) except the rows named "all threads" (solar's ``cpu-kernel`` over a mini-batch's blobs,
+SZ3 with OpenMP), with the compressors interleaved and the best of ``--reps`` timings kept, so
+ratios of speeds are meaningful even on a shared machine. Every solar decoder path runs side by
+side (``auto``, the default, which is ``cpu-kernel`` where numba is installed; ``reference``;
+``cpu-kernel``; compiled), and the overhead rows time one call on tiny blobs (1 and 1,024
+values). Prints, per field and compressor: ratio, max error / bound, PSNR, encode and decode MB/s
+(of original bytes, 1 MB = 1e6 B); then the targets: geometric-mean ratio vs SZ3 at each bound
+and CPU decode speed vs pysz. With a CUDA device it also prints the GPU decode GB/s of
+``solar.codec.decode_batch`` (``--device auto``, the default; ``--device cuda`` insists on it and
+also decodes the mini-batch section on the GPU, ``--device cpu``
 measures the CPU alone). Writes everything as JSON.
 """
 
@@ -27,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+ALL_THREADS = len(os.sched_getaffinity(0))
+os.environ.setdefault("OMP_NUM_THREADS", str(ALL_THREADS))  # only the "all threads" SZ3 rows use OpenMP
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -36,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fields import all_fields  # noqa: E402
 
 import solar.codec as sc  # noqa: E402
+from solar.codec import paths  # noqa: E402
 
 
 # --------------------------------------------------------------------------- compressors
@@ -53,17 +59,17 @@ class Compressor:
 
 
 class Solar(Compressor):
-    def __init__(self, lossless="zstd", predictor="auto", compile=False):
+    def __init__(self, lossless="zstd", predictor="auto", compile=False, decoder=None):
         self.cfg = {"id": "ebq", "lossless": lossless, "predictor": predictor}
-        self.compile = compile
+        self.compile, self.decoder = compile, decoder
         extra = ("" if predictor == "auto" else ", " + predictor) + (", compiled" if compile else "")
-        self.name = f"solar ebq ({lossless}{extra})"
+        self.name = f"solar ebq ({lossless}{extra}{', ' + decoder if decoder else ''})"
 
     def compress(self, x, eb):
         return sc.encode(x, abs_error=eb, codec=self.cfg)
 
     def decompress(self, blob, like):
-        return sc.decode(blob, compile=self.compile).numpy()
+        return sc.decode(blob, compile=self.compile, decoder=self.decoder).numpy()
 
     def warmup(self, blob, like) -> float:
         """Seconds of the first decode: the one-time torch.compile of this shape (0 when eager)."""
@@ -73,8 +79,11 @@ class Solar(Compressor):
 
 
 class PySZ(Compressor):
-    name = "SZ3 (pysz)"
     requires = ("pysz",)
+
+    def __init__(self, openmp: bool = False):
+        self.openmp = openmp
+        self.name = f"SZ3 (pysz, OpenMP, all threads: {ALL_THREADS})" if openmp else "SZ3 (pysz)"
 
     def compress(self, x, eb):
         from pysz import sz, szConfig, szErrorBoundMode
@@ -82,7 +91,7 @@ class PySZ(Compressor):
         conf = szConfig()
         conf.errorBoundMode = szErrorBoundMode.ABS
         conf.absErrorBound = eb
-        conf.openmp = False
+        conf.openmp = self.openmp
         return bytes(sz.compress(x, conf)[0])
 
     def decompress(self, blob, like):
@@ -286,7 +295,7 @@ def batch_rows(reps: int, rel: float, sizes=(64, 128), batch: int = 64, gpu: boo
     from solar.synthetic import ptycho_block
 
     rows = []
-    comps = [c for c in (PySZ(), ZFP()) if c.available()]
+    comps = [c for c in (PySZ(), PySZ(openmp=True), ZFP()) if c.available()]
     for size in sizes:
         xs, ys = ptycho_block(0, batch, size=size)
         for fname, arr in ((f"ptycho x {size}x{size}", xs), (f"ptycho y {size}x{size}", ys)):
@@ -301,16 +310,24 @@ def batch_rows(reps: int, rel: float, sizes=(64, 128), batch: int = 64, gpu: boo
             cbs = {c.name: [c.compress(a, eb) for a in arr] for c in comps}
             fns = {"solar decode_batch": lambda: sc.decode_batch(blobs),
                    "solar decode_batch (compiled)": lambda: sc.decode_batch(blobs, compile=True),
-                   "solar decode, one by one": lambda: [sc.decode(b) for b in blobs]}
+                   "solar decode, one by one": lambda: [sc.decode(b) for b in blobs],
+                   "solar decode_batch (reference)": lambda: sc.decode_batch(blobs, decoder="reference")}
+            if paths.kernel_available():
+                fns["solar decode_batch (cpu-kernel)"] = lambda: sc.decode_batch(blobs, decoder="cpu-kernel")
+                fns[f"solar decode_batch (cpu-kernel, all threads: {ALL_THREADS})"] = \
+                    lambda: sc.decode_batch(blobs, decoder="cpu-kernel", threads=0)
+            n_solar = len(fns)
             for c in comps:
                 fns[f"{c.name}, one by one"] = lambda c=c: [c.decompress(b, a) for b, a in zip(cbs[c.name], arr)]
             outs, t = _interleaved(fns, reps)
-            y, yc = outs["solar decode_batch"], outs["solar decode_batch (compiled)"]
+            y = outs["solar decode_batch"]
             err = float(np.max(np.abs(y.numpy().astype(np.float64) - arr)))
-            if not torch.equal(yc, y):
-                raise SystemExit(f"{fname}: the compiled decoder's batch differs from the eager one")
+            for k in list(fns)[1:n_solar]:
+                yk = outs[k] if k != "solar decode, one by one" else torch.stack(outs[k])
+                if not torch.equal(yk.view(torch.int32), y.view(torch.int32)):
+                    raise SystemExit(f"{fname}: {k} differs from solar decode_batch")
             ratio = arr.nbytes / sum(map(len, blobs))
-            cases = [(k, ratio, err, t[k]) for k in list(fns)[:3]]
+            cases = [(k, ratio, err, t[k]) for k in list(fns)[:n_solar]]
             for c in comps:
                 cerr = max(float(np.max(np.abs(o.astype(np.float64) - a)))
                            for o, a in zip(outs[f"{c.name}, one by one"], arr))
@@ -324,6 +341,30 @@ def batch_rows(reps: int, rel: float, sizes=(64, 128), batch: int = 64, gpu: boo
                       + (f"   (first call, compiling: {first:.1f} s)" if "compiled" in name else ""))
             if gpu:
                 rows += gpu_batch_rows(fname, arr, blobs, eb, y, rel, reps)
+    return rows
+
+
+def overhead_rows(reps: int, calls: int = 300) -> list[dict]:
+    """Microseconds per ``decode`` call of tiny float32 blobs (1 and 1,024 values) per solar decoder
+    path, and per ``decompress`` call of pysz on the same values: the fixed cost of a call."""
+    rng = np.random.default_rng(0)
+    decoders = ["auto", "reference"] + (["cpu-kernel"] if paths.kernel_available() else [])
+    rows = []
+    print(f"\n## per-call overhead (target: a 1,024-value blob decodes in <= 15 us)\n{'decoder':34s} {'values':>7s} "
+          f"{'us/call':>8s}")
+    for n in (1, 1024):
+        x = np.cumsum(rng.standard_normal(n)).astype(np.float32)
+        eb = 1e-3 * (float(x.max()) - float(x.min())) or 1e-3
+        blob = sc.encode(x, abs_error=eb)
+        fns = {f"solar decode ({d})": (lambda d=d: sc.decode(blob, decoder=d)) for d in decoders}
+        if PySZ().available():
+            zb = PySZ().compress(x, eb)
+            fns["SZ3 (pysz)"] = lambda: PySZ().decompress(zb, x)
+        _, t = _interleaved({k: (lambda f=f: [f() for _ in range(calls)]) for k, f in fns.items()}, reps)
+        for k in fns:
+            rows.append({"overhead": True, "values": n, "compressor": k, "us_per_call": t[k] / calls * 1e6,
+                         "bound_ok": True})
+            print(f"{k:34s} {n:7d} {rows[-1]['us_per_call']:8.1f}")
     return rows
 
 
@@ -344,7 +385,10 @@ def main(argv=None) -> int:
     use_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     torch.set_num_threads(1)
 
-    comps = [c for c in [Solar("zstd"), Solar("zstd", compile=True), Solar("lz4"), PySZ(), H5SZ3(), ZFP(),
+    solars = [Solar("zstd"), Solar("zstd", decoder="reference")]
+    if paths.kernel_available():
+        solars.append(Solar("zstd", decoder="cpu-kernel"))
+    comps = [c for c in [*solars, Solar("zstd", compile=True), Solar("lz4"), PySZ(), H5SZ3(), ZFP(),
                          RawLossless("lz4"), RawLossless("zstd")] if c.available()]
     fields = all_fields(args.n)
     if args.fields:
@@ -367,11 +411,17 @@ def main(argv=None) -> int:
                       f"{r['enc_MBps']:9.0f} {r['dec_MBps']:9.0f}{gpu}{first}")
     summary = summarize(rows, args.rel)
     if not args.no_batch:
+        orows = overhead_rows(args.reps)
+        rows += orows
+        summary["overhead_us_per_call"] = {f"{r['compressor']}, {r['values']} values": r["us_per_call"]
+                                           for r in orows}
+    if not args.no_batch:
         brows = batch_rows(args.reps, args.rel[0], gpu=args.device == "cuda")
         rows += brows
         summary["batch"] = summarize_batches(brows)
     machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-               "threads": torch.get_num_threads(), "note": "shared 2-core machine; best-of-reps timings"}
+               "threads": torch.get_num_threads(), "all_threads": ALL_THREADS, "load_average": os.getloadavg(),
+               "note": "shared 2-core machine; best-of-reps timings, contenders interleaved"}
     if use_gpu:
         machine["gpu"] = torch.cuda.get_device_name(0)
     Path(args.out).write_text(json.dumps({
@@ -382,6 +432,8 @@ def main(argv=None) -> int:
 
 
 SOLAR, SOLAR_C, SZ3 = "solar ebq (zstd)", "solar ebq (zstd, compiled)", "SZ3 (pysz)"
+SOLAR_REF, SOLAR_K = "solar ebq (zstd, reference)", "solar ebq (zstd, cpu-kernel)"
+SOLARS = (SOLAR, SOLAR_REF, SOLAR_K, SOLAR_C)
 
 
 def summarize(rows: list[dict], rels) -> dict:
@@ -391,7 +443,7 @@ def summarize(rows: list[dict], rels) -> dict:
     for rel in rels:
         pairs = {}
         for r in rows:
-            if r["rel"] == rel and r["compressor"] in (SOLAR, SOLAR_C, SZ3):
+            if r["rel"] == rel and r["compressor"] in SOLARS + (SZ3,):
                 pairs.setdefault(r["field"], {})[r["compressor"]] = r
         pairs = {f: p for f, p in pairs.items() if SOLAR in p and SZ3 in p}
         if not pairs:
@@ -403,14 +455,16 @@ def summarize(rows: list[dict], rels) -> dict:
 
         out[str(rel)] = {"ratio_vs_sz3": gm("ratio"), "cpu_decode_speed_vs_pysz": gm("dec_MBps"),
                          "cpu_decode_speed_vs_pysz_compiled": gm("dec_MBps", SOLAR_C),
+                         "cpu_decode_speed_vs_pysz_by_path": {k: gm("dec_MBps", k) for k in SOLARS},
                          "per_field_decode_vs_pysz": {f: {k: p[k]["dec_MBps"] / p[SZ3]["dec_MBps"]
-                                                          for k in (SOLAR, SOLAR_C) if k in p}
+                                                          for k in SOLARS if k in p}
                                                       for f, p in pairs.items()},
                          "bound_held": all(r["bound_ok"] for r in rows if r["rel"] == rel)}
         s = out[str(rel)]
-        print(f"rel {rel:g}: ratio {s['ratio_vs_sz3']:.3f}x SZ3 (target >= 1.0), single-thread decode "
-              f"{s['cpu_decode_speed_vs_pysz']:.2f}x pysz eager, {s['cpu_decode_speed_vs_pysz_compiled']:.2f}x "
-              f"compiled (target >= 3), bound held: {s['bound_held']}")
+        by = ", ".join(f"{k[len('solar ebq (zstd'):].strip(', )') or 'auto'} {v:.2f}x"
+                       for k, v in s["cpu_decode_speed_vs_pysz_by_path"].items() if v == v)
+        print(f"rel {rel:g}: ratio {s['ratio_vs_sz3']:.3f}x SZ3 (target >= 1.0), single-thread decode vs pysz "
+              f"(target >= 3): {by}; bound held: {s['bound_held']}")
     return out
 
 
@@ -420,13 +474,16 @@ def summarize_batches(rows: list[dict]) -> dict:
     for r in rows:
         by.setdefault(r["field"], {})[r["compressor"]] = r["dec_MBps"]
     out = {}
-    for name in ("solar decode_batch", "solar decode_batch (compiled)"):
-        vals = {f: d[name] / d["SZ3 (pysz), one by one"] for f, d in by.items()
-                if name in d and "SZ3 (pysz), one by one" in d}
+    sz1, szn = "SZ3 (pysz), one by one", f"SZ3 (pysz, OpenMP, all threads: {ALL_THREADS}), one by one"
+    names = [(k, szn if "all threads" in k else sz1) for k in dict.fromkeys(k for d in by.values() for k in d)
+             if k.startswith("solar")]
+    for name, base in names:
+        vals = {f: d[name] / d[base] for f, d in by.items() if name in d and base in d}
         if vals:
-            out[name] = {"per_field_vs_pysz": vals,
+            out[name] = {"per_field_vs_pysz": vals, "against": base,
                          "geomean_vs_pysz": math.exp(sum(map(math.log, vals.values())) / len(vals))}
-            print(f"batches: {name} {out[name]['geomean_vs_pysz']:.2f}x pysz (geometric mean over {len(vals)} batches)")
+            print(f"batches: {name} {out[name]['geomean_vs_pysz']:.2f}x {base} (geometric mean over {len(vals)} "
+                  "batches)")
     return out
 
 
