@@ -75,7 +75,7 @@ def interp_passes(shape: tuple[int, ...], reverse: bool) -> np.ndarray:
 def _wrap(x, is32):
     """``x`` wrapped to int32 (two's complement) when the reference's integers are int32."""
     if is32:
-        return ((x + 2147483648) & 4294967295) - 2147483648
+        return np.int64(np.int32(x))
     return x
 
 
@@ -117,13 +117,90 @@ def _residuals(b, R, n, kinds, slots, nib, i8, wide, marks, side, esc_pos, esc_v
             R[c] = esc_val[k]
 
 
+# point kinds of a pass (:func:`~solar.codec.predict.predict_odd`'s border rules)
+_COPY, _LINEAR, _CUBIC = 0, 1, 2
+
+
+@numba.njit(inline="always")
+def _points(T, L, Rt, LL, RR, res, count, kind, K):
+    """Odd points ``T[j]`` from their even neighbours ``L[j]``, ``Rt[j]`` (and ``LL[j]``, ``RR[j]``
+    two further out) and residuals ``res[j]``: views with non-negative indices, so the loops
+    carry no negative-index checks and vectorize where the views are contiguous."""
+    is32 = T.itemsize == 4
+    if kind == _COPY:
+        for j in range(count):
+            T[j] = _wrap(np.int64(L[j]) + K * np.int64(res[j]), is32)
+    elif kind == _LINEAR:
+        for j in range(count):
+            T[j] = _wrap((_wrap(np.int64(L[j]) + np.int64(Rt[j]), is32) >> 1) + K * np.int64(res[j]), is32)
+    elif K == 1:  # the reference's sign -1 form
+        for j in range(count):
+            t = np.int64(LL[j]) + np.int64(RR[j]) - 9 * (np.int64(L[j]) + np.int64(Rt[j])) + 7
+            T[j] = _wrap(np.int64(res[j]) - (_wrap(t, is32) >> 4), is32)
+    else:  # its positive form
+        for j in range(count):
+            t = 9 * (np.int64(L[j]) + np.int64(Rt[j])) - np.int64(LL[j]) - np.int64(RR[j]) + 8
+            T[j] = _wrap((_wrap(t, is32) >> 4) + K * np.int64(res[j]), is32)
+
+
+@numba.njit(inline="always")
+def _stride2(V, res, count, cubic, K):
+    """:func:`_points` for odd points 2 apart with neighbours 1 (and 3) away, on one contiguous
+    view ``V`` that starts at the first point's farthest left neighbour: compile-time offsets and
+    stride, so the loop vectorizes as interleaved loads and stores."""
+    is32 = V.itemsize == 4
+    if not cubic:
+        for j in range(count):
+            V[2 * j + 1] = _wrap((_wrap(np.int64(V[2 * j]) + np.int64(V[2 * j + 2]), is32) >> 1)
+                                 + K * np.int64(res[j]), is32)
+    elif K == 1:
+        for j in range(count):
+            t = np.int64(V[2 * j]) + np.int64(V[2 * j + 6]) - 9 * (np.int64(V[2 * j + 2]) + np.int64(V[2 * j + 4])) + 7
+            V[2 * j + 3] = _wrap(np.int64(res[j]) - (_wrap(t, is32) >> 4), is32)
+    else:
+        for j in range(count):
+            t = 9 * (np.int64(V[2 * j + 2]) + np.int64(V[2 * j + 4])) - np.int64(V[2 * j]) - np.int64(V[2 * j + 6]) + 8
+            V[2 * j + 3] = _wrap((_wrap(t, is32) >> 4) + K * np.int64(res[j]), is32)
+
+
+@numba.njit(inline="always")
+def _run(G, R, pos, q0, qstep, count, d, kind, K):
+    """``count`` odd points of one kind at ``q0 + j * qstep``, residuals ``R[pos + j]``."""
+    if count <= 0:
+        return
+    res = R[pos:pos + count]
+    far = 3 * d if kind == _CUBIC else d  # cubic points have neighbours 3 d away; others not
+    if qstep == 2 and d == 1 and kind != _COPY:  # finest innermost-axis pass: constant stride 2
+        _stride2(G[q0 - far:q0 + 2 * count + far], R[pos:pos + count], count, kind == _CUBIC, K)
+    elif qstep == 1:
+        _points(G[q0:q0 + count], G[q0 - d:q0 - d + count], G[q0 + d:q0 + d + count],
+                G[q0 - far:q0 - far + count], G[q0 + far:q0 + far + count], res, count, kind, K)
+    else:
+        end = q0 + (count - 1) * qstep + 1
+        _points(G[q0:end:qstep], G[q0 - d:end - d:qstep], G[q0 + d:end + d:qstep],
+                G[q0 - far:end - far:qstep], G[q0 + far:end + far:qstep], res, count, kind, K)
+
+
+@numba.njit(inline="always")
+def _kind(k, n_e, even, cubic):
+    if even and k == n_e - 1:  # last odd point of an even count: copy
+        return _COPY
+    if cubic and k >= 1 and k <= n_e - 3:
+        return _CUBIC
+    return _LINEAR
+
+
 @numba.njit(nogil=True, cache=True)
-def _interp(G, R, plan, cubic_mask, K, is32):
-    """In place on ``G`` (one predictor row): the anchor, then every pass of ``plan``."""
-    G[0] = _wrap(np.int64(R[0]) * K, is32)
+def _interp(G, R, plan, cubic_mask, K):
+    """In place on ``G`` (one predictor row): the anchor, then every pass of ``plan``.
+
+    A pass along the innermost axis walks each line in runs of one point kind (stride 2
+    ``d``); any other pass walks, per point along its axis, the contiguous innermost run of the
+    grid, whose points share one kind (a loop without branches)."""
+    G[0] = _wrap(np.int64(R[0]) * K, G.itemsize == 4)
     pos = 1
     for p in range(plan.shape[0]):
-        d, n_e, even = plan[p, _D], plan[p, _NE], plan[p, _EVEN]
+        d, n_e, even = plan[p, _D], plan[p, _NE], plan[p, _EVEN] != 0
         cubic = ((cubic_mask >> np.uint64(plan[p, _LV])) & np.uint64(1)) != 0 and n_e >= 4
         a = plan[p, _A]
         c0, c1, c2, c3 = plan[p, _CNT], plan[p, _CNT + 1], plan[p, _CNT + 2], plan[p, _CNT + 3]
@@ -133,43 +210,43 @@ def _interp(G, R, plan, cubic_mask, K, is32):
             for i1 in range(c1):
                 for i2 in range(c2):
                     base = b0 + i0 * s0 + i1 * s1 + i2 * s2
-                    for i3 in range(c3):
-                        k = i3 if a == 3 else (i2 if a == 2 else (i1 if a == 1 else i0))
-                        q = base + i3 * s3
-                        res = np.int64(R[pos])
-                        pos += 1
-                        bb = np.int64(G[q - d])
-                        if even and k == n_e - 1:  # last odd point of an even count: copy
-                            v = bb + K * res
-                        elif cubic and k >= 1 and k <= n_e - 3:
-                            cc = np.int64(G[q + d])
-                            s = np.int64(G[q - 3 * d]) + np.int64(G[q + 3 * d])
-                            if K == 1:
-                                v = res - (_wrap(s - 9 * (bb + cc) + 7, is32) >> 4)
-                            else:
-                                v = (_wrap(9 * (bb + cc) - s + 8, is32) >> 4) + K * res
-                        else:
-                            v = (_wrap(bb + np.int64(G[q + d]), is32) >> 1) + K * res
-                        G[q] = _wrap(v, is32)
+                    if a == 3:  # runs along the line: linear | cubic interior | linear | copy
+                        last = c3 - 1 if even else c3  # points before the copied one
+                        lo = min(1, last) if cubic else last
+                        hi = max(min(n_e - 2, last), lo) if cubic else last
+                        _run(G, R, pos, base, s3, lo, d, _LINEAR, K)
+                        _run(G, R, pos + lo, base + lo * s3, s3, hi - lo, d, _CUBIC, K)
+                        _run(G, R, pos + hi, base + hi * s3, s3, last - hi, d, _LINEAR, K)
+                        if even:
+                            _run(G, R, pos + last, base + last * s3, s3, 1, d, _COPY, K)
+                    else:
+                        k = i2 if a == 2 else (i1 if a == 1 else i0)
+                        _run(G, R, pos, base, s3, c3, d, _kind(k, n_e, even, cubic), K)
+                    pos += c3
 
 
 @numba.njit(nogil=True, cache=True)
 def _lorenzo(G, R, dims):
     """In place on ``G``: inclusive prefix sums of ``R`` along every axis of the padded shape."""
     n = G.shape[0]
-    for i in range(n):
-        G[i] = R[i]
-    inner = 1
-    for ax in range(dims.shape[0] - 1, -1, -1):
+    is32 = G.itemsize == 4
+    m = dims[dims.shape[0] - 1]
+    for o in range(n // m):  # innermost axis: a running sum per line
+        line, src = G[o * m:(o + 1) * m], R[o * m:(o + 1) * m]
+        acc = np.int64(0)
+        for i in range(m):
+            acc = _wrap(acc + np.int64(src[i]), is32)
+            line[i] = acc
+    inner = m
+    for ax in range(dims.shape[0] - 2, -1, -1):
         m = dims[ax]
         if m > 1:
-            outer = n // (m * inner)
-            for o in range(outer):
-                base = o * m * inner
+            for o in range(n // (m * inner)):
                 for k in range(1, m):
-                    row = base + k * inner
+                    row = (o * m + k) * inner
+                    cur, prev = G[row:row + inner], G[row - inner:row]
                     for i in range(inner):
-                        G[row + i] = np.int64(G[row + i]) + np.int64(G[row - inner + i])
+                        cur[i] = np.int64(cur[i]) + np.int64(prev[i])
         inner *= m
 
 
@@ -195,7 +272,7 @@ def decode_rows(b0, b1, n, lead, dims, lorenzo, plan, masks, K, proto, kinds, sl
             if lorenzo:
                 _lorenzo(G, R[r * nr:(r + 1) * nr], dims)
             else:
-                _interp(G, R[r * nr:(r + 1) * nr], plan, masks[b * lead + r], K, is32)
+                _interp(G, R[r * nr:(r + 1) * nr], plan, masks[b * lead + r], K)
             x = out[b, r * nr:(r + 1) * nr]
             st = steps[b]
             for i in range(nr):
