@@ -233,16 +233,17 @@ def measure(comps: list, x: np.ndarray, eb: float, reps: int) -> list[dict]:
     return rows
 
 
-def gpu_decode(x: np.ndarray, eb: float, batch: int = 16, reps: int = 10) -> float | None:
-    """GB/s of decode_batch on CUDA (original bytes), or None without a GPU."""
+def gpu_decode(x: np.ndarray, eb: float, batch: int = 16, reps: int = 10, decoder=None) -> float | None:
+    """GB/s of decode_batch on CUDA (original bytes), or None without a GPU; ``decoder`` None is
+    the default path (``triton`` where Triton imports)."""
     if not torch.cuda.is_available():
         return None
     blobs = [sc.encode(x, abs_error=eb)] * batch
-    sc.decode_batch(blobs, device="cuda")
+    sc.decode_batch(blobs, device="cuda", decoder=decoder)
     torch.cuda.synchronize()
 
     def run():
-        sc.decode_batch(blobs, device="cuda")
+        sc.decode_batch(blobs, device="cuda", decoder=decoder)
         torch.cuda.synchronize()
 
     _, t = _best(run, reps)
@@ -267,14 +268,16 @@ def gpu_batch_rows(fname: str, arr: np.ndarray, blobs: list, eb: float, want: to
     """``decode_batch(device="cuda")`` of one mini-batch, eager and compiled: GB/s of original bytes
     (blobs from host memory to the decoded tensor on the GPU) and a bit-for-bit check against the CPU."""
     rows = []
-    for name, compile in (("solar decode_batch (cuda)", False), ("solar decode_batch (cuda, compiled)", True)):
+    for name, compile, dec in (("solar decode_batch (cuda)", False, None),
+                               ("solar decode_batch (cuda, reference)", False, "reference"),
+                               ("solar decode_batch (cuda, compiled)", True, None)):
         t0 = time.perf_counter()
-        y = sc.decode_batch(blobs, device="cuda", compile=compile)
+        y = sc.decode_batch(blobs, device="cuda", compile=compile, decoder=dec)
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
         if y.device.type != "cuda" or not torch.equal(y.cpu(), want):
             raise SystemExit(f"{fname}: {name} differs from the CPU decoder")
-        t = _cuda_timed(lambda c=compile: sc.decode_batch(blobs, device="cuda", compile=c), reps)
+        t = _cuda_timed(lambda c=compile, d=dec: sc.decode_batch(blobs, device="cuda", compile=c, decoder=d), reps)
         e = float(np.max(np.abs(y.cpu().numpy().astype(np.float64) - arr)))
         rows.append({"field": fname, "batch": len(blobs), "rel": rel, "compressor": name, "device": "cuda",
                      "ratio": arr.nbytes / sum(map(len, blobs)), "max_err_over_bound": e / eb,
@@ -402,8 +405,9 @@ def main(argv=None) -> int:
             here = [c for c in comps if not (c.lossless and rel != args.rel[0])]
             for comp, r in zip(here, measure(here, x, eb, args.reps)):
                 r.update(field=fname, shape=list(x.shape), rel=rel, compressor=comp.name)
-                if comp.name == "solar ebq (zstd)" and use_gpu:
+                if comp.name == "solar ebq (zstd)" and use_gpu:  # 16 blobs: 134 MB at 128^3
                     r["gpu_dec_GBps"] = gpu_decode(x, eb)
+                    r["gpu_dec_GBps_reference"] = gpu_decode(x, eb, decoder="reference")
                 rows.append(r)
                 gpu = f"  GPU {r['gpu_dec_GBps']:.1f} GB/s" if r.get("gpu_dec_GBps") else ""
                 first = f"  (first decode, compiling: {r['compile_s']:.1f} s)" if r["compile_s"] else ""

@@ -17,7 +17,7 @@ from solar.errors import ConfigError
 
 __all__ = ["DECODERS", "use", "current"]
 
-DECODERS = ("auto", "reference", "cpu-kernel")
+DECODERS = ("auto", "reference", "cpu-kernel", "triton")
 
 
 class _Choice(NamedTuple):

@@ -280,7 +280,7 @@ class EBQCodec(Codec):
         metas = [self._meta(b) for b in blobs]
         levels = [m.cubic_levels for m in metas]
         if len(blobs) > 1 and metas[0].predictor.per_level and len(set(levels)) > 1 and not self._fusable(blobs[0]) \
-                and paths.choose(torch.device(device), blobs[0].header.version, metas[0].predictor, 1) != "cpu-kernel":
+                and paths.choose(torch.device(device), blobs[0].header.version, metas[0].predictor, 1) == "reference":
             # mixed per-level cubic/linear choices: decode in an order where equal choices are
             # contiguous row slices (one prediction kind each), then put rows back in input order
             order = pr.mask_order(levels)
@@ -306,7 +306,8 @@ class EBQCodec(Codec):
         cubic = np.repeat(np.array([m.cubic_levels for m in metas], np.uint64), lead)
         lay = _Layout(shape, lead, shape[m0.fold:], cubic,
                       1 << m0.kshift, h0.version >= 6, _INT[m0.qint][1])
-        if order is None and paths.choose(dev, h0.version, m0.predictor, n) == "cpu-kernel":
+        path = paths.choose(dev, h0.version, m0.predictor, n) if order is None else "reference"
+        if path == "cpu-kernel":
             return _into(out, paths.decode_cpu(blobs, metas, lay, int8_stream).to(dev).view((B,) + h0.shape))
         g = gather(blobs, metas, n, order, int8_stream)
         dtype = TORCH_DTYPES[h0.dtype.itemsize]
@@ -318,7 +319,10 @@ class EBQCodec(Codec):
                 patch_(x.view(-1), *_cat(g.out_idx, g.out_val, dev))
                 return _into(out, x.view((B,) + h0.shape))
         # ---- from here on: one sequence of tensor ops for the whole group, on `device`
-        q = _eager_integers(g, m0, int8_stream, h0.version, lay, dev)
+        if path == "triton":
+            q = _triton_integers(g, m0, int8_stream, lay, dev)
+        else:
+            q = _eager_integers(g, m0, int8_stream, h0.version, lay, dev)
         steps, offs = g.steps, g.offs
         if order is not None:  # back to input order (int rows into scratch; the output is written once)
             inv = np.argsort(order)
@@ -429,6 +433,25 @@ def _eager_integers(g: Gathered, m0: EbqMeta, int8_stream: bool, version: int, l
         return pr.lorenzo_reconstruct(r.view((rows[0],) + lay.inner_shape))
     r = pr.natural_to_stream(r, lay.shape) if version == 1 else r.view(rows)
     return pr.interp_decode(r, lay.inner_shape, lay.masks, K=lay.K, reverse=lay.reverse)
+
+
+def _triton_integers(g: Gathered, m0: EbqMeta, int8_stream: bool, lay: _Layout, dev):
+    """The group's integers, ``(B * lead, n // lead)``, by the Triton passes
+    (:mod:`solar.codec.kernels_triton`): one residual stream, widened with the eager ops, escape
+    corrections added to it (int8 codes: true residual - marker) or put in place (wider codes);
+    the passes then choose cubic/linear per row, so mixed groups need no sorting."""
+    B, n = len(g.kinds), math.prod(lay.shape)
+    t = _code_stream(g.planes, g.rows, g.kinds, g.marks, g.side, n, dev)
+    if int8_stream:
+        r = t.view(torch.int8).reshape(B, n).to(lay.t_int)
+        if g.esc_idx:
+            corr = torch.from_numpy(np.concatenate(g.esc_val).astype(np.int64) + 128).to(dev, lay.t_int)
+            r.view(-1).index_add_(0, torch.from_numpy(np.concatenate(g.esc_idx)).to(dev), corr)
+    else:
+        r = unzigzag_(join_planes(t.view(B, m0.width, n), lay.t_int))
+        patch_(r.view(-1), *_cat(g.esc_idx, g.esc_val, dev))
+    kt = paths.triton_kernels(dev)
+    return kt.interp_decode(r.view(B * lay.lead, n // lay.lead), lay.inner_shape, lay.masks, lay.K, lay.reverse)
 
 
 def _wide_codes(planes: np.ndarray, at: np.ndarray, n: int, itype) -> np.ndarray:

@@ -29,47 +29,19 @@ numba imports, and the reference decodes otherwise.
 
 from __future__ import annotations
 
-import math
-from functools import lru_cache
-
 import numba
 import numpy as np
 
-from . import predict as pr
+from .passes import C_AXIS as _A
+from .passes import C_CNT as _CNT
+from .passes import C_DIST as _D
+from .passes import C_EVEN as _EVEN
+from .passes import C_LEVEL as _LV
+from .passes import C_NE as _NE
+from .passes import C_START as _START
+from .passes import C_STEP as _STEP
 
-__all__ = ["decode_rows", "interp_passes", "NDIM"]
-
-#: Sample shapes are padded with leading 1-axes to this many dimensions (encode takes 0-D to 4-D).
-NDIM = 4
-# pass descriptor columns: axis, neighbour distance, n_e, m even, level, then per axis start,
-# step and count (flat element units)
-_A, _D, _NE, _EVEN, _LV, _START, _STEP, _CNT = 0, 1, 2, 3, 4, 5, 5 + NDIM, 5 + 2 * NDIM
-_COLS = 5 + 3 * NDIM
-
-
-@lru_cache(maxsize=256)
-def interp_passes(shape: tuple[int, ...], reverse: bool) -> np.ndarray:
-    """``(passes, _COLS)`` int64 descriptors of :func:`~solar.codec.predict.interp_plan`'s passes
-    on ``shape`` padded to :data:`NDIM` axes: where each pass's odd points lie in the flat grid."""
-    pad = NDIM - len(shape)
-    full = (1,) * pad + tuple(shape)
-    flat = [math.prod(full[b + 1:]) for b in range(NDIM)]
-    plan = pr.interp_plan(tuple(shape), reverse)
-    out = np.zeros((len(plan), _COLS), np.int64)
-    for i, st in enumerate(plan):
-        a = st.axis - 1 + pad
-        s = 1 << st.level
-        out[i, :_START] = (a, s * flat[a], (st.m + 1) // 2, st.m % 2 == 0, st.level)
-        for b in range(NDIM):
-            if b == a:
-                start, step, cnt = s, 2 * s, st.m // 2
-            else:
-                stride = 1 if b < pad else st.sel[b - pad + 1].step
-                start, step, cnt = 0, stride, len(range(0, full[b], stride))
-            out[i, _START + b], out[i, _STEP + b], out[i, _CNT + b] = start * flat[b], step * flat[b], cnt
-    out.setflags(write=False)
-    return out
-
+__all__ = ["decode_rows"]
 
 @numba.njit(inline="always")
 def _wrap(x, is32):

@@ -6,8 +6,12 @@ Decoder paths (every one bit-exact with the reference; ``docs/codec.md``):
   ``torch.compile``-d graph when compiling is asked for (:mod:`solar.codec.fused`);
 * ``"cpu-kernel"``: numba kernels (:mod:`solar.codec.kernels_cpu`, the optional ``fast`` extra),
   one compiled call per group or per thread's share of it; the result is moved to the device;
+* ``"triton"``: the interpolation predictors' passes as Triton kernels
+  (:mod:`solar.codec.kernels_triton`) on CUDA, or on the CPU under Triton's interpreter
+  (``TRITON_INTERPRET=1``); codes, escapes, dequantization and outliers in the reference's ops;
 * ``"auto"`` (default): ``cpu-kernel`` for CPU decodes when numba imports and compiling was not
-  asked for, else ``reference``.
+  asked for, ``triton`` for CUDA decodes of the interpolation predictors when Triton imports and
+  compiling was not asked for, else ``reference``.
 
 A named path is a preference: blobs it does not cover (format ``ebq/1``, lossless-only blobs,
 empty arrays) and machines without its dependency decode with the reference. The path comes from
@@ -18,6 +22,7 @@ the ``decoder=`` argument of :func:`solar.codec.decode` / :func:`~solar.codec.de
 from __future__ import annotations
 
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 import numpy as np
@@ -26,11 +31,12 @@ import torch
 from . import fused
 from .decoders import current
 from .ebq_meta import NIBBLES
+from .passes import NDIM, interp_passes
 from .predict import Predictor
 from .sections import gather
 from .torch_ops import TORCH_DTYPES
 
-__all__ = ["choose", "decode_cpu", "kernel_available"]
+__all__ = ["choose", "decode_cpu", "kernel_available", "triton_kernels"]
 
 _KERNELS = None
 _LOCK = threading.Lock()
@@ -50,6 +56,25 @@ def _kernels():
     return _KERNELS or None
 
 
+_TRITON = None
+
+
+def triton_kernels(device: torch.device):
+    """:mod:`solar.codec.kernels_triton` when it can run on ``device`` (CUDA, or the CPU under
+    Triton's interpreter), else None (imported on first use: Triton is optional and heavy)."""
+    global _TRITON
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    if _TRITON is None:
+        with _LOCK:
+            try:
+                from . import kernels_triton  # optional dependency (triton), heavy import: see above
+            except ImportError:
+                kernels_triton = False
+            _TRITON = kernels_triton
+    return _TRITON or None
+
+
 def kernel_available() -> bool:
     """Whether the ``cpu-kernel`` path can run here (numba imports)."""
     return _kernels() is not None
@@ -59,10 +84,11 @@ def choose(device: torch.device, version: int, predictor: Predictor, n: int) -> 
     """The path that decodes a group of ``n``-value blobs of ``version`` and ``predictor`` on ``device``."""
     decoder, _ = current()
     covered = n > 0 and version >= 2 and predictor in (Predictor.INTERP, Predictor.FINE, Predictor.LORENZO)
-    if decoder == "reference" or not covered:
+    if decoder == "reference" or not covered or (decoder == "auto" and fused.enabled()):
         return "reference"
-    if decoder == "auto" and (device.type != "cpu" or fused.enabled()):
-        return "reference"
+    if decoder == "triton" or (decoder == "auto" and device.type == "cuda"):
+        ok = predictor.per_level and triton_kernels(device) is not None
+        return "triton" if ok else "reference"
     return "cpu-kernel" if kernel_available() else "reference"
 
 
@@ -120,10 +146,10 @@ def _share(blobs, metas, lay, int8_stream: bool, b0: int, b1: int, out: np.ndarr
         slots[rows] = np.arange(len(rows))
     wide = next((p.reshape(p.shape[0], w, n) for w, p in g.planes.items() if w not in code), _WIDE)
     lorenzo = m0.predictor == Predictor.LORENZO
-    dims = np.ones(k.NDIM, np.int64)
+    dims = np.ones(NDIM, np.int64)
     if lay.inner_shape:
-        dims[k.NDIM - len(lay.inner_shape):] = lay.inner_shape
-    plan = k.interp_passes(tuple(lay.inner_shape), lay.reverse)
+        dims[NDIM - len(lay.inner_shape):] = lay.inner_shape
+    plan = interp_passes(tuple(lay.inner_shape), lay.reverse)
     esc_pos, esc_val = (g.esc_idx[0], g.esc_val[0].astype(np.int64)) if g.esc_idx else (_I64, _I64)
     dt = out.dtype
     out_pos, out_val = (g.out_idx[0], g.out_val[0]) if g.out_idx else (_I64, np.empty(0, dt))
