@@ -49,15 +49,27 @@ def use(decoder: str | None = None, threads: int | None = None):
 def current() -> _Choice:
     """The decoder path and the thread count (0 resolved to the usable cores) in effect."""
     c = _CHOICE.get()
-    decoder = c.decoder or os.environ.get("SOLAR_CODEC_DECODER", "auto").strip().lower() or "auto"
-    threads = c.threads
-    if threads is None:
-        raw = os.environ.get("SOLAR_CODEC_THREADS", "1").strip() or "1"
-        try:
-            threads = int(raw)
-        except ValueError:
-            threads = -1
-    if decoder not in DECODERS or threads < 0:
+    if c.decoder is not None and c.threads:
+        return c
+    env = (os.environ.get("SOLAR_CODEC_DECODER"), os.environ.get("SOLAR_CODEC_THREADS"))
+    parsed = _ENV.get(env)
+    if parsed is None:
+        parsed = _ENV.setdefault(env, _parse_env(*env))
+    return _Choice(c.decoder or parsed.decoder, len(os.sched_getaffinity(0)) if c.threads == 0 else c.threads or
+                   parsed.threads)
+
+
+#: the environment's choice by its raw strings (decoding runs per mini-batch: parsed once)
+_ENV: dict[tuple, _Choice] = {}
+
+
+def _parse_env(decoder: str | None, threads: str | None) -> _Choice:
+    name = (decoder or "auto").strip().lower() or "auto"
+    try:
+        count = int((threads or "1").strip() or "1")
+    except ValueError:
+        count = -1
+    if name not in DECODERS or count < 0:
         raise ConfigError(f"SOLAR_CODEC_DECODER must be one of {', '.join(DECODERS)} and SOLAR_CODEC_THREADS "
-                          f"an int >= 0, got {decoder!r} and {os.environ.get('SOLAR_CODEC_THREADS')!r}")
-    return _Choice(decoder, threads or len(os.sched_getaffinity(0)))
+                          f"an int >= 0, got {decoder!r} and {threads!r}")
+    return _Choice(name, count or len(os.sched_getaffinity(0)))

@@ -25,6 +25,7 @@ import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 import numpy as np
 import torch
 
@@ -114,7 +115,7 @@ def decode_cpu(blobs, metas, lay, int8_stream: bool) -> torch.Tensor:
     B, n = len(blobs), math.prod(lay.shape)
     x = torch.empty((B, n), dtype=TORCH_DTYPES[h0.dtype.itemsize])
     xa = x.numpy()
-    threads = min(current().threads, B)
+    threads = min(current().threads, B) if B > 1 else 1
     if threads <= 1:
         _share(blobs, metas, lay, int8_stream, 0, B, xa)
         return x
@@ -131,30 +132,46 @@ _WIDE = np.empty((0, 1, 1), np.uint8)
 _I64 = np.empty(0, np.int64)
 _U8 = np.empty(0, np.uint8)
 _PROTO = {4: np.empty(0, np.int32), 8: np.empty(0, np.int64)}
+_EMPTY = {np.dtype("<f4"): np.empty(0, "<f4"), np.dtype("<f8"): np.empty(0, "<f8")}
+_KIND = {NIBBLES: 0, 1: 1}  # the kernel's code kinds: 0 nibbles, 1 int8, 2 byte planes
+
+
+@lru_cache(maxsize=256)
+def _geometry(inner_shape: tuple[int, ...], reverse: bool) -> tuple[np.ndarray, np.ndarray]:
+    """One predictor row's shape padded to :data:`NDIM` axes, and its interpolation passes."""
+    dims = np.ones(NDIM, np.int64)
+    if inner_shape:
+        dims[NDIM - len(inner_shape):] = inner_shape
+    dims.setflags(write=False)
+    return dims, interp_passes(inner_shape, reverse)
+
+
+def _codes(g, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per blob its code kind and its row in its kind's array, and the byte planes (or none)."""
+    if len(g.planes) == 1:  # one kind, rows in blob order
+        w, p = next(iter(g.planes.items()))
+        kinds = np.full(len(g.kinds), _KIND.get(w, 2), np.int8)
+        wide = p.reshape(p.shape[0], w, n) if w not in _KIND else _WIDE
+        return kinds, np.arange(len(g.kinds), dtype=np.int64), wide
+    kinds = np.array([_KIND.get(w, 2) for w in g.kinds], np.int8)
+    slots = np.empty(len(g.kinds), np.int64)
+    for rows in g.rows.values():
+        slots[rows] = np.arange(len(rows))
+    return kinds, slots, _WIDE  # several kinds: nibbles and int8 (byte planes never mix)
 
 
 def _share(blobs, metas, lay, int8_stream: bool, b0: int, b1: int, out: np.ndarray) -> None:
     """Blobs ``b0 .. b1 - 1`` into ``out`` (their rows of the group's result)."""
-    k = _kernels()
     bl, ms = blobs[b0:b1], metas[b0:b1]
     m0, n = ms[0], out.shape[1]
     g = gather(bl, ms, n, None, int8_stream)
-    code = {NIBBLES: 0, 1: 1}
-    kinds = np.fromiter((code.get(w, 2) for w in g.kinds), np.int8, len(g.kinds))
-    slots = np.empty(len(g.kinds), np.int64)
-    for w, rows in g.rows.items():
-        slots[rows] = np.arange(len(rows))
-    wide = next((p.reshape(p.shape[0], w, n) for w, p in g.planes.items() if w not in code), _WIDE)
-    lorenzo = m0.predictor == Predictor.LORENZO
-    dims = np.ones(NDIM, np.int64)
-    if lay.inner_shape:
-        dims[NDIM - len(lay.inner_shape):] = lay.inner_shape
-    plan = interp_passes(tuple(lay.inner_shape), lay.reverse)
+    kinds, slots, wide = _codes(g, n)
+    dims, plan = _geometry(tuple(lay.inner_shape), lay.reverse)
     esc_pos, esc_val = (g.esc_idx[0], g.esc_val[0].astype(np.int64)) if g.esc_idx else (_I64, _I64)
-    dt = out.dtype
-    out_pos, out_val = (g.out_idx[0], g.out_val[0]) if g.out_idx else (_I64, np.empty(0, dt))
-    k.decode_rows(0, b1 - b0, n, lay.lead, dims, lorenzo, plan, lay.masks[b0 * lay.lead:b1 * lay.lead], lay.K,
-                  _PROTO[m0.qint], kinds, slots, g.planes.get(NIBBLES, _I8), g.planes.get(1, _I8), wide,
-                  _I64 if g.marks is None else g.marks, _U8 if g.side is None else g.side, esc_pos, esc_val,
-                  int8_stream and m0.predictor.per_level, out_pos, out_val, g.steps, g.offs, bool(g.offs.any()),
-                  out)
+    out_pos, out_val = (g.out_idx[0], g.out_val[0]) if g.out_idx else (_I64, _EMPTY[out.dtype])
+    _KERNELS.decode_rows(0, b1 - b0, n, lay.lead, dims, m0.predictor == Predictor.LORENZO, plan,
+                         lay.masks[b0 * lay.lead:b1 * lay.lead], lay.K, _PROTO[m0.qint], kinds, slots,
+                         g.planes.get(NIBBLES, _I8), g.planes.get(1, _I8), wide,
+                         _I64 if g.marks is None else g.marks, _U8 if g.side is None else g.side, esc_pos, esc_val,
+                         int8_stream and m0.predictor.per_level, out_pos, out_val, g.steps, g.offs,
+                         bool(g.offs.any()), out)
