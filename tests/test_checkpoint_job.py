@@ -203,3 +203,53 @@ def test_a_torch_distributed_gloo_group_works_as_comm(comm, shared_tmp):
         assert same(load(root, comm="torch"), state(1, comm.rank))
     finally:
         dist.destroy_process_group()
+
+
+def test_solar_ckpt_sees_one_version_across_ranks_and_one_rank_with_rank(comm, shared_tmp, capsys, tmp_path):
+    import json
+
+    from solar.checkpoint.cli import main
+
+    root = os.path.join(shared_tmp, "job")
+    with CheckpointWriter(root, comm=comm, chunk_size=CHUNK) as w:
+        for s in range(2):
+            w.save(state(s, comm.rank), s)
+    comm.barrier()
+    if comm.rank == 0:
+        def run(*argv) -> tuple[int, dict | str]:
+            capsys.readouterr()
+            code = main(list(argv))
+            out = capsys.readouterr().out
+            return code, json.loads(out) if "--json" in argv else out
+
+        code, log = run("log", root, "--json")
+        assert code == 0 and [v["step"] for v in log["versions"]] == [0, 1]
+        assert all(v["world_size"] == comm.size for v in log["versions"])
+        one = run("log", root, "--json", "--rank", "1")[1]
+        assert one["versions"][1]["logical_bytes"] < log["versions"][1]["logical_bytes"]
+        shown = run("show", f"{root}@1", "--json")[1]
+        assert [r["rank"] for r in shown["ranks"]] == list(range(comm.size))
+        tensors = [t["name"] for t in run("show", f"{root}@1", "--json", "--rank", "1")[1]["tensors"]]
+        assert tensors == ["model.rep", "model.own", "optim.step"]
+        changed = run("diff", f"{root}@0", f"{root}@1", "--json")[1]["changed"]
+        assert {"rank 0/model.own", f"rank {comm.size - 1}/model.rep"} <= {c["name"] for c in changed}
+        changed = run("diff", f"{root}@0", f"{root}@1", "--json", "--rank", "1")[1]["changed"]
+        assert {c["name"] for c in changed} == {"model.rep", "model.own", "optim.step"}
+        assert run("verify", root, "--json")[0] == 0
+        out = str(tmp_path / "r1.pt")
+        assert run("restore", f"{root}@1", "--rank", "1", "-o", out)[0] == 0
+        assert same(torch.load(out), state(1, 1))
+        # a damaged chunk of rank 1's own tensor is named with its rank
+        part = JobStore(CheckpointStore(root)).part(JobStore(CheckpointStore(root)).read_global(1), 1)
+        ref = next(t for t in part.tensors if t.name == "model.own")
+        digest = part.blob_digests(ref.blob)[0].tobytes().hex()
+        path = os.path.join(root, "chunks", digest[:2], digest)
+        data = bytearray(open(path, "rb").read())
+        data[0] ^= 1
+        open(path, "wb").write(bytes(data))
+        code, rep = run("verify", root, "--json")
+        assert code == 1 and rep["problems"][0]["tensors"] == ["rank 1/model.own"]
+        assert rep["problems"][0]["steps"] == [1]
+        assert run("gc", root, "--keep-last", "1", "--json")[1]["kept"] == [1]
+        assert list_versions(root) == [1]
+    comm.barrier()

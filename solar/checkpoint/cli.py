@@ -26,6 +26,8 @@ from solar.fileio import write_atomic
 from .collect import gc
 from .compare import diff
 from .flatten import DTYPES, materialize
+from .jobreport import job_log, job_show
+from .jobstore import JobStore, is_job_root
 from .reader import Reader
 from .report import fmt_bytes, format_report, table
 from .store import CheckpointStore, parse_ref
@@ -57,6 +59,9 @@ def _emit(args, payload: Any, text: str) -> None:
 
 def cmd_log(args) -> int:
     store = CheckpointStore(args.root)
+    if is_job_root(store):
+        _emit(args, *job_log(JobStore(store), args.rank))
+        return 0
     rows, out = [], []
     total_logical = total_written = 0
     # versions a keep_last writer removes while this runs are left out, not reported as missing
@@ -121,7 +126,7 @@ def cmd_diff(args) -> int:
     for ref in (args.a, args.b):
         _check_safetensors_input(ref)
     rep = diff(args.a, args.b, values=args.values, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle,
-               prefix=args.prefix)
+               prefix=args.prefix, rank=args.rank)
     _emit(args, rep.to_json(), format_report(rep))
     return 1 if args.exit_code and not rep.identical else 0
 
@@ -147,7 +152,12 @@ def _skeleton_leaves(obj: Any, path: str, out: list) -> None:
 
 def cmd_show(args) -> int:
     root, step = parse_ref(args.ref)
-    m = CheckpointStore(root).resolve(step)
+    store = CheckpointStore(root)
+    if is_job_root(store) and args.rank is None:
+        _jm, payload, text = job_show(JobStore(store), step)
+        _emit(args, payload, text)
+        return 0
+    m = Reader(root, step, store=store, rank=args.rank).manifest
     blob_users: dict[int, list[str]] = {}
     for t in m.tensors:
         blob_users.setdefault(t.blob, []).append(t.name)
@@ -295,7 +305,7 @@ def cmd_restore(args) -> int:
     _check_output(args.output)
     fmt = _output_format(args)
     root, step = parse_ref(args.ref)
-    reader = Reader(root, step)
+    reader = Reader(root, step, rank=args.rank)
     if fmt == "safetensors":
         n = reader.retry_if_removed(lambda: _export_safetensors(reader, args.output))
         print(f"wrote {n} tensors of step {reader.manifest.step} to {args.output} (safetensors)")
@@ -315,11 +325,18 @@ def cmd_gc(args) -> int:
     return 0
 
 
+def _rank_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rank", type=int, default=None, metavar="R",
+                   help="on a job root (written with CheckpointWriter(root, comm=...)): rank R's state alone "
+                        "(default: the version across all ranks)")
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="ckpt_command", metavar="COMMAND", required=True)
     p = sub.add_parser("log", help="versions, bytes written per version, de-duplication ratio")
     p.add_argument("root")
     p.add_argument("--json", action="store_true")
+    _rank_option(p)
     p.set_defaults(func=cmd_log)
     p = sub.add_parser("diff", help="compare ROOT@STEP, .pt or .safetensors checkpoints")
     p.add_argument("a")
@@ -337,10 +354,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="compare the tensors under this name prefix of one side (e.g. ema.) with the other side's; "
                         "default: found automatically, an error if two prefixes match equally well; '' compares "
                         "names as they are")
+    _rank_option(p)
     p.set_defaults(func=cmd_diff)
     p = sub.add_parser("show", help="tensors and values of one version")
     p.add_argument("ref", metavar="ROOT@STEP")
     p.add_argument("--json", action="store_true")
+    _rank_option(p)
     p.set_defaults(func=cmd_show)
     p = sub.add_parser("verify", help="recompute every hash; name corrupt chunks and the tensors they touch")
     p.add_argument("ref", metavar="ROOT[@STEP]")
@@ -363,6 +382,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                        help="unpickle the version's non-tensor objects with the full unpickler, not only through "
                             "the allow-list of safe globals; only for a root you trust: unpickling can run "
                             "arbitrary code")
+        _rank_option(p)
         p.set_defaults(func=cmd_restore)
     p = sub.add_parser("gc", help="remove old versions and unreferenced chunks")
     p.add_argument("root")

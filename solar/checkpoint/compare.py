@@ -215,13 +215,14 @@ def _diff_plain(rep: DiffReport, ta: TensorTable, tb: TensorTable, atol: float, 
 
 
 def diff(a: "str | TensorTable", b: "str | TensorTable", *, values: bool = False, atol: float = 0.0, rtol: float = 0.0,
-         trust_pickle: bool = False, prefix: str | None = None) -> DiffReport:
+         trust_pickle: bool = False, prefix: str | None = None, rank: int | None = None) -> DiffReport:
     """Compare ``a`` and ``b`` (refs or tables), tensors and plain values; manifest-only unless ``values``.
 
     With ``values``, numeric plain values (ints and floats, not bools) within ``atol + rtol * |b|``
     count as unchanged, as tensor elements do. ``trust_pickle``: see :func:`open_table`.
     ``prefix``: compare the tensors under this name prefix of one side (``"ema."``) with the other
     side's; ``None`` finds it (see :func:`_align`), ``""`` compares names as they are.
+    ``rank``: on job roots, compare that rank's states (default: every rank's, as ``rank R/NAME``).
 
     Raises:
         InputError / CheckpointError: a side cannot be opened, or the prefix is ambiguous (or given
@@ -232,13 +233,13 @@ def diff(a: "str | TensorTable", b: "str | TensorTable", *, values: bool = False
     if ta is None and tb is None:
         va, vb = version_ref(a), version_ref(b)
         if va is None and vb is not None:
-            tb = open_table(b, trust_pickle=trust_pickle)
+            tb = open_table(b, trust_pickle=trust_pickle, rank=rank)
         else:
-            ta = open_table(a, trust_pickle=trust_pickle)
+            ta = open_table(a, trust_pickle=trust_pickle, rank=rank)
     if ta is None:
-        ta = open_table(a, chunk_size=tb.chunk_size, hash_name=tb.hash, trust_pickle=trust_pickle)
+        ta = open_table(a, chunk_size=tb.chunk_size, hash_name=tb.hash, trust_pickle=trust_pickle, rank=rank)
     if tb is None:
-        tb = open_table(b, chunk_size=ta.chunk_size, hash_name=ta.hash, trust_pickle=trust_pickle)
+        tb = open_table(b, chunk_size=ta.chunk_size, hash_name=ta.hash, trust_pickle=trust_pickle, rank=rank)
     comparable = ta.chunk_size == tb.chunk_size and ta.hash == tb.hash
     rep = DiffReport(ta.source, tb.source, values=values)
     aligned = _align(ta, tb, prefix)

@@ -32,6 +32,7 @@ from solar.errors import InputError
 from . import merkle
 from .chunking import DEFAULT_CHUNK_SIZE, hash_chunks, hasher
 from .flatten import DTYPES, dtype_name, flatten, unflatten
+from .jobstore import JobStore, is_job_root
 from .reader import Reader
 from .store import CheckpointStore, parse_ref
 
@@ -135,26 +136,40 @@ def plain_values(skeleton: Any) -> dict[str, Any]:
     return out
 
 
-def _from_version(root: str, step: int | None) -> TensorTable:
+def _from_version(root: str, step: int | None, rank: int | None = None) -> TensorTable:
+    """A version's table; on a job root every rank's tensors as ``rank R/NAME`` (or one rank's
+    under their own names with ``rank``)."""
     store = CheckpointStore(root)
-    m = store.resolve(step)
-    reader: Reader | None = None
+    if is_job_root(store):
+        jobs = JobStore(store)
+        jm = jobs.resolve(step)
+        parts = [(r, jobs.part(jm, r)) for r in ([rank] if rank is not None else range(jm.world_size))]
+    else:
+        parts = [(None, store.resolve(step))]
+    readers: dict = {}
+    where: dict[str, tuple] = {}  # table name -> (rank, its manifest, the name in it)
 
     def load_tensor(name: str) -> torch.Tensor:
-        nonlocal reader
-        if reader is None:
-            reader = Reader(root, m.step, store=store)
-            reader.manifest = m
-        return reader.tensor(name, map_location="cpu")
+        r, m, local = where[name]
+        if r not in readers:
+            readers[r] = Reader(root, m.step, store=store, rank=r)
+            readers[r].manifest = m
+        return readers[r].tensor(local, map_location="cpu")
 
-    tensors = {}
-    for t in m.tensors:
-        b = m.blobs[t.blob]
-        exact = t.offset == 0 and t.nbytes == b.nbytes and t.contiguous_extent() is not None
-        tensors[t.name] = TensorInfo(t.dtype, list(t.shape), t.nbytes, m.blob_digests(t.blob), bytes.fromhex(b.root),
-                                     exact)
-    return TensorTable(f"{store.root}@{m.step}", m.chunk_size, m.hash, tensors, load_tensor, m.step, m.logical_bytes,
-                       plain_values(m.skeleton))
+    tensors, plain = {}, {}
+    for r, m in parts:
+        prefix = f"rank {r}/" if r is not None and rank is None else ""
+        for t in m.tensors:
+            b = m.blobs[t.blob]
+            exact = t.offset == 0 and t.nbytes == b.nbytes and t.contiguous_extent() is not None
+            tensors[prefix + t.name] = TensorInfo(t.dtype, list(t.shape), t.nbytes, m.blob_digests(t.blob),
+                                                  bytes.fromhex(b.root), exact)
+            where[prefix + t.name] = (r, m, t.name)
+        plain.update({prefix + k: v for k, v in plain_values(m.skeleton).items()})
+    m = parts[0][1]
+    shown = f"{store.root}@{m.step}" + (f" rank {rank}" if rank is not None and parts[0][0] is not None else "")
+    logical = sum(p.logical_bytes for _r, p in parts)
+    return TensorTable(shown, m.chunk_size, m.hash, tensors, load_tensor, m.step, logical, plain)
 
 
 def _torch_load(file: str, shown: str, trust_pickle: bool, **kw: Any) -> Any:
@@ -286,13 +301,13 @@ def version_ref(ref: str) -> tuple[str, int | None] | None:
 
 
 def open_table(ref: str, *, chunk_size: int | None = None, hash_name: str | None = None,
-               trust_pickle: bool = False) -> TensorTable:
+               trust_pickle: bool = False, rank: int | None = None) -> TensorTable:
     """The tensor table of ``ref``: ``ROOT@STEP``, ``ROOT`` (newest), ``.pt`` or ``.safetensors``.
 
     ``trust_pickle`` loads a ``.pt`` (or DCP) input with ``weights_only=False``: only for files
-    you trust, since unpickling can run arbitrary code.
+    you trust, since unpickling can run arbitrary code. ``rank``: one rank of a job root.
     """
     version = version_ref(ref)
     if version is not None:
-        return _from_version(*version)
+        return _from_version(*version, rank=rank)
     return _from_file(ref, chunk_size or DEFAULT_CHUNK_SIZE, hash_name or "xxh3_128", trust_pickle)

@@ -14,7 +14,7 @@ the same bytes writes them afresh, which heals every version that references the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple
 
 from tqdm import tqdm
@@ -25,6 +25,7 @@ from solar.errors import CorruptDataError
 from . import merkle
 from .chunking import chunk_spans, hasher
 from .errors import CheckpointVersionRemovedError
+from .jobstore import JobStore, is_job_root
 from .manifest import Manifest
 from .store import CheckpointStore, chunk_key
 
@@ -98,11 +99,47 @@ class _Chunk(NamedTuple):
     hash: str
 
 
+def _job_manifests(store: CheckpointStore, step: int | None, report: VerifyReport) -> tuple[list, list, Callable]:
+    """A job root's parts to check (tensors named ``rank R/NAME``), its damaged global manifests or
+    parts, and whether a version is still stored (its global manifest is)."""
+    jobs = JobStore(store)
+    steps = [step] if step is not None else jobs.steps()
+    if not steps and step is None:
+        raise store.not_a_root()
+    manifests, damaged, roots = [], [], {}
+    for s in steps:
+        try:
+            jm = jobs.read_global(s)
+        except CorruptDataError as exc:
+            damaged.append((s, exc))
+            continue
+        roots[s] = jm.root
+        for r in range(jm.world_size):
+            try:
+                part = jobs.part(jm, r)
+            except CorruptDataError as exc:
+                report.problems.append({"kind": "part", "step": s, "rank": r, "tensors": [], "detail": str(exc)})
+                continue
+            manifests.append(replace(part, tensors=[replace(t, name=f"rank {r}/{t.name}") for t in part.tensors]))
+
+    def holds(m: Manifest) -> bool:
+        try:
+            jm = jobs.find_global(m.step)
+        except CorruptDataError:
+            return True
+        return jm is not None and jm.root == roots.get(m.step)
+
+    return manifests, damaged, holds
+
+
 def _verify(store: CheckpointStore, step: int | None, progress: bool) -> VerifyReport:
     report = VerifyReport(store.root)
     manifests: list[Manifest] = []
     damaged: list[tuple[int, CorruptDataError]] = []
-    if step is not None:
+    holds = store.holds
+    if is_job_root(store):
+        manifests, damaged, holds = _job_manifests(store, step, report)
+    elif step is not None:
         try:
             manifests.append(store.read_manifest(step))
         except CorruptDataError as exc:
@@ -136,7 +173,7 @@ def _verify(store: CheckpointStore, step: int | None, progress: bool) -> VerifyR
         if bar is not None:
             bar.update(size)
         if detail:
-            uses = _uses_still_stored(store, uses, by_step, gone)
+            uses = _uses_still_stored(holds, uses, by_step, gone)
             if not uses:
                 continue  # every version using it was removed while this ran: nothing is damaged
             tensors = sorted({t for _s, names in uses for t in names})
@@ -149,7 +186,7 @@ def _verify(store: CheckpointStore, step: int | None, progress: bool) -> VerifyR
             f"step {step} of {store.root} was removed while it was being verified: a CheckpointWriter's keep_last "
             f"retention (or a gc) deleted it after committing newer versions. Nothing is corrupt; verify a newer "
             f"version (there now: {store.versions() or 'none'}) or give the writer a larger keep_last")
-    report.steps = [s for s in report.steps if s not in gone]
+    report.steps = sorted({s for s in report.steps if s not in gone})
     report.skipped = sorted(set(report.skipped) | gone)
     return report
 
@@ -192,7 +229,8 @@ def _chunk_problem(store: CheckpointStore, d: bytes, size: int, view: memoryview
     return None
 
 
-def _uses_still_stored(store: CheckpointStore, uses: list, by_step: dict[int, Manifest], gone: set[int]) -> list:
+def _uses_still_stored(holds: Callable[[Manifest], bool], uses: list, by_step: dict[int, Manifest],
+                       gone: set[int]) -> list:
     """The ``(step, tensors)`` uses of a chunk that failed its check whose version is still stored.
 
     A writer's ``keep_last`` retention (or a ``gc``) deletes a version's manifest first and its
@@ -205,7 +243,7 @@ def _uses_still_stored(store: CheckpointStore, uses: list, by_step: dict[int, Ma
     out = []
     for s, names in uses:
         if s not in gone and s not in held:
-            held[s] = store.holds(by_step[s])
+            held[s] = holds(by_step[s])
             if not held[s]:
                 gone.add(s)
         if s not in gone:
