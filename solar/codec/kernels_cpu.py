@@ -4,8 +4,15 @@ group (or per thread's share of it).
 
 Why a second CPU formulation: the reference (:func:`solar.codec.predict.interp_decode`) issues
 a handful of tensor ops per (level, axis) pass, each a full memory pass and each with a fixed
-cost per call; here one blob row goes codes -> residuals -> integers -> floats while it is in
-cache, every pass in place on one grid (SZ3's layout) instead of a new polyphase grid.
+cost per call; here one blob row goes codes -> residuals -> integers -> floats in one compiled
+call, each pass one loop nest that writes the next polyphase grid (the reference's layout:
+contiguous loads, and stores that are either contiguous rows or interleaved pairs, so every
+loop vectorizes at every level).
+
+Performance rule (measured, not cosmetic): no function taking arrays is called, even inlined,
+inside a per-value loop. numba reference-counts the array arguments of every such call, two
+atomic operations each, which made the innermost loops about a hundred times slower; views are
+made once per line or block, and the loops index them directly.
 
 Bit-exactness with the reference is by construction, not by tolerance:
 
@@ -33,13 +40,10 @@ import numba
 import numpy as np
 
 from .passes import C_AXIS as _A
-from .passes import C_CNT as _CNT
-from .passes import C_DIST as _D
 from .passes import C_EVEN as _EVEN
 from .passes import C_LEVEL as _LV
 from .passes import C_NE as _NE
-from .passes import C_START as _START
-from .passes import C_STEP as _STEP
+from .passes import NDIM
 
 __all__ = ["decode_rows"]
 
@@ -94,63 +98,99 @@ _COPY, _LINEAR, _CUBIC = 0, 1, 2
 
 
 @numba.njit(inline="always")
-def _points(T, L, Rt, LL, RR, res, count, kind, K):
-    """Odd points ``T[j]`` from their even neighbours ``L[j]``, ``Rt[j]`` (and ``LL[j]``, ``RR[j]``
-    two further out) and residuals ``res[j]``: views with non-negative indices, so the loops
-    carry no negative-index checks and vectorize where the views are contiguous."""
-    is32 = T.itemsize == 4
+def _pairs(O, C, res, count, kind, K, is32):
+    """For ``j < count``: ``O[2j] = C[j + 1]`` (an even point) and ``O[2j + 1]``, the odd point
+    between ``C[j + 1]`` and ``C[j + 2]`` (cubic: ``C[j]`` and ``C[j + 3]`` too), from ``res[j]``.
+    One loop per kind (no per-point call, branch or reference count): contiguous loads and
+    interleaved stores, which vectorize."""
     if kind == _COPY:
         for j in range(count):
-            T[j] = _wrap(np.int64(L[j]) + K * np.int64(res[j]), is32)
+            b = np.int64(C[j + 1])
+            O[2 * j] = b
+            O[2 * j + 1] = _wrap(b + K * np.int64(res[j]), is32)
     elif kind == _LINEAR:
         for j in range(count):
-            T[j] = _wrap((_wrap(np.int64(L[j]) + np.int64(Rt[j]), is32) >> 1) + K * np.int64(res[j]), is32)
-    elif K == 1:  # the reference's sign -1 form
-        for j in range(count):
-            t = np.int64(LL[j]) + np.int64(RR[j]) - 9 * (np.int64(L[j]) + np.int64(Rt[j])) + 7
-            T[j] = _wrap(np.int64(res[j]) - (_wrap(t, is32) >> 4), is32)
-    else:  # its positive form
-        for j in range(count):
-            t = 9 * (np.int64(L[j]) + np.int64(Rt[j])) - np.int64(LL[j]) - np.int64(RR[j]) + 8
-            T[j] = _wrap((_wrap(t, is32) >> 4) + K * np.int64(res[j]), is32)
-
-
-@numba.njit(inline="always")
-def _stride2(V, res, count, cubic, K):
-    """:func:`_points` for odd points 2 apart with neighbours 1 (and 3) away, on one contiguous
-    view ``V`` that starts at the first point's farthest left neighbour: compile-time offsets and
-    stride, so the loop vectorizes as interleaved loads and stores."""
-    is32 = V.itemsize == 4
-    if not cubic:
-        for j in range(count):
-            V[2 * j + 1] = _wrap((_wrap(np.int64(V[2 * j]) + np.int64(V[2 * j + 2]), is32) >> 1)
-                                 + K * np.int64(res[j]), is32)
+            b = np.int64(C[j + 1])
+            O[2 * j] = b
+            O[2 * j + 1] = _wrap((_wrap(b + np.int64(C[j + 2]), is32) >> 1) + K * np.int64(res[j]), is32)
     elif K == 1:
         for j in range(count):
-            t = np.int64(V[2 * j]) + np.int64(V[2 * j + 6]) - 9 * (np.int64(V[2 * j + 2]) + np.int64(V[2 * j + 4])) + 7
-            V[2 * j + 3] = _wrap(np.int64(res[j]) - (_wrap(t, is32) >> 4), is32)
+            b = np.int64(C[j + 1])
+            O[2 * j] = b
+            t = np.int64(C[j]) + np.int64(C[j + 3]) - 9 * (b + np.int64(C[j + 2])) + 7
+            O[2 * j + 1] = _wrap(np.int64(res[j]) - (_wrap(t, is32) >> 4), is32)
     else:
         for j in range(count):
-            t = 9 * (np.int64(V[2 * j + 2]) + np.int64(V[2 * j + 4])) - np.int64(V[2 * j]) - np.int64(V[2 * j + 6]) + 8
-            V[2 * j + 3] = _wrap((_wrap(t, is32) >> 4) + K * np.int64(res[j]), is32)
+            b = np.int64(C[j + 1])
+            O[2 * j] = b
+            t = 9 * (b + np.int64(C[j + 2])) - np.int64(C[j]) - np.int64(C[j + 3]) + 8
+            O[2 * j + 1] = _wrap((_wrap(t, is32) >> 4) + K * np.int64(res[j]), is32)
 
 
 @numba.njit(inline="always")
-def _run(G, R, pos, q0, qstep, count, d, kind, K):
-    """``count`` odd points of one kind at ``q0 + j * qstep``, residuals ``R[pos + j]``."""
+def _line_run(O, C, res, k0, count, kind, K, is32):
+    """Pairs ``k0 .. k0 + count - 1`` of a line (:func:`_pair`), on views whose indices start at
+    0: a loop of contiguous loads and interleaved stores, which vectorizes."""
     if count <= 0:
         return
-    res = R[pos:pos + count]
-    far = 3 * d if kind == _CUBIC else d  # cubic points have neighbours 3 d away; others not
-    if qstep == 2 and d == 1 and kind != _COPY:  # finest innermost-axis pass: constant stride 2
-        _stride2(G[q0 - far:q0 + 2 * count + far], R[pos:pos + count], count, kind == _CUBIC, K)
-    elif qstep == 1:
-        _points(G[q0:q0 + count], G[q0 - d:q0 - d + count], G[q0 + d:q0 + d + count],
-                G[q0 - far:q0 - far + count], G[q0 + far:q0 + far + count], res, count, kind, K)
+    Ov, rv = O[2 * k0:], res[k0:k0 + count]
+    if k0 >= 1:  # a view from the left neighbour's left neighbour (what _pair indexes from)
+        _pairs(Ov, C[k0 - 1:], rv, count, kind, K, is32)
+        return
+    for j in range(count):  # the line's first pairs (never cubic): no point left of the line
+        b = np.int64(C[j])
+        Ov[2 * j] = b
+        if kind == _COPY:
+            v = b + K * np.int64(rv[j])
+        else:
+            v = (_wrap(b + np.int64(C[j + 1]), is32) >> 1) + K * np.int64(rv[j])
+        Ov[2 * j + 1] = _wrap(v, is32)
+
+
+@numba.njit(inline="always")
+def _line(O, C, res, n_e, n_o, even, cubic, K, is32):
+    """One line along the innermost axis: ``C`` its ``n_e`` known points, ``O`` the ``2 n_e``
+    (or ``2 n_e - 1``) points of the refined line."""
+    last = n_o - 1 if even else n_o  # odd points before the copied one
+    lo = min(1, last) if cubic else last
+    hi = max(min(n_e - 2, last), lo) if cubic else last
+    _line_run(O, C, res, 0, lo, _LINEAR, K, is32)
+    _line_run(O, C, res, lo, hi - lo, _CUBIC, K, is32)
+    _line_run(O, C, res, hi, last - hi, _LINEAR, K, is32)
+    if even:
+        _line_run(O, C, res, last, 1, _COPY, K, is32)
     else:
-        end = q0 + (count - 1) * qstep + 1
-        _points(G[q0:end:qstep], G[q0 - d:end - d:qstep], G[q0 + d:end + d:qstep],
-                G[q0 - far:end - far:qstep], G[q0 + far:end + far:qstep], res, count, kind, K)
+        O[2 * (n_e - 1)] = C[n_e - 1]
+
+
+@numba.njit(inline="always")
+def _rows(O, C, res, n_e, n_o, inner, even, cubic, K, is32):
+    """One block along an outer axis: ``C`` its ``n_e`` known rows of ``inner`` values, ``O``
+    the refined block: even rows copied, odd rows computed. 2-D views, indexed by row and
+    column (no per-row view or call, no negative-index check in the inner loops)."""
+    C2, O2, r2 = C.reshape((n_e, inner)), O.reshape((2 * n_o + (0 if even else 1), inner)), res.reshape((n_o, inner))
+    for k in range(n_e):
+        for i in range(inner):
+            O2[2 * k, i] = C2[k, i]
+    for k in range(n_o):
+        kind = _kind(k, n_e, even, cubic)
+        if kind == _COPY:
+            for i in range(inner):
+                O2[2 * k + 1, i] = _wrap(np.int64(C2[k, i]) + K * np.int64(r2[k, i]), is32)
+        elif kind == _LINEAR:
+            for i in range(inner):
+                v = (_wrap(np.int64(C2[k, i]) + np.int64(C2[k + 1, i]), is32) >> 1) + K * np.int64(r2[k, i])
+                O2[2 * k + 1, i] = _wrap(v, is32)
+        elif K == 1:
+            for i in range(inner):
+                b, c = np.int64(C2[k, i]), np.int64(C2[k + 1, i])
+                t = np.int64(C2[k - 1, i]) + np.int64(C2[k + 2, i]) - 9 * (b + c) + 7
+                O2[2 * k + 1, i] = _wrap(np.int64(r2[k, i]) - (_wrap(t, is32) >> 4), is32)
+        else:
+            for i in range(inner):
+                b, c = np.int64(C2[k, i]), np.int64(C2[k + 1, i])
+                t = 9 * (b + c) - np.int64(C2[k - 1, i]) - np.int64(C2[k + 2, i]) + 8
+                O2[2 * k + 1, i] = _wrap((_wrap(t, is32) >> 4) + K * np.int64(r2[k, i]), is32)
 
 
 @numba.njit(inline="always")
@@ -163,45 +203,58 @@ def _kind(k, n_e, even, cubic):
 
 
 @numba.njit(nogil=True, cache=True)
-def _interp(G, R, plan, cubic_mask, K):
-    """In place on ``G`` (one predictor row): the anchor, then every pass of ``plan``.
+def _pass(src, dst, R, pos, outer, inner, n_e, even, cubic, K):
+    """One pass: the grid ``src`` (``outer`` blocks of ``n_e`` rows of ``inner`` values) refined
+    along its middle axis into ``dst``, residuals from ``R[pos]`` on."""
+    is32 = np.iinfo(src.dtype).bits == 32  # a compile-time constant (the array's itemsize field is not)
+    m = 2 * n_e if even else 2 * n_e - 1
+    n_o = m // 2
+    for o in range(outer):
+        C = src[o * n_e * inner:(o + 1) * n_e * inner]
+        O = dst[o * m * inner:(o + 1) * m * inner]
+        res = R[pos + o * n_o * inner:pos + (o + 1) * n_o * inner]
+        if inner == 1:
+            _line(O, C, res, n_e, n_o, even, cubic, K, is32)
+        else:
+            _rows(O, C, res, n_e, n_o, inner, even, cubic, K, is32)
 
-    A pass along the innermost axis walks each line in runs of one point kind (stride 2
-    ``d``); any other pass walks, per point along its axis, the contiguous innermost run of the
-    grid, whose points share one kind (a loop without branches)."""
-    G[0] = _wrap(np.int64(R[0]) * K, G.itemsize == 4)
+
+@numba.njit(nogil=True, cache=True)
+def _interp(G, R, plan, cubic_mask, K, W):
+    """The anchor, then every pass of ``plan``, result in ``G`` (``W``: scratch of ``G``'s size).
+
+    Polyphase, as the reference: the grid refined so far is kept contiguous, and each pass
+    writes the next grid into the other buffer, its even points copied and its odd points
+    computed between them. A pass along the innermost axis then loads each line contiguously
+    and stores interleaved pairs, any other pass copies and computes whole contiguous rows:
+    every loop vectorizes, at every level."""
+    in_g = plan.shape[0] % 2 == 0  # where the grid refined so far is: the last pass writes into G
+    (G if in_g else W)[0] = _wrap(np.int64(R[0]) * K, G.itemsize == 4)
+    sizes = np.ones(NDIM, np.int64)
     pos = 1
     for p in range(plan.shape[0]):
-        d, n_e, even = plan[p, _D], plan[p, _NE], plan[p, _EVEN] != 0
+        a, n_e, even = plan[p, _A], plan[p, _NE], plan[p, _EVEN] != 0
         cubic = ((cubic_mask >> np.uint64(plan[p, _LV])) & np.uint64(1)) != 0 and n_e >= 4
-        a = plan[p, _A]
-        c0, c1, c2, c3 = plan[p, _CNT], plan[p, _CNT + 1], plan[p, _CNT + 2], plan[p, _CNT + 3]
-        s0, s1, s2, s3 = plan[p, _STEP], plan[p, _STEP + 1], plan[p, _STEP + 2], plan[p, _STEP + 3]
-        b0 = plan[p, _START] + plan[p, _START + 1] + plan[p, _START + 2] + plan[p, _START + 3]
-        for i0 in range(c0):
-            for i1 in range(c1):
-                for i2 in range(c2):
-                    base = b0 + i0 * s0 + i1 * s1 + i2 * s2
-                    if a == 3:  # runs along the line: linear | cubic interior | linear | copy
-                        last = c3 - 1 if even else c3  # points before the copied one
-                        lo = min(1, last) if cubic else last
-                        hi = max(min(n_e - 2, last), lo) if cubic else last
-                        _run(G, R, pos, base, s3, lo, d, _LINEAR, K)
-                        _run(G, R, pos + lo, base + lo * s3, s3, hi - lo, d, _CUBIC, K)
-                        _run(G, R, pos + hi, base + hi * s3, s3, last - hi, d, _LINEAR, K)
-                        if even:
-                            _run(G, R, pos + last, base + last * s3, s3, 1, d, _COPY, K)
-                    else:
-                        k = i2 if a == 2 else (i1 if a == 1 else i0)
-                        _run(G, R, pos, base, s3, c3, d, _kind(k, n_e, even, cubic), K)
-                    pos += c3
+        outer, inner = 1, 1
+        for b in range(a):
+            outer *= sizes[b]
+        for b in range(a + 1, NDIM):
+            inner *= sizes[b]
+        if in_g:
+            _pass(G, W, R, pos, outer, inner, n_e, even, cubic, K)
+        else:
+            _pass(W, G, R, pos, outer, inner, n_e, even, cubic, K)
+        m = 2 * n_e if even else 2 * n_e - 1
+        pos += outer * (m // 2) * inner
+        sizes[a] = m
+        in_g = not in_g
 
 
 @numba.njit(nogil=True, cache=True)
 def _lorenzo(G, R, dims):
     """In place on ``G``: inclusive prefix sums of ``R`` along every axis of the padded shape."""
     n = G.shape[0]
-    is32 = G.itemsize == 4
+    is32 = np.iinfo(G.dtype).bits == 32
     m = dims[dims.shape[0] - 1]
     for o in range(n // m):  # innermost axis: a running sum per line
         line, src = G[o * m:(o + 1) * m], R[o * m:(o + 1) * m]
@@ -234,9 +287,10 @@ def decode_rows(b0, b1, n, lead, dims, lorenzo, plan, masks, K, proto, kinds, sl
     take the ``side`` values; ``esc_pos``/``esc_val`` and ``out_pos``/``out_val`` are flat
     positions in ``(B, n)``, sorted, and their values.
     """
-    is32 = proto.itemsize == 4
+    is32 = np.iinfo(proto.dtype).bits == 32
     R = np.empty(n, proto.dtype)
     G = np.empty(n // lead if lead else 0, proto.dtype)
+    W = np.empty_like(G)
     nr = n // lead if lead else 0
     for b in range(b0, b1):
         _residuals(b, R, n, kinds, slots, nib, i8, wide, marks, side, esc_pos, esc_val, esc_add, is32)
@@ -244,7 +298,7 @@ def decode_rows(b0, b1, n, lead, dims, lorenzo, plan, masks, K, proto, kinds, sl
             if lorenzo:
                 _lorenzo(G, R[r * nr:(r + 1) * nr], dims)
             else:
-                _interp(G, R[r * nr:(r + 1) * nr], plan, masks[b * lead + r], K)
+                _interp(G, R[r * nr:(r + 1) * nr], plan, masks[b * lead + r], K, W)
             x = out[b, r * nr:(r + 1) * nr]
             st = steps[b]
             for i in range(nr):
