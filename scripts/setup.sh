@@ -15,8 +15,14 @@ STAMP="$VENV/.solar-setup-stamp"
 log() { printf '[setup] %s\n' "$*" >&2; }
 die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 
-APT_PKGS="openmpi-bin libopenmpi-dev libhdf5-openmpi-dev pkg-config nginx chromium"
-have_parallel_stack() { command -v mpirun >/dev/null && command -v mpicc >/dev/null && pkg-config --exists hdf5-openmpi 2>/dev/null && command -v nginx >/dev/null && command -v chromium >/dev/null; }
+# The tests' own programs; `make demo` (SOLAR_SETUP=demo) needs neither, so it installs no web server service.
+TEST_PKGS="nginx chromium"
+[ "${SOLAR_SETUP:-test}" = demo ] && TEST_PKGS=""
+APT_PKGS="openmpi-bin libopenmpi-dev libhdf5-openmpi-dev pkg-config $TEST_PKGS"
+have_parallel_stack() {
+  command -v mpirun >/dev/null && command -v mpicc >/dev/null && pkg-config --exists hdf5-openmpi 2>/dev/null || return 1
+  for c in $TEST_PKGS; do command -v "$c" >/dev/null || return 1; done
+}
 
 # 1. Debian packages (OpenMPI 4.1, parallel HDF5 1.10, nginx for the HTTP range-server tests,
 #    chromium to render the built docs in tests/test_docs_site.py).
@@ -28,7 +34,7 @@ elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq || die "apt-get update failed; check the network to Debian's mirrors"
   apt-get install -y -qq --no-install-recommends $APT_PKGS >/dev/null || die "apt-get install $APT_PKGS failed"
-  have_parallel_stack || die "packages installed but mpicc/hdf5-openmpi.pc/nginx/chromium still missing"
+  have_parallel_stack || die "packages installed but mpicc/hdf5-openmpi.pc/$TEST_PKGS still missing"
 else
   PARALLEL=0
   log "WARNING: not root or no apt-get: cannot install OpenMPI + parallel HDF5."
