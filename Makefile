@@ -46,7 +46,9 @@ lint:
 docs: setup
 	$(PY) -m mkdocs build --strict
 
-demo: setup
+# The demo's set-up leaves out the tests' nginx and chromium (SOLAR_SETUP=demo in scripts/setup.sh).
+demo:
+	@SOLAR_SETUP=demo bash scripts/setup.sh
 	$(VENV)/bin/solar demo
 
 bench: setup
