@@ -126,7 +126,7 @@ def test_a_rank_failing_mid_save_fails_every_future_and_commits_nothing(comm, sh
     with pytest.raises((OSError, CheckpointError), match="No space left on device"):
         fut.result()
     if comm.rank != comm.size - 1:
-        want = rf"rank {comm.size - 1} failed writing its chunks and part of step 1"
+        want = rf"rank {comm.size - 1} failed writing its chunks of step 1"
         with pytest.raises(CheckpointError, match=want):
             fut.result()
     comm.barrier()
@@ -182,19 +182,13 @@ def test_a_second_job_on_a_root_in_use_is_refused_on_every_rank(comm, shared_tmp
 
 
 def test_a_torch_distributed_gloo_group_works_as_comm(comm, shared_tmp):
-    import socket
-
     import torch.distributed as dist
+
+    from ckpt_shard import init_gloo
 
     if dist.is_initialized():
         pytest.skip("torch.distributed already initialised in this process")
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
+    init_gloo(comm)
     try:
         root = os.path.join(shared_tmp, "job")
         with CheckpointWriter(root, comm=dist.group.WORLD, chunk_size=CHUNK, keep_last=1) as w:
@@ -252,4 +246,29 @@ def test_solar_ckpt_sees_one_version_across_ranks_and_one_rank_with_rank(comm, s
         assert rep["problems"][0]["steps"] == [1]
         assert run("gc", root, "--keep-last", "1", "--json")[1]["kept"] == [1]
         assert list_versions(root) == [1]
+    comm.barrier()
+
+
+def test_a_job_save_of_many_small_tensors_makes_one_pack_per_rank_at_most(comm, shared_tmp):
+    root = os.path.join(shared_tmp, "job")
+
+    def small(step: int) -> dict:
+        g = torch.Generator().manual_seed(comm.rank)
+        out = {f"layer{i}.bias": torch.randn(16, generator=g) for i in range(150)}
+        out["layer3.bias"] += step
+        return out
+
+    def count(sub: str) -> int:
+        return sum(len(fs) for _d, _s, fs in os.walk(os.path.join(root, sub)))
+
+    with CheckpointWriter(root, comm=comm, chunk_size=CHUNK) as w:  # pack=True is the job writer's default
+        w.save(small(0), 0, blocking=True)
+        comm.barrier()
+        assert count("packs") <= comm.size and count("chunks") == 0
+        w.save(small(1), 1, blocking=True)
+        comm.barrier()
+        assert count("packs") <= 2 * comm.size
+    for s in (0, 1):
+        got = load(root, s, rank=comm.rank)
+        assert all(got[k].equal(v) for k, v in small(s).items())
     comm.barrier()

@@ -31,6 +31,7 @@ import pytest
 
 from solar.checkpoint import COMMIT_POINTS, gc, list_versions, load
 from solar.checkpoint.jobstore import JobStore
+from solar.checkpoint.pack import located, pack_key, pack_names, packs_of
 from solar.checkpoint.store import CheckpointStore, referenced
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,13 +86,15 @@ def _check_newest(root: str, n: int) -> int:
 
 
 def _no_leftovers(root: str) -> None:
-    """After a full gc: parts only of committed versions, chunks only ones they reference."""
+    """After a full gc: parts only of committed versions, chunk files and packs only ones they use."""
     gc(root)
     jobs = JobStore(CheckpointStore(root))
     committed = jobs.versions()
     assert sorted(jobs.part_steps()) == committed
+    parts = [jobs.part(jm, r) for jm in jobs.valid() for r in range(jm.world_size)]
     live = set().union(*(jobs.referenced(jm) for jm in jobs.valid()))
-    assert set(jobs.store.chunk_digests()) == live
+    assert set(jobs.store.chunk_digests()) == live - set(located(parts))
+    assert set(pack_names(jobs.store)) == packs_of(parts)
 
 
 @pytest.mark.timeout(300)
@@ -159,5 +162,9 @@ def test_every_chunk_a_kept_version_uses_is_stored(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     jobs = JobStore(CheckpointStore(root))
     for jm in jobs.valid():
-        assert all(jobs.store.has_chunk(d) for d in referenced([jobs.part(jm, r) for r in range(2)]))
+        parts = [jobs.part(jm, r) for r in range(2)]
+        packed = located(parts)
+        assert packed, "the job writer packs its small chunks by default"
+        assert all(jobs.store.has_chunk(d) for d in referenced(parts) if d not in packed)
+        assert all(jobs.store.tier.exists(pack_key(loc.pack)) for loc in packed.values())
     _no_leftovers(root)

@@ -14,6 +14,8 @@ from .errors import (CheckpointReadOnlyError, CheckpointVersionRemovedError, Not
                      UntrustedPickleError)
 from .job import COMMIT_POINTS, JobWriter
 from .reader import Reader, list_versions, load
+from .reshard import Loaded, load_into
+from .shard import Shard
 from .manifest import Manifest
 from .store import CheckpointStore
 from .verify import VerifyReport, verify
@@ -25,6 +27,9 @@ __all__ = [
     "COMMIT_POINTS",
     "SaveResult",
     "load",
+    "load_into",
+    "Loaded",
+    "Shard",
     "list_versions",
     "gc",
     "GcReport",

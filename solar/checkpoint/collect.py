@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from solar.errors import ConfigError
 
 from .jobstore import JobStore, is_job_root
+from .pack import delete_pack, located, pack_names, packs_of
 from .store import CheckpointStore, referenced
 
 __all__ = ["GcReport", "collect", "collect_job", "gc"]
@@ -24,10 +25,12 @@ class GcReport:
     removed_torn: list[int] = field(default_factory=list)
     removed_chunks: int = 0
     kept_chunks: int = 0
+    removed_packs: int = 0
     live: set = field(default_factory=set, repr=False)  # digests the kept versions reference
+    locations: dict = field(default_factory=dict, repr=False)  # where the kept versions' packed chunks are
 
     def to_json(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "live"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("live", "locations")}
 
 
 def collect(store: CheckpointStore, keep_last: int | None = None, *, dry_run: bool = False,
@@ -60,7 +63,11 @@ def collect(store: CheckpointStore, keep_last: int | None = None, *, dry_run: bo
             store.delete_manifest(step)
     report.live = live
     dropped = [m for m in manifests if m.step in set(report.removed_versions)]
-    candidates = list(store.chunk_digests()) if full_sweep else sorted(referenced(dropped))
+    report.locations = located(keep)
+    _sweep_packs(store, packs_of(keep), packs_of(dropped), report, dry_run, full_sweep)
+    packed = located(dropped)
+    candidates = list(store.chunk_digests()) if full_sweep else sorted(d for d in referenced(dropped)
+                                                                         if d not in packed)
     if full_sweep and not dry_run:
         for digest in store.damaged_digests() - live:  # no kept version needs that chunk any more
             store.clear_damaged(digest)
@@ -70,6 +77,15 @@ def collect(store: CheckpointStore, keep_last: int | None = None, *, dry_run: bo
             if not dry_run:
                 store.delete_chunk(digest)
     return report
+
+
+def _sweep_packs(store: CheckpointStore, live: set[str], dropped: set[str], report: GcReport, dry_run: bool,
+                 full_sweep: bool) -> None:
+    """Delete the packs no kept version uses: of the dropped versions', or every pack stored."""
+    for name in sorted((set(pack_names(store)) if full_sweep else dropped) - live):
+        report.removed_packs += 1
+        if not dry_run:
+            delete_pack(store, name)
 
 
 def gc(root, keep_last: int | None = None, *, dry_run: bool = False, storage_options: dict | None = None) -> GcReport:
@@ -116,6 +132,10 @@ def collect_job(jobs: JobStore, keep_last: int | None = None, *, dry_run: bool =
     candidates: set[bytes] = set()
     for jm in dropped:
         candidates |= jobs.referenced(jm)
+    kept_parts = [jobs.part(jm, r) for jm in keep for r in range(jm.world_size)]
+    dropped_parts = [jobs.part(jm, r) for jm in dropped for r in range(jm.world_size)]
+    report.locations = located(kept_parts)
+    candidates -= set(located(dropped_parts))
     report.kept_chunks = len(live)
     if not dry_run:
         for step in report.removed_versions + report.removed_torn:
@@ -125,6 +145,7 @@ def collect_job(jobs: JobStore, keep_last: int | None = None, *, dry_run: bool =
         if step not in kept and not dry_run:
             for rank in parts[step]:
                 jobs.delete_part(step, rank)
+    _sweep_packs(store, packs_of(kept_parts), packs_of(dropped_parts), report, dry_run, full_sweep)
     if full_sweep:
         candidates = set(store.chunk_digests())
         if not dry_run:

@@ -33,6 +33,7 @@ from solar.errors import CorruptDataError, InputError, SolarError
 
 from .errors import UntrustedPickleError
 from .safepickle import UnsafeGlobalError, safe_loads
+from .shard import is_sharded, layout_of
 
 __all__ = ["TensorRef", "BlobSource", "Flat", "flatten", "unflatten", "DTYPES", "dtype_name"]
 
@@ -67,6 +68,10 @@ class TensorRef:
     device: str
     parameter: bool = False
     requires_grad: bool = False
+    # a shard (solar.checkpoint.Shard or a DTensor): the global tensor's shape and this piece's
+    # offset in it; None for a tensor saved whole
+    global_shape: list[int] | None = None
+    global_offset: list[int] | None = None
 
     @property
     def itemsize(self) -> int:
@@ -91,7 +96,8 @@ class TensorRef:
         return None
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        # the shard fields only when set: manifests of unsharded saves keep their exact bytes
+        return {k: v for k, v in self.__dict__.items() if v is not None or k not in ("global_shape", "global_offset")}
 
 
 @dataclass
@@ -180,6 +186,12 @@ def flatten(state: Any) -> Flat:
         return name
 
     def enc(obj: Any, path: str) -> Any:
+        if is_sharded(obj):
+            lay = layout_of(obj)
+            out = enc(lay.local, path)
+            tensors[out["__tensor__"]].global_shape = list(lay.global_shape)
+            tensors[out["__tensor__"]].global_offset = list(lay.offsets)
+            return out
         if isinstance(obj, torch.Tensor):
             name = unique(path)
             t = _prepare(obj, name)

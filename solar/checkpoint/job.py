@@ -47,6 +47,7 @@ from .flatten import Flat
 from .host import HostPool
 from .jobstore import JobManifest, JobStore, PartEntry, part_digest
 from .manifest import encode
+from .pack import delete_pack, locate, located, split_small, write_pack
 from .store import CheckpointStore
 from .writer import JOB_WRITER, CheckpointWriter, SaveResult
 
@@ -72,6 +73,14 @@ class _Vote(NamedTuple):
     error: str
 
 
+class _Owned(NamedTuple):
+    """What a rank wrote of a save's new chunks."""
+
+    bytes: int
+    chunks: int
+    locations: dict  # digest -> Location of the ones it packed
+
+
 class _NoLock:
     def release(self) -> None:
         pass
@@ -83,6 +92,7 @@ class _JobSink:
 
     def __init__(self, store: CheckpointStore, lock: Any, known: set[bytes], damaged: set[bytes], rank: int) -> None:
         self.store, self.lock, self.known, self.damaged, self.rank = store, lock, known, damaged, rank
+        self.locations: dict = {}  # the known chunks that are packed, and where
 
     def add_known(self, digests: set[bytes]) -> None:
         self.known |= digests
@@ -103,7 +113,8 @@ class JobWriter(CheckpointWriter):
     calls ``save`` with the same steps in the same order. ``comm`` is an mpi4py communicator or a
     torch.distributed process group (``"torch"``: the default group); the writer talks over private
     duplicates of it. The other arguments are :class:`CheckpointWriter`'s, except ``staging``
-    (not supported with ``comm=``). ``on_commit_point(point, step)`` is called at each of
+    (not supported with ``comm=``) and ``pack``, on by default here: each rank writes a save's small
+    chunks into one pack file (:mod:`.pack`). ``on_commit_point(point, step)`` is called at each of
     :data:`COMMIT_POINTS` (instrumentation; crash tests kill a rank there).
 
     Raises:
@@ -115,7 +126,7 @@ class JobWriter(CheckpointWriter):
                  keep_last: int | None = None, hash: str = "xxh3_128", max_in_flight: int = 1,
                  staging: "str | os.PathLike | None" = None, io_threads: int = 4,
                  storage_options: dict | None = None, durable: bool = True,
-                 on_commit_point: Callable[[str, int], None] | None = None) -> None:
+                 on_commit_point: Callable[[str, int], None] | None = None, pack: bool = True) -> None:
         if staging is not None:
             raise ConfigError("staging= is not supported with comm= (a job root is committed by all ranks at once); "
                               "leave staging out")
@@ -125,12 +136,14 @@ class JobWriter(CheckpointWriter):
         self._sync, self._bg = job_comm(comm, 2)
         self.rank, self.world_size = self._sync.rank, self._sync.size
         self._hook = on_commit_point
+        self.pack = pack
         store = CheckpointStore(root, create=True, durable=durable, **(storage_options or {}))
         self.jobs = JobStore(store)
         self.root = store.root
         opened = self._open_root(store)
         self._main = _JobSink(store, opened["lock"] if self.rank == 0 else _NoLock(), opened["known"],
                               opened["damaged"], self.rank)
+        self._main.locations = opened["locations"]
         self._stage = None
         self._prev_step = opened["latest"]
         self._prev_trees: dict[str, list[np.ndarray]] = {}
@@ -163,10 +176,13 @@ class JobWriter(CheckpointWriter):
                 store.tier.cleanup_temp()  # temporaries of a killed job; safe under the lock
                 damaged = store.damaged_digests()
                 known: set[bytes] = set()
-                for jm in self.jobs.valid():
+                valid = self.jobs.valid()
+                for jm in valid:
                     known |= self.jobs.referenced(jm)
+                locations = located([self.jobs.part(jm, r) for jm in valid for r in range(jm.world_size)])
                 latest = self.jobs.latest()
-                out = {"known": known - damaged, "damaged": damaged, "latest": latest.step if latest else None}
+                out = {"known": known - damaged, "damaged": damaged, "latest": latest.step if latest else None,
+                       "locations": locations}
             except Exception as e:  # every rank raises it
                 exc = e
                 if lock is not None:
@@ -254,20 +270,26 @@ class JobWriter(CheckpointWriter):
                 self._pool.release(slot)
 
         mine: list[bytes] = []
+        pack: list[str] = []  # the pack this rank wrote, if any
         try:
             plan, news = self._together("hashing", step, lambda: self._plan(sink, flat, host), lambda p: sorted(p.new))
             mine = self._owned(news, set(plan.new))
-            (m, part), parts = self._together("writing its chunks and part", step,
-                                              lambda: self._write_part(flat, plan, mine, step, meta, release),
+            wrote, where = self._together("writing its chunks", step,
+                                          lambda: self._write_owned(plan, mine, step, release, pack),
+                                          lambda w: w.locations)
+            new_locs = {d: loc for locs in where for d, loc in locs.items()}
+            (m, part), parts = self._together("writing its part", step,
+                                              lambda: self._write_part(flat, plan, wrote, new_locs, step, meta),
                                               lambda out: out[1])
         except BaseException:
             release()
-            self._undo(step, mine)
+            self._undo(step, mine, pack)
             raise
         release()
-        self._commit_global(step, parts, mine)
+        self._commit_global(step, parts, mine, pack)
         committed = set().union(*(set(n) for n in news))
         sink.add_known(committed)
+        sink.locations.update(new_locs)
         self._prev_trees, self._prev_step = plan.trees, step
         self._retain(step)
         return SaveResult(step=step, logical_bytes=m.logical_bytes, bytes_written=m.stats["bytes_written"],
@@ -284,25 +306,33 @@ class JobWriter(CheckpointWriter):
                 holders.setdefault(d, []).append(r)
         return sorted(d for d in here if holders[d][int.from_bytes(d[:8], "little") % len(holders[d])] == self.rank)
 
-    def _write_part(self, flat: Flat, plan, mine: list[bytes], step: int, meta: dict, release: Callable[[], None]):
+    def _write_owned(self, plan, mine: list[bytes], step: int, release: Callable[[], None], pack: list[str]) -> _Owned:
+        """Write this rank's chunks: the small ones into one pack (``pack=True``), the rest as files."""
         store = self._main.store
+        small, full = split_small({d: plan.new[d] for d in mine}, self.chunk_size if self.pack else 0)
         try:
-            futs = [self._io.submit(store.put_chunk, d, plan.new[d]) for d in mine]
-            wait_futures(futs)
+            packed = self._io.submit(write_pack, store, small)
+            futs = [self._io.submit(store.put_chunk, d, v) for d, v in full]
+            wait_futures([packed, *futs])
         finally:
             release()  # the chunks' bytes were read from the staging copy
-        for f in futs:
+        for f in [packed, *futs]:
             if f.exception() is not None:
                 raise f.exception()
-        written = sum(f.result() for f in futs)
+        locs, pack_bytes = packed.result()
+        pack.extend({loc.pack for loc in locs.values()})
         self._point("after-chunks", step)
-        m = self._manifest(flat, plan, step, meta, written, len(mine))
+        return _Owned(sum(f.result() for f in futs) + pack_bytes, len(mine), locs)
+
+    def _write_part(self, flat: Flat, plan, wrote: _Owned, new_locs: dict, step: int, meta: dict):
+        m = self._manifest(flat, plan, step, meta, wrote.bytes, wrote.chunks,
+                           locate(plan.digests, self._main.locations, new_locs))
         data = encode(m)
         self.jobs.put_part(m, self.rank, data)
         self._point("after-part", step)
         return m, PartEntry(self.rank, len(data), part_digest(data), m.root)
 
-    def _commit_global(self, step: int, parts: list[PartEntry], mine: list[bytes]) -> None:
+    def _commit_global(self, step: int, parts: list[PartEntry], mine: list[bytes], pack: list[str]) -> None:
         """Rank 0 writes the global manifest; every rank learns whether it did."""
         err = ""
         if self.rank == 0:
@@ -321,14 +351,16 @@ class JobWriter(CheckpointWriter):
                     pass
         err = self._bg.bcast(err)
         if err:
-            self._undo(step, mine)
+            self._undo(step, mine, pack)
             raise CheckpointError(f"rank 0 failed to commit step {step}: {err}; no rank committed it (the last "
                                   "committed version is intact)")
 
-    def _undo(self, step: int, mine: list[bytes]) -> None:
+    def _undo(self, step: int, mine: list[bytes], pack: list[str]) -> None:
         """Delete what this rank wrote for a save that did not commit (best effort: gc sweeps the rest)."""
         try:
             self.jobs.delete_part(step, self.rank)
+            for name in pack:
+                delete_pack(self._main.store, name)
         except OSError:
             pass
         self._drop_orphans(self._main, mine)
@@ -348,6 +380,8 @@ class JobWriter(CheckpointWriter):
         if isinstance(removed, str):
             raise CheckpointError(f"step {step} is committed, but rank 0's keep_last retention failed: {removed}")
         self._main.known -= removed
+        for d in removed:
+            self._main.locations.pop(d, None)
 
     def _close_comms(self) -> None:
         for c in (self._sync, self._bg):

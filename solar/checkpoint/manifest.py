@@ -19,7 +19,7 @@ import json
 import math
 import struct
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
@@ -29,12 +29,20 @@ from solar.errors import CorruptDataError
 from .chunking import DIGEST_SIZE, HASHES, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, chunk_count
 from .flatten import DTYPES, TensorRef
 
-__all__ = ["FORMAT", "Manifest", "BlobEntry", "encode", "decode", "seal", "unseal"]
+__all__ = ["FORMAT", "Manifest", "BlobEntry", "Location", "encode", "decode", "seal", "unseal"]
 
 FORMAT = "solar-ckpt/1"
 MAGIC = b"SOLAR-CKPT\x00v1\x00\x00\x00"
 END = b"SOLAREND"
 assert len(MAGIC) == 16
+
+
+class Location(NamedTuple):
+    """Where a packed chunk lives (:mod:`.pack`): its pack's name and its byte range there."""
+
+    pack: str
+    offset: int
+    length: int
 
 
 @dataclass
@@ -65,6 +73,8 @@ class Manifest:
     parent: int | None = None
     stats: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    # chunks that live in pack files (digest -> where); every other chunk is a file of its own
+    locations: dict[bytes, Location] = field(default_factory=dict)
 
     def blob_digests(self, i: int) -> np.ndarray:
         b = self.blobs[i]
@@ -97,6 +107,8 @@ def encode(m: Manifest) -> bytes:
         "blobs": [b.to_json() for b in m.blobs],
         "skeleton": m.skeleton,
     }
+    if m.locations:  # only then: manifests of unpacked saves keep their exact bytes
+        header["locations"] = {d.hex(): list(loc) for d, loc in sorted(m.locations.items())}
     head = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     digests = np.ascontiguousarray(m.digests, dtype=np.uint8).reshape(-1, DIGEST_SIZE)
     return seal(b"".join([MAGIC, struct.pack("<Q", len(head)), head, digests.tobytes()]))
@@ -154,8 +166,25 @@ def decode(data: bytes, where: str = "manifest") -> Manifest:
         step=h["step"], hash=h["hash"], chunk_size=h["chunk_size"], skeleton=h["skeleton"],
         tensors=[TensorRef(**t) for t in h["tensors"]], blobs=[BlobEntry(**b) for b in h["blobs"]],
         digests=digests, root=h["root"], created=h["created"], parent=h["parent"], stats=h["stats"],
-        meta=h.get("meta", {}),
+        meta=h.get("meta", {}), locations=_locations(h.get("locations", {}), where),
     )
+
+
+def _locations(raw: Any, where: str) -> dict[bytes, Location]:
+    """The header's pack locations, checked (a pack name is 32 hex digits, ranges are ints >= 0)."""
+    try:
+        out = {}
+        for k, (pack, offset, length) in raw.items():
+            ok = (isinstance(pack, str) and len(pack) == 32 and _is_int(offset) and _is_int(length)
+                  and offset >= 0 and 0 <= length <= MAX_CHUNK_SIZE)
+            if not ok:
+                raise ValueError(f"location of chunk {k!r:.40} is {[pack, offset, length]!r:.80}")
+            int(pack, 16)
+            out[bytes.fromhex(k)] = Location(pack, offset, length)
+        return out
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise CorruptDataError(f"{where} is invalid: 'locations' {exc}. The root is damaged or was crafted; do not "
+                               "use this version") from None
 
 
 #: the largest element count torch can index (``numel`` is an int64)
@@ -285,3 +314,10 @@ def _check_tensor(i: int, t: Any, blobs: list, bad) -> None:
     nbytes = blobs[t["blob"]]["nbytes"]
     if end > nbytes:
         raise bad(entry, f"reaches byte {end} of blob {t['blob']}, which has {nbytes} B")
+    gshape, goff = t.get("global_shape"), t.get("global_offset")
+    if gshape is not None or goff is not None:
+        fits = (isinstance(gshape, list) and isinstance(goff, list) and len(gshape) == len(goff) == len(shape)
+                and all(_is_int(g) and _is_int(o) and 0 <= o and o + s <= g for s, g, o in zip(shape, gshape, goff)))
+        if not fits:
+            raise bad(entry, f"has global_shape {gshape!r:.80} and global_offset {goff!r:.80}, which do not place its "
+                             f"shape {shape} inside the global tensor")

@@ -29,9 +29,10 @@ from .flatten import materialize, unflatten
 from .jobstore import JobManifest, JobStore, is_job_root
 from .loaderstate import LOADER_KEY, decode_loader
 from .manifest import Manifest
+from .pack import read_packed
 from .store import CheckpointStore
 
-__all__ = ["load", "list_versions", "Reader", "LATEST_RETRIES"]
+__all__ = ["load", "list_versions", "Reader", "LATEST_RETRIES", "agreed_step"]
 
 T = TypeVar("T")
 
@@ -102,6 +103,7 @@ class Reader:
         self.requested = step
         self.verify = verify
         self.rank = rank
+        self.bytes_read = 0  # chunk bytes read so far
         self.jobs = JobStore(self.store) if is_job_root(self.store) else None
         self.job_manifest: JobManifest | None = None
         self._open(self._resolve(step))
@@ -221,19 +223,38 @@ class Reader:
                 f"{', '.join(m.tensors_of_blob(i)) or '(none)'}): {str(exc).splitlines()[0]}; load it on a machine "
                 "with more memory, or read single tensors with Reader.tensor") from exc
         view = memoryview(buf.numpy()) if entry.nbytes else memoryview(bytearray())
+        self._fill(i, view, 0, entry.nbytes)
+        self._blobs[i] = buf
+        return buf
+
+    def read_span(self, i: int, start: int, end: int) -> torch.Tensor:
+        """Bytes ``[start, end)`` of blob ``i`` (verified), reading only the chunks that hold them."""
+        cs = self.manifest.chunk_size
+        a, e = start // cs * cs, min(-(-end // cs) * cs, self.manifest.blobs[i].nbytes)
+        buf = torch.empty(max(e - a, 0), dtype=torch.uint8)
+        if e > a:
+            self._fill(i, memoryview(buf.numpy()), a, e)
+        return buf[start - a:end - a]
+
+    def _fill(self, i: int, view: memoryview, start: int, end: int) -> None:
+        """Read the chunks covering bytes ``[start, end)`` of blob ``i`` (chunk-aligned) into ``view``."""
+        m = self.manifest
         digests = m.blob_digests(i)
-        for j, (a, e) in enumerate(chunk_spans(entry.nbytes, m.chunk_size)):
+        spans = chunk_spans(m.blobs[i].nbytes, m.chunk_size)
+        for j in range(start // m.chunk_size, -(-end // m.chunk_size)):
             d = digests[j].tobytes()
+            a, e = spans[j]
+            out = view[a - start:e - start]
             try:
-                n = self.store.read_chunk_into(d, view[a:e])
+                loc = m.locations.get(d) if m.locations else None
+                n = read_packed(self.store, d, loc, out) if loc else self.store.read_chunk_into(d, out)
             except ValueError as exc:  # longer than expected, or missing
                 raise self._chunk_error(i, d, "is missing or has the wrong size") from exc
             if n != e - a:
                 raise self._chunk_error(i, d, f"has {n} B instead of {e - a} B")
-            if self.verify and self._digest(view[a:e]) != d:
+            if self.verify and self._digest(out) != d:
                 raise self._chunk_error(i, d, "fails its hash (the stored bytes changed)")
-        self._blobs[i] = buf
-        return buf
+            self.bytes_read += n
 
     def tensor(self, name: str, map_location: Any = "cpu") -> torch.Tensor:
         """One tensor by its flattened name, reading only the chunks of its blob."""
@@ -317,7 +338,7 @@ def load(root: "str | os.PathLike", step: int | None = None, map_location: Any =
             allow-list (names the key, the global and the opt-in); nothing was unpickled.
     """
     if comm is not None:
-        rank, step = _agreed_step(root, step, comm, storage_options)
+        rank, step = agreed_step(root, step, comm, storage_options)
     reader = Reader(root, step, verify=verify, storage_options=storage_options, rank=rank)
     state = reader.state_dict(map_location, weights_only=weights_only)
     if loader is not None:
@@ -329,7 +350,7 @@ def load(root: "str | os.PathLike", step: int | None = None, map_location: Any =
     return state
 
 
-def _agreed_step(root: Any, step: int | None, comm: Any, storage_options: dict | None) -> tuple[int, int | None]:
+def agreed_step(root: Any, step: int | None, comm: Any, storage_options: dict | None) -> tuple[int, int | None]:
     """This rank and the step every rank of ``comm`` loads (rank 0 resolves the newest)."""
     c = plain_comm(comm)
     if step is not None:

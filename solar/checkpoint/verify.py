@@ -26,7 +26,8 @@ from . import merkle
 from .chunking import chunk_spans, hasher
 from .errors import CheckpointVersionRemovedError
 from .jobstore import JobStore, is_job_root
-from .manifest import Manifest
+from .manifest import Location, Manifest
+from .pack import read_packed
 from .store import CheckpointStore, chunk_key
 
 __all__ = ["VerifyReport", "verify"]
@@ -82,7 +83,7 @@ def verify(root, step: int | None = None, *, progress: bool = False, repair: boo
                 continue
             digest = bytes.fromhex(p["chunk"])
             store.mark_damaged(digest)  # marked first: a repair killed between the two is redone
-            if p["detail"] != "missing":
+            if p["detail"] != "missing" and not p.get("packed"):
                 store.delete_chunk(digest)
                 report.removed_chunks.append(p["chunk"])
             report.marked_chunks.append(p["chunk"])
@@ -97,6 +98,7 @@ class _Chunk(NamedTuple):
     size: int
     uses: list[tuple[int, list[str]]]  # (step, names of the tensors of the blob holding it)
     hash: str
+    loc: Location | None  # where a packed chunk lives
 
 
 def _job_manifests(store: CheckpointStore, step: int | None, report: VerifyReport) -> tuple[list, list, Callable]:
@@ -166,8 +168,8 @@ def _verify(store: CheckpointStore, step: int | None, progress: bool) -> VerifyR
     gone: set[int] = set()  # versions found removed (retention) while their chunks were checked
     view = memoryview(bytearray(max((c.size for c in chunks.values()), default=0)))
     fns = {h: hasher(h) for h in {c.hash for c in chunks.values()}}
-    for d, (size, uses, hname) in chunks.items():
-        detail = _chunk_problem(store, d, size, view, fns[hname])
+    for d, (size, uses, hname, loc) in chunks.items():
+        detail = _chunk_problem(store, d, size, view, fns[hname], loc)
         report.chunks_checked += 1
         report.bytes_checked += size
         if bar is not None:
@@ -177,8 +179,11 @@ def _verify(store: CheckpointStore, step: int | None, progress: bool) -> VerifyR
             if not uses:
                 continue  # every version using it was removed while this ran: nothing is damaged
             tensors = sorted({t for _s, names in uses for t in names})
-            report.problems.append({"kind": "chunk", "chunk": d.hex(), "steps": sorted({s for s, _n in uses}),
-                                    "tensors": tensors, "detail": detail})
+            problem = {"kind": "chunk", "chunk": d.hex(), "steps": sorted({s for s, _n in uses}),
+                       "tensors": tensors, "detail": detail}
+            if loc is not None:
+                problem["packed"] = loc.pack
+            report.problems.append(problem)
     if bar is not None:
         bar.close()
     if gone and step is not None:
@@ -207,15 +212,21 @@ def _check_trees(manifests: list[Manifest], report: VerifyReport) -> dict[bytes,
             names = m.tensors_of_blob(i)
             for j, (a, e) in enumerate(chunk_spans(b.nbytes, m.chunk_size)):
                 d = rows[j].tobytes()
-                chunks.setdefault(d, _Chunk(e - a, [], m.hash)).uses.append((m.step, names))
+                chunks.setdefault(d, _Chunk(e - a, [], m.hash, m.locations.get(d))).uses.append((m.step, names))
     return chunks
 
 
 def _chunk_problem(store: CheckpointStore, d: bytes, size: int, view: memoryview,
-                   digest: Callable[[memoryview], bytes]) -> str | None:
+                   digest: Callable[[memoryview], bytes], loc: Location | None = None) -> str | None:
     """What is wrong with chunk ``d`` as stored (read into ``view``), or ``None`` if it is intact."""
     try:
-        n = store.tier.read_into(chunk_key(d), view)
+        if loc is not None:
+            try:
+                n: int | None = read_packed(store, d, loc, view)
+            except CorruptDataError:
+                n = None
+        else:
+            n = store.tier.read_into(chunk_key(d), view)
     except ValueError:  # tiers refuse a value bigger than the buffer (sized for the largest chunk)
         return f"larger than expected ({size} B)"
     except UnsafePathError as exc:  # a planted symlink or FIFO: never read through

@@ -21,7 +21,6 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
-from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -35,81 +34,12 @@ from .flatten import Flat, flatten
 from .host import HostPool
 from .jobstore import is_job_root
 from .loaderstate import LOADER_KEY, encode_loader, loader_state_of
-from .manifest import BlobEntry, Manifest
+from .manifest import BlobEntry, Location, Manifest
+from .pack import locate, located, write_pack
+from .results import SaveResult, checked_meta, SaveFuture
 from .store import CheckpointStore, chunk_key, referenced
 
 __all__ = ["CheckpointWriter", "SaveResult", "JOB_WRITER"]
-
-
-@dataclass
-class SaveResult:
-    """What one save did; the value of the future ``save`` returns.
-
-    The chunk counters never overlap, so ``chunks_written + chunks_unchanged <= chunks_total``:
-
-    - ``chunks_total``: the version's chunk positions (every blob's chunks, duplicates included);
-    - ``chunks_unchanged``: positions whose bytes equal the previous version's at the same place
-      (the Merkle diff) and that the store already held, so nothing was written for them;
-    - ``chunks_written``: distinct chunks actually written, new ones and rewritten ones;
-    - ``chunks_rewritten``: those of ``chunks_written`` whose bytes equal the previous version's
-      at the same place but which the store no longer held (``verify --repair`` deleted or marked
-      them, or ``gc`` removed them): the save wrote them again, which heals every version using them.
-
-    A position that changed but whose bytes the store already held (de-duplicated against another
-    tensor or an older version) is in neither ``unchanged`` nor ``written``. A rewritten chunk is
-    not also counted as unchanged, because it was written.
-    """
-
-    step: int
-    logical_bytes: int
-    bytes_written: int
-    chunks_total: int
-    chunks_written: int
-    chunks_unchanged: int
-    manifest_bytes: int
-    stage_seconds: float
-    persist_seconds: float
-    root: str
-    chunks_rewritten: int = 0
-
-    @property
-    def dedup_ratio(self) -> float:
-        return self.logical_bytes / max(1, self.bytes_written + self.manifest_bytes)
-
-
-class _SaveFuture(Future):
-    """The future ``save`` returns: it knows whether its failure was seen (``result`` or
-    ``exception`` called), so :meth:`CheckpointWriter.wait` and ``close`` raise every failure
-    exactly once, whether the caller kept the future or not."""
-
-    seen = False
-
-    def result(self, timeout=None):
-        self.seen = True
-        return super().result(timeout)
-
-    def exception(self, timeout=None):
-        self.seen = True
-        return super().exception(timeout)
-
-    def unseen_failure(self) -> BaseException | None:
-        if not self.done() or self.seen:
-            return None
-        return Future.exception(self, 0)
-
-    @classmethod
-    def following(cls, fut: Future) -> "_SaveFuture":
-        out = cls()
-
-        def copy(f: Future) -> None:
-            exc = f.exception()
-            if exc is not None:
-                out.set_exception(exc)
-            else:
-                out.set_result(f.result())
-
-        fut.add_done_callback(copy)
-        return out
 
 
 class _Sink:
@@ -119,7 +49,9 @@ class _Sink:
         self.store = store
         self.lock = store.lock()
         store.tier.cleanup_temp()  # temporaries of a killed writer; safe under the lock
-        self.known: set[bytes] = referenced(store.valid_manifests(warn=False))
+        manifests = store.valid_manifests(warn=False)
+        self.known: set[bytes] = referenced(manifests)
+        self.locations: dict[bytes, Location] = located(manifests)  # the known chunks that are packed
         # chunks `verify --repair` found damaged or missing: not trusted, rewritten when produced
         self.damaged = store.damaged_digests()
         self.known -= self.damaged
@@ -134,7 +66,8 @@ class _Sink:
     def gc(self, keep_last: int | None, protect: "set[int] | frozenset[int]" = frozenset()) -> None:
         if keep_last is not None:
             # marked chunks stay untrusted until a save rewrites them (add_known clears them)
-            self.known = collect(self.store, keep_last, full_sweep=False, protect=protect).live - self.damaged
+            rep = collect(self.store, keep_last, full_sweep=False, protect=protect)
+            self.known, self.locations = rep.live - self.damaged, rep.locations
 
 
 class _Plan(NamedTuple):
@@ -159,25 +92,7 @@ class _Written(NamedTuple):
     chunks_rewritten: int  # see SaveResult.chunks_rewritten
     trees: dict[str, list[np.ndarray]]  # each blob's Merkle levels by its first tensor's name: the next diff's base
     digests: set[bytes]  # the chunks written: the store holds them once the manifest is committed
-
-
-def _checked_meta(meta: dict | None, step: int) -> dict:
-    """A JSON copy of ``meta``, made when ``save`` is called.
-
-    The manifest encodes ``meta`` only when the background commit writes it, after every chunk
-    was hashed and written. Copying it here makes a NaN or a tensor in it a ``ConfigError`` that
-    names ``meta`` before any work, and keeps a dict changed after ``save`` returns out of the
-    version.
-    """
-    if meta is None:
-        return {}
-    if not isinstance(meta, dict):
-        raise ConfigError(f"meta of step {step} must be a dict of JSON values, got {type(meta).__name__}")
-    try:
-        return json.loads(json.dumps(meta, allow_nan=False))
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"meta of step {step} is not JSON-serialisable ({exc}); keep plain values (numbers, "
-                          f"strings, lists, dicts) in it, or put other objects in the state dict") from exc
+    locations: dict[bytes, Location]  # where the packed ones of them are
 
 
 #: the class ``CheckpointWriter(root, comm=...)`` builds: solar.checkpoint.job's JobWriter, which
@@ -205,6 +120,9 @@ class CheckpointWriter:
             to ``root`` in the background.
         io_threads: parallel chunk writes (remote stores and parallel file systems like several).
         storage_options: fsspec options for a URL ``root`` (credentials, endpoint ...).
+        pack: write each save's chunks smaller than ``chunk_size`` (small tensors, blob tails) into one
+            pack file instead of a file each (:mod:`.pack`), so a save makes a few files whatever
+            the tensor count; full chunks stay files of their own.
         durable: fsync every chunk and manifest of a local root before the next step of the commit
             (default). ``False`` keeps every write atomic against killed processes but not against
             power loss; it saves the fsync time.
@@ -232,8 +150,12 @@ class CheckpointWriter:
         storage_options: dict | None = None,
         durable: bool = True,
         comm: Any = None,
+        pack: bool = False,
     ) -> None:
         self._check_args(chunk_size, keep_last, max_in_flight)
+        if pack and staging is not None:
+            raise ConfigError("pack=True and staging= cannot be combined yet; leave one out")
+        self.pack = pack
         self.chunk_size = int(chunk_size)
         self.keep_last = keep_last
         self.hash = hash
@@ -273,7 +195,7 @@ class CheckpointWriter:
             behind = sorted(set(self._stage.store.versions()) - set(self._main.store.versions()))
             self._undrained.update(behind)
             for s in behind:
-                self._futures.append(_SaveFuture.following(self._drain.submit(self._redrain, s)))
+                self._futures.append(SaveFuture.following(self._drain.submit(self._redrain, s)))
         self._closed = False
         self._mutex = threading.Lock()
 
@@ -312,7 +234,7 @@ class CheckpointWriter:
             raise CheckpointError(f"CheckpointWriter for {self.root} is closed")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
-        meta = _checked_meta(meta, step)
+        meta = checked_meta(meta, step)
         t0 = time.perf_counter()
         try:
             if loader is not None:
@@ -334,7 +256,7 @@ class CheckpointWriter:
             raise
         if self._drain is not None:
             fut = self._chain(fut)
-        fut = _SaveFuture.following(fut)
+        fut = SaveFuture.following(fut)
         fut.staged = staged  # type: ignore[attr-defined]
         with self._mutex:
             self._staged = [f for f in self._staged if not f.done()] + [staged]
@@ -438,6 +360,7 @@ class CheckpointWriter:
             self._drop_orphans(sink, out.digests)
             raise
         sink.add_known(out.digests)
+        sink.locations.update(out.locations)
         self._prev_trees, self._prev_step = out.trees, step
         with self._mutex:
             if self._stage is not None:
@@ -498,7 +421,8 @@ class CheckpointWriter:
             first += len(leaves)
         return _Plan(entries, all_digests, roots, new_trees, unchanged, rewritten, new)
 
-    def _manifest(self, flat: Flat, plan: _Plan, step: int, meta: dict, written: int, nwritten: int) -> Manifest:
+    def _manifest(self, flat: Flat, plan: _Plan, step: int, meta: dict, written: int, nwritten: int,
+                  locations: dict[bytes, Location]) -> Manifest:
         """The manifest of one save (``nwritten`` chunks of ``written`` bytes written by this process)."""
         digest = self._digest
         skeleton_digest = digest(json.dumps(flat.skeleton, sort_keys=True).encode())
@@ -507,7 +431,7 @@ class CheckpointWriter:
             blobs=plan.entries,
             digests=np.concatenate(plan.digests) if plan.digests else np.zeros((0, 16), np.uint8),
             root=merkle.combine([skeleton_digest, *plan.roots], digest).hex(), created=time.time(),
-            parent=self._prev_step, meta=meta,
+            parent=self._prev_step, meta=meta, locations=locations,
         )
         m.stats = {"logical_bytes": m.logical_bytes, "bytes_written": written, "chunks_total": m.nchunks,
                    "chunks_written": nwritten, "chunks_unchanged": plan.unchanged}
@@ -518,19 +442,27 @@ class CheckpointWriter:
 
     def _write_chunks(self, sink: _Sink, flat: Flat, host: list[np.ndarray], step: int, meta: dict) -> _Written:
         pending: dict[bytes, Future] = {}
+        small: dict[bytes, memoryview] = {}
 
         def put(d: bytes, view: memoryview) -> None:  # written while the next blobs are hashed
-            pending[d] = self._io.submit(sink.store.put_chunk, d, view)
+            if self.pack and view.nbytes < self.chunk_size:
+                small[d] = view  # into this save's pack, once every blob is hashed
+            else:
+                pending[d] = self._io.submit(sink.store.put_chunk, d, view)
 
         plan = self._plan(sink, flat, host, put)
-        wait_futures(list(pending.values()))
-        failed = [f.exception() for f in pending.values() if f.exception() is not None]
+        packed = self._io.submit(write_pack, sink.store, sorted(small.items()))
+        wait_futures([*pending.values(), packed])
+        failed = [f.exception() for f in [*pending.values(), packed] if f.exception() is not None]
         if failed:
             self._drop_orphans(sink, [d for d, f in pending.items() if f.exception() is None])
             raise failed[0]
-        written = sum(f.result() for f in pending.values())
-        m = self._manifest(flat, plan, step, meta, written, len(pending))
-        return _Written(m, written, len(pending), plan.unchanged, len(plan.rewritten), plan.trees, set(pending))
+        locs, pack_bytes = packed.result()
+        written = sum(f.result() for f in pending.values()) + pack_bytes
+        nwritten = len(pending) + len(small)
+        m = self._manifest(flat, plan, step, meta, written, nwritten, locate(plan.digests, sink.locations, locs))
+        return _Written(m, written, nwritten, plan.unchanged, len(plan.rewritten), plan.trees,
+                        set(pending) | set(small), locs)
 
     @staticmethod
     def _drop_orphans(sink: _Sink, digests) -> None:
