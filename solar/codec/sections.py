@@ -103,6 +103,8 @@ def _sparse_group(items: list, vdtype: np.dtype, n: int, limit: int | None = Non
     int64 wrap-around cannot hide it). With ``limit``, every value must lie in
     ``[-limit, limit)``. An error names the first offending blob.
     """
+    if len(items) == 1:
+        return _sparse_one(items[0], vdtype, n, limit)
     raws = [ll.decompress(sec, name, cnt * (8 + vdtype.itemsize), what) for sec, name, cnt, what, _ in items]
     counts = np.fromiter((it[2] for it in items), np.int64, len(items))
     d = np.concatenate([np.frombuffer(r, "<i8", c) for r, c in zip(raws, counts)])
@@ -118,11 +120,40 @@ def _sparse_group(items: list, vdtype: np.dtype, n: int, limit: int | None = Non
             what = items[int(np.searchsorted(ends, at[0], "right"))][3]
             raise CorruptDataError(f"{what}: {why}; corrupted payload")
 
-    check((d < later) | (d >= n), "sparse positions are not strictly increasing or out of range")
+    check((d < later) | (d >= n), _UNORDERED)
     pos = np.cumsum(d)
     pos -= np.repeat(pos[starts] - d[starts], counts)  # restart the sum at each blob's section
     check(pos >= n, f"sparse position out of range for {n} values")  # every entry: see above
     if limit is not None:
-        check((vals < -limit) | (vals >= limit), "escape value out of range")
+        check((vals < -limit) | (vals >= limit), _ESCAPE_RANGE)
     pos += np.repeat(np.fromiter((it[4] for it in items), np.int64, len(items)) * n, counts)
+    return pos, vals
+
+
+_UNORDERED = "sparse positions are not strictly increasing or out of range"
+_ESCAPE_RANGE = "escape value out of range"
+
+
+def _sparse_one(item: tuple, vdtype: np.dtype, n: int, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_sparse_group` of one blob's section (a one-blob decode): the same checks and
+    errors, as a few reductions instead of the group's concatenations and masks. The largest
+    sum decides the range check: the first sum past ``n`` is below ``2n`` and no earlier one
+    wraps, so the maximum sees it."""
+    sec, name, cnt, what, row = item
+    raw = ll.decompress(sec, name, cnt * (8 + vdtype.itemsize), what)
+    d = np.frombuffer(raw, "<i8", cnt)
+    vals = np.frombuffer(raw, vdtype, cnt, offset=8 * cnt)
+    why = None
+    if d[0] < 0 or d.max() >= n or (cnt > 1 and d[1:].min() < 1):
+        why = _UNORDERED
+    else:
+        pos = np.cumsum(d)
+        if pos.max() >= n:
+            why = f"sparse position out of range for {n} values"
+        elif limit is not None and (vals.min() < -limit or vals.max() >= limit):
+            why = _ESCAPE_RANGE
+    if why:
+        raise CorruptDataError(f"{what}: {why}; corrupted payload")
+    if row:
+        pos += row * n
     return pos, vals
