@@ -1,0 +1,160 @@
+"""Job-wide checkpoints under mpirun: SOLAR's ``CheckpointWriter(root, comm=...)`` beside
+torch.distributed.checkpoint's ``save`` and ``async_save`` on the same sharded state.
+
+Run: ``mpirun -n 2 .venv/bin/python bench/checkpoint/job.py [--mib 64] [--rounds 2] [--dir /tmp]
+[--out bench/checkpoint/job.json]``
+
+Each rank holds a row-sharded DTensor (``--mib`` per rank, its own bytes), a replicated plain
+tensor (``--mib / 4``, the same on every rank) and a few hundred small tensors (biases, like a
+model's). The contenders run alternated, ``--rounds`` times, each into a fresh directory:
+
+* ``solar``: a full save (``save()`` returns after the host copy: the blocking time; the total
+  time ends when the global manifest is committed on every rank), then an incremental save
+  after 1% of the sharded tensor's chunks changed;
+* ``dcp_save``: ``dcp.save`` (blocking for all of it);
+* ``dcp_async``: ``dcp.async_save`` (blocking until it returns; total when its future is done).
+
+Times are the slowest rank's; bytes are what each directory holds after the save. The machine
+may be shared: ratios from one run are what counts, and the load average is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from mpi4py import MPI
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from solar.checkpoint import CheckpointWriter
+
+MiB = 1 << 20
+CHUNK = 1 << 20
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(path) for f in fs)
+
+
+def dir_files(path: str) -> int:
+    return sum(len(fs) for _d, _s, fs in os.walk(path))
+
+
+def make_state(mesh, comm, mib: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    rows = comm.size * mib * MiB // (4 * 1024)
+    full = torch.randn(rows, 1024, generator=g)  # every rank builds the same global tensor
+    small = {f"layer{i}.bias": torch.randn(64, generator=g) for i in range(300)}
+    rep = torch.randn(mib * MiB // 16, generator=g)  # mib / 4 MiB, replicated
+    return {"sharded": distribute_tensor(full, mesh, [Shard(0)]), "replicated": rep, **small}
+
+
+def touch_one_percent(state: dict, step: int) -> None:
+    """Change one element in 1% of the sharded tensor's local chunks (at least one), spread evenly."""
+    local = state["sharded"].to_local().view(-1)
+    per_chunk = CHUNK // 4
+    chunks = local.numel() // per_chunk
+    n = max(1, round(chunks / 100))
+    for c in range(n):
+        local[(c * chunks // n) * per_chunk] += step
+
+
+def timed(comm, fn) -> float:
+    comm.Barrier()
+    t0 = time.perf_counter()
+    fn()
+    return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+
+
+def bench_solar(comm, state: dict, d: str) -> dict:
+    w = CheckpointWriter(d, comm=comm, chunk_size=CHUNK)
+    box: dict = {}
+    block = timed(comm, lambda: box.update(f=w.save(state, 1)))
+    total = block + timed(comm, lambda: box["f"].result())
+    first = dir_bytes(d) if comm.rank == 0 else 0
+    files = dir_files(d) if comm.rank == 0 else 0
+    touch_one_percent(state, 1)
+    incr_s = timed(comm, lambda: w.save(state, 2).result())
+    w.close()
+    touch_one_percent(state, -1)
+    comm.Barrier()
+    second = dir_bytes(d) - first if comm.rank == 0 else 0
+    return {"blocking_s": block, "total_s": total, "bytes": first, "files": files, "incremental_s": incr_s,
+            "incremental_bytes": second}
+
+
+def bench_dcp(comm, state: dict, d: str, asynchronous: bool) -> dict:
+    if not asynchronous:
+        total = timed(comm, lambda: dcp.save(state, checkpoint_id=d))
+        block = total
+    else:
+        box: dict = {}
+        block = timed(comm, lambda: box.update(f=dcp.async_save(state, checkpoint_id=d)))
+        total = block + timed(comm, lambda: box["f"].result())
+    comm.Barrier()
+    return {"blocking_s": block, "total_s": total, "bytes": dir_bytes(d) if comm.rank == 0 else 0,
+            "files": dir_files(d) if comm.rank == 0 else 0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=int, default=64, help="MiB of sharded state per rank")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    port = None
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{comm.bcast(port)}", rank=comm.rank,
+                            world_size=comm.size)
+    mesh = init_device_mesh("cpu", (comm.size,))
+    state = make_state(mesh, comm, args.mib)
+    base = comm.bcast(tempfile.mkdtemp(prefix="solar-job-bench-", dir=args.dir) if comm.rank == 0 else None)
+    runs: dict[str, list] = {"solar": [], "dcp_save": [], "dcp_async": []}
+    for r in range(args.rounds):
+        for name in runs:
+            d = os.path.join(base, f"{name}-{r}")
+            if name == "solar":
+                runs[name].append(bench_solar(comm, state, d))
+            else:
+                runs[name].append(bench_dcp(comm, state, d, asynchronous=name == "dcp_async"))
+            comm.Barrier()
+            if comm.rank == 0:
+                shutil.rmtree(d, ignore_errors=True)
+    if comm.rank == 0:
+        shutil.rmtree(base, ignore_errors=True)
+        best = {k: {m: min(run[m] for run in v) for m in v[0]} for k, v in runs.items()}
+        own = comm.size * args.mib * MiB
+        rep = args.mib * MiB // 4
+        s = best["solar"]
+        out = {"world_size": comm.size, "mib_per_rank": args.mib, "rounds": args.rounds,
+               "load_average": os.getloadavg(), "logical_bytes_unique": own + rep + comm.size * 0,
+               "best": best,
+               "solar_incremental_vs_first": s["incremental_bytes"] / s["bytes"],
+               "solar_bytes_vs_unique_state": s["bytes"] / (own + rep),
+               "solar_blocking_vs_dcp_save": s["blocking_s"] / best["dcp_save"]["total_s"],
+               "solar_blocking_vs_dcp_async_blocking": s["blocking_s"] / best["dcp_async"]["blocking_s"],
+               "solar_total_vs_dcp_save": s["total_s"] / best["dcp_save"]["total_s"],
+               "runs": runs}
+        print(json.dumps(out, indent=2))
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(out, fh, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
