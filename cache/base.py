@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Hashable, Iterator
 
 __all__ = ["Tier", "TierStats", "TierFullError", "UnsafePathError"]
 
+from solar.errors import ConfigError
 from solar.errors import TierFullError, UnsafePathError  # noqa: F401 (re-exported: the tier API)
 
 
@@ -53,6 +54,10 @@ class Tier(ABC):
     persistent: ClassVar[bool] = False
     #: True if :meth:`put_new` is an atomic create: of callers racing for one key, exactly one wins.
     exclusive_create: bool = False
+    #: True if :meth:`in_directory` makes an instance: the tier can keep its values as files in a
+    #: local directory, so a :class:`~solar.cache.spill.SpillTier` (the loader's ``spill=``) can
+    #: spill to it.
+    keeps_files: ClassVar[bool] = False
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
         if capacity_bytes is not None and capacity_bytes < 0:
@@ -164,6 +169,17 @@ class Tier(ABC):
         Tiers that need a location (a directory, a URL) override this to put it under ``scratch_dir``.
         """
         return cls(capacity_bytes=capacity_bytes)
+
+    @classmethod
+    def in_directory(cls, root: str) -> "Tier":
+        """An unbounded instance keeping its values as files under the local directory ``root``
+        (made by the caller, private to it, removed by it): the level a spill tier spills to.
+
+        A cache does not need durable files, only atomic ones. Tiers that set :attr:`keeps_files`
+        override this; the others raise :class:`~solar.errors.ConfigError`.
+        """
+        raise ConfigError(f"the {cls.name!r} cache tier keeps no files in a directory, so a buffer cannot "
+                          "spill to it; name a tier that does (its class sets keeps_files)")
 
     def __repr__(self) -> str:
         cap = "unbounded" if self.capacity_bytes is None else f"{self.capacity_bytes} B"

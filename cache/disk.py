@@ -345,6 +345,12 @@ class DiskTier(FileTier):
     def example(cls, scratch_dir: str, capacity_bytes: int | None = None) -> "DiskTier":
         return cls(os.path.join(scratch_dir, "disk-tier"), capacity_bytes)
 
+    keeps_files = True
+
+    @classmethod
+    def in_directory(cls, root: str) -> "DiskTier":
+        return cls(root, None, fsync=False, mode=0o700)
+
     def path(self, key: Hashable) -> str:
         return os.path.join(self.root, *key_to_relpath(key).split("/"))
 

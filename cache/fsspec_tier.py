@@ -60,6 +60,13 @@ class FsspecTier(FileTier):
     def example(cls, scratch_dir: str, capacity_bytes: int | None = None) -> "FsspecTier":
         return cls(f"file://{scratch_dir}/fsspec-tier", capacity_bytes)
 
+    keeps_files = True
+
+    @classmethod
+    def in_directory(cls, root: str) -> "FsspecTier":
+        """Files under ``root`` through fsspec's local file system (written to a temporary and moved)."""
+        return cls(f"file://{root}")
+
     def path(self, key: Hashable) -> str:
         return posixpath.join(self.root, key_to_relpath(key))
 

@@ -33,11 +33,39 @@ from typing import Any, Hashable, Iterator
 
 import numpy as np
 
+from solar.errors import BackendNotFoundError, ConfigError
+
+from . import registry
 from .base import Tier, TierFullError, _nbytes
-from .disk import DiskTier
 from .memory import MemoryTier
 
-__all__ = ["SpillTier"]
+__all__ = ["SpillTier", "spill_level", "file_tiers"]
+
+
+def file_tiers() -> list[str]:
+    """The registered tiers a buffer can spill to (:attr:`Tier.keeps_files`) whose dependencies import."""
+    return [n for n in registry.names() if registry.available(n) and registry.get(n).keeps_files]
+
+
+def spill_level(name: str) -> type[Tier]:
+    """The cache tier registered as ``name``, checked to keep its values as files in a directory.
+
+    Raises:
+        ConfigError: no tier has that name, or that tier keeps no files (memory, spill).
+        MissingDependencyError: its optional dependency is missing (the message says what to install).
+    """
+    if not isinstance(name, str):
+        raise ConfigError(f"a spill names a registered cache tier ({', '.join(file_tiers())}), not "
+                          f"{type(name).__name__} {name!r}: the loader makes a fresh one per buffer in a private "
+                          "directory and removes it with the buffer")
+    try:
+        cls = registry.get(name)
+    except BackendNotFoundError as exc:
+        raise ConfigError(f"{exc}; a buffer spills to one that keeps files: {', '.join(file_tiers())}") from None
+    if not cls.keeps_files:
+        raise ConfigError(f"the {name!r} cache tier keeps no files in a directory, so a buffer cannot spill to it; "
+                          f"name one that does: {', '.join(file_tiers())}")
+    return cls
 
 
 def _remove_dir(path: str, pid: int) -> None:
@@ -80,7 +108,9 @@ class SpillTier(Tier):
     Args:
         first: the fast tier (usually a :class:`MemoryTier` with a byte budget).
         second: the tier values spill to (usually a ``DiskTier`` with ``fsync=False``: a cache
-            needs atomic files, not durable ones).
+            needs atomic files, not durable ones; :meth:`on_disk` builds any registered tier that
+            keeps files). Keys there are the tier's own file numbers, so it may take only str or
+            int keys while this tier takes any hashable.
         capacity_bytes: budget of the two together (``None``: unbounded); ``first`` keeps its
             own budget too, ``second`` should have none (:meth:`on_disk` makes it so).
         block: disk values are charged whole blocks of this many bytes (the file system's).
@@ -101,17 +131,20 @@ class SpillTier(Tier):
 
     @classmethod
     def on_disk(cls, directory: str, memory_bytes: int | None, disk_bytes: int | None,
-                block: int | None = None) -> "SpillTier":
+                block: int | None = None, *, tier: str = "disk") -> "SpillTier":
         """A :class:`MemoryTier` of ``memory_bytes`` spilling up to ``disk_bytes`` more (charged in
         blocks of ``block``, default the file system's) to files in a fresh directory under
-        ``directory``, removed with the tier; stale directories of killed processes go first."""
+        ``directory``, removed with the tier; stale directories of killed processes go first.
+        ``tier``: the registered cache tier that keeps those files (:func:`spill_level`)."""
+        level = spill_level(tier)
         directory = os.path.abspath(os.fspath(directory))
         # 0700: the files hold the user's samples, and the directory may be on a shared node-local
         # disk; an existing ``directory`` (e.g. /tmp) keeps its mode, the tier's own one is private
         os.makedirs(directory, mode=0o700, exist_ok=True)
         remove_stale(directory)
         root = os.path.join(directory, f"solar-spill-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        second = DiskTier(root, None, fsync=False, mode=0o700)  # the budget is the SpillTier's, over both parts
+        os.makedirs(root, mode=0o700)
+        second = level.in_directory(root)  # unbounded: the budget is the SpillTier's, over both parts
         if block is None:
             block = os.statvfs(root).f_bsize
         total = None if memory_bytes is None or disk_bytes is None else memory_bytes + disk_bytes

@@ -1,7 +1,8 @@
 """The loader's own options: ``buffer=`` and ``spill=``, parsed once into specs.
 
 ``buffer=`` takes samples per rank (``int``), bytes per rank (``"2GiB"``) or a fraction of the
-dataset over all ranks (``float``); ``spill=`` extends a byte budget onto node-local disk. Bad
+dataset over all ranks (``float``): the memory part of the rank buffer. ``spill=`` extends a byte
+budget onto node-local disk, in files of a registered cache tier (``solar.cache.registry``). Bad
 values are ``ConfigError`` naming the option and what to pass.
 """
 
@@ -59,24 +60,57 @@ def parse_buffer(value: Any) -> BufferSpec:
 
 @dataclass(frozen=True)
 class SpillSpec:
-    """A parsed ``spill=`` option: a directory on node-local disk and a byte budget per rank."""
+    """A parsed ``spill=`` option: a directory on node-local disk, a byte budget per rank, and the
+    registered cache tier that keeps the spilled files there (``"disk"`` unless named)."""
 
     directory: str
     nbytes: int
+    tier: str = "disk"
+
+
+_SPILL_FORMS = ("pass (directory, size) on node-local disk, e.g. spill=('/local/nvme/solar', '100GiB'), "
+                "{'dir': ..., 'size': ...}, or {'tier': 'fsspec', 'dir': ..., 'size': ...} to keep the files "
+                "in another registered cache tier")
+
+
+def _spill_parts(value: Any) -> tuple[Any, Any, str]:
+    """(directory, size, tier name) of a ``spill=`` value, or ConfigError saying which forms it takes."""
+    if isinstance(value, dict):
+        if not {"dir", "size"} <= set(value) <= {"dir", "size", "tier"}:
+            raise ConfigError(f"spill={value!r}: a dict takes the keys 'dir' and 'size', and 'tier' if the files go "
+                              f"to another registered cache tier than 'disk'; {_SPILL_FORMS}")
+        parts = (value["dir"], value["size"], value.get("tier", "disk"))
+    elif isinstance(value, (tuple, list)) and len(value) == 2:
+        parts = (*value, "disk")
+    else:
+        parts = None
+    if parts is None or not isinstance(parts[0], (str, os.PathLike)):
+        raise ConfigError(f"spill={value!r}: {_SPILL_FORMS}")
+    return parts
 
 
 def parse_spill(value: Any, buffer: BufferSpec) -> SpillSpec | None:
-    """``None``, ``(directory, size)`` or ``{"dir": ..., "size": ...}`` with ``size`` as in
-    ``buffer=`` (``"100GiB"`` or bytes): the rank buffer spills to files there (NOTE in
-    ``cache/spill.py``). It extends a byte budget, so ``buffer=`` must be bytes too."""
+    """The ``spill=`` option: the rank buffer keeps ``buffer=`` bytes in memory and spills up to
+    ``size`` more to files in a fresh directory under ``dir`` on node-local disk (NOTE in
+    ``cache/spill.py``). Forms:
+
+    * ``None``: no spill;
+    * ``(dir, size)`` or ``{"dir": dir, "size": size}``: files of the ``"disk"`` cache tier;
+    * ``{"tier": name, "dir": dir, "size": size}``: files of the cache tier registered as ``name``
+      (``solar.cache.registry``) that keeps files (``"disk"``, ``"fsspec"``; a plug-in sets
+      ``Tier.keeps_files``), built through the registry for each buffer.
+
+    ``size`` is bytes: a number (``1.5e9``) or a string as in ``buffer=`` (``"100GiB"``). It
+    extends a byte budget, so ``buffer=`` must be bytes too (``"0B"`` keeps every buffered sample
+    in the spill tier). ``dir`` is a local directory, never a URL: a spill is there for the
+    node-local disk's bandwidth, and a remote store would be read as slowly as the dataset.
+    Wrong values raise ``ConfigError`` naming the value and the forms it takes."""
     if value is None:
         return None
-    pair = (value.get("dir"), value.get("size")) if isinstance(value, dict) and set(value) == {"dir", "size"} \
-        else value
-    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], (str, os.PathLike))):
-        raise ConfigError(f"spill={value!r}: pass (directory, size) on node-local disk, e.g. "
-                          "spill=('/local/nvme/solar', '100GiB') or {'dir': ..., 'size': ...}")
-    size = pair[1]
+    directory, size, tier = _spill_parts(value)
+    if not isinstance(tier, str):
+        raise ConfigError(f"spill={value!r}: 'tier' names a registered cache tier (disk, fsspec), not "
+                          f"{type(tier).__name__} {tier!r}")
     try:  # bytes: a number (1.5e9) or a string with a unit ('100GiB'); never samples, unlike buffer=
         nbytes = parse_buffer(size).nbytes if isinstance(size, str) else size
     except ConfigError:
@@ -88,8 +122,12 @@ def parse_spill(value: Any, buffer: BufferSpec) -> SpillSpec | None:
         raise ConfigError("spill= extends the buffer's byte budget onto disk, so give buffer= in bytes too "
                           "(e.g. buffer='4GiB', or buffer='0B' to keep every sample on disk), not "
                           f"{'samples' if buffer.samples is not None else 'a fraction'}")
-    directory = os.fspath(pair[0])
+    directory = os.fspath(directory)
+    if "://" in directory:
+        raise ConfigError(f"spill directory {directory} is a URL; a spill keeps its files on node-local disk "
+                          "(a remote store would be read as slowly as the dataset itself): pass a local "
+                          "directory such as /local/nvme/$USER, for any tier")
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
         raise ConfigError(f"spill directory {directory} is not a writable directory; create it on node-local "
                           "disk (e.g. /local/nvme/$USER) or pass spill=None")
-    return SpillSpec(directory, int(nbytes))
+    return SpillSpec(directory, int(nbytes), tier)

@@ -13,16 +13,20 @@ that yields the class under test; the suite builds instances with ``tier_cls.exa
 The checks are what the loader and the checkpoint writer rely on: values round-trip byte-exact,
 misses are ``None`` and counted, ``exists`` counts nothing, the byte budget is enforced without
 storing anything, deletes and overwrites keep :attr:`~solar.cache.Tier.nbytes` exact, no temporary
-ever shows up as a key, and persistent tiers keep values across instances.
+ever shows up as a key, persistent tiers keep values across instances, and a tier that says it
+keeps files (``keeps_files``, so the loader's ``spill=`` may name it) keeps them in its directory.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import threading
 
 import numpy as np
+
+from solar.errors import ConfigError
 
 __all__ = ["TierTests", "race_put_new"]
 
@@ -206,6 +210,31 @@ class TierTests:
             assert second.nbytes == 5
         else:
             assert second.get("keep") is None
+
+    def test_keeps_files_matches_in_directory(self, tier_cls, tmp_path):
+        """A tier with ``keeps_files`` (one a loader's ``spill=`` may name) keeps every value of
+        ``in_directory(root)`` as a file below ``root``, unbounded, and leaves nothing else there;
+        one without refuses ``in_directory`` with ``ConfigError``."""
+        root = tmp_path / "level"
+        root.mkdir(mode=0o700)
+        if not tier_cls.keeps_files:
+            try:
+                tier_cls.in_directory(str(root))
+            except ConfigError as exc:
+                assert "keeps no files" in str(exc)
+            else:
+                raise AssertionError(f"{tier_cls.__name__}.in_directory made a tier, but keeps_files is False")
+            return
+        level = tier_cls.in_directory(str(root))
+        assert isinstance(level, tier_cls) and level.capacity_bytes is None
+        values = {0: b"first", 7: np.arange(6, dtype=np.int16).tobytes(), "x/y": b""}
+        for key, value in values.items():
+            assert level.put(key, value)
+        files = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, names in os.walk(root) for f in names)
+        assert len(files) == len(values), f"files under the root: {files}"
+        for key, value in values.items():
+            assert level.get(key) == value and level.delete(key)
+        assert [f for _d, _s, names in os.walk(root) for f in names] == []
 
     def test_model_based_operations(self, tier_cls):
         """Random put/delete/overwrite sequences agree with a dict (Hypothesis)."""
