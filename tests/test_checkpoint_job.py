@@ -272,3 +272,16 @@ def test_a_job_save_of_many_small_tensors_makes_one_pack_per_rank_at_most(comm, 
         got = load(root, s, rank=comm.rank)
         assert all(got[k].equal(v) for k, v in small(s).items())
     comm.barrier()
+
+
+def test_lazy_saves_commit_one_version_for_the_job(comm, shared_tmp):
+    root = os.path.join(shared_tmp, "job")
+    with CheckpointWriter(root, comm=comm, chunk_size=CHUNK, max_in_flight=2) as w:
+        for s in range(3):
+            st = state(s, comm.rank)
+            fut = w.save(st, s, lazy=True)
+            w.wait_staged()  # the copy is done: the state may change now
+            st["model"]["own"].add_(1000)
+        assert fut.result().step == 2
+    assert list_versions(root) == [0, 1, 2]
+    assert same(load(root, comm=comm), state(2, comm.rank))

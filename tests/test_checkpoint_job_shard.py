@@ -78,3 +78,16 @@ def test_a_template_that_does_not_fit_is_refused_naming_the_key(saved):
         load_into(root, {"w": torch.zeros(8, 6)})
     with pytest.raises(CheckpointError, match="key 'nope' of the template is not in step 1"):
         load_into(root, {"nope": torch.zeros(3)})
+
+
+def test_solar_ckpt_restore_writes_the_whole_job_with_shards_reassembled(saved, tmp_path):
+    from solar.checkpoint.cli import main
+
+    root, _ = saved
+    out = str(tmp_path / "whole.pt")
+    assert main(["restore", f"{root}@1", "-o", out]) == 0
+    got, want = torch.load(out), globals_()
+    assert sorted(got) == sorted(want) and all(got[k].equal(v) for k, v in want.items())
+    assert main(["export", f"{root}@1", "-o", str(tmp_path / "x.safetensors")]) == 2  # refused: one rank or .pt
+    assert main(["restore", f"{root}@1", "--rank", "1", "-o", out]) == 0
+    assert torch.load(out)["w"].equal(want["w"][4:8])

@@ -29,6 +29,7 @@ from .flatten import DTYPES, materialize
 from .jobreport import job_log, job_show
 from .jobstore import JobStore, is_job_root
 from .reader import Reader
+from .reshard import whole_state
 from .report import fmt_bytes, format_report, table
 from .store import CheckpointStore, parse_ref
 from .verify import verify
@@ -305,15 +306,26 @@ def cmd_restore(args) -> int:
     _check_output(args.output)
     fmt = _output_format(args)
     root, step = parse_ref(args.ref)
-    reader = Reader(root, step, rank=args.rank)
+    reader = Reader(root, step, rank=args.rank if args.rank is not None else _first_rank(root))
+    if fmt == "safetensors" and reader.jobs is not None and args.rank is None:
+        raise InputError(f"{root} is a job root: export one rank's state with --rank R, or the whole job's "
+                         f"(shards reassembled) as a torch.save file with `solar-ckpt restore {args.ref} -o FILE.pt`")
     if fmt == "safetensors":
         n = reader.retry_if_removed(lambda: _export_safetensors(reader, args.output))
         print(f"wrote {n} tensors of step {reader.manifest.step} to {args.output} (safetensors)")
         return 0
-    state = reader.state_dict(map_location="cpu", progress=True, weights_only=not args.trust_pickle)
+    if reader.jobs is not None and args.rank is None:  # the whole job's state, shards reassembled
+        state = whole_state(root, reader.manifest.step, weights_only=not args.trust_pickle)
+    else:
+        state = reader.state_dict(map_location="cpu", progress=True, weights_only=not args.trust_pickle)
     _write_output(args.output, lambda tmp: torch.save(state, tmp))
     print(f"wrote step {reader.manifest.step} to {args.output} (torch.save)")
     return 0
+
+
+def _first_rank(root: str) -> int | None:
+    """Rank 0 on a job root (whose whole state restore reassembles), None on a single root."""
+    return 0 if is_job_root(CheckpointStore(root)) else None
 
 
 def cmd_gc(args) -> int:

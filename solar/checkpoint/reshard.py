@@ -18,14 +18,14 @@ import torch
 
 from solar.errors import CheckpointError
 
-from .flatten import DTYPES, TensorRef
+from .flatten import DTYPES, TensorRef, unflatten
 from .jobstore import JobStore, is_job_root
 from .manifest import Manifest
 from .reader import Reader, agreed_step
 from .shard import is_sharded, layout_of
 from .store import CheckpointStore
 
-__all__ = ["load_into", "Loaded"]
+__all__ = ["load_into", "Loaded", "whole_state"]
 
 
 class Loaded(NamedTuple):
@@ -144,3 +144,24 @@ def load_into(root: "str | os.PathLike", state: Any, step: int | None = None, *,
             raise CheckpointError(f"key {t.name!r} of the template is not in step {step} of {root}")
         _fill(t, by_name[t.name])
     return Loaded(step, len(targets), sum(r.bytes_read for r in readers.values()))
+
+
+def whole_state(root: "str | os.PathLike", step: int | None = None, *, weights_only: bool = True,
+                storage_options: dict | None = None) -> Any:
+    """The version as one process's state dict: on a job root, rank 0's state with every sharded
+    tensor (a saved ``Shard`` or DTensor) replaced by the whole global tensor, reassembled from
+    every rank's pieces; on a single root, the state as saved. What ``solar-ckpt restore`` writes."""
+    store = CheckpointStore(root, **(storage_options or {}))
+    parts = _parts(store, step)
+    first = parts[min(parts)]
+    reader = Reader(root, first.step, store=store, rank=min(parts) if is_job_root(store) else None)
+    reader.manifest = first
+    sharded = {t.name: torch.zeros(t.global_shape, dtype=DTYPES[t.dtype]) for t in first.tensors
+               if t.global_shape is not None}
+    if sharded:
+        load_into(root, sharded, first.step, rank=min(parts), storage_options=storage_options)
+    where = f"step {first.step} of {store.root}"
+    if weights_only:  # the allow-list check before any chunk is read, as load does
+        unflatten(first.skeleton, [None] * len(first.tensors), where=where)  # type: ignore[list-item]
+    tensors = [sharded[t.name] if t.name in sharded else reader.tensor(t.name) for t in first.tensors]
+    return unflatten(first.skeleton, tensors, weights_only=weights_only, where=where)
