@@ -24,16 +24,20 @@ import numpy as np
 from solar.errors import DatasetFormatError, StorageError
 
 from .base import ArrayInfo
-from .fsspec_common import CHANGED, INHERITED, is_http, missing_protocol_error, url_errors, url_to_fs
-from .fsspec_hdf5 import h5_errors, open_file_object, open_h5
-from .hdf5 import HDF5Backend
+from .fsspec_common import (CHANGED, INHERITED, _protocols, is_http, missing_protocol_error, s3_ranges, url_errors,
+                            url_to_fs)
+from .fsspec_hdf5 import h5_errors, open_file_object, open_h5, pinned_fs
+from .hdf5 import HDF5Backend, _Span
 from .npy_format import npy_header
 from .npy_store import NpyStore, write_npy_store
 
 __all__ = ["FsspecBackend", "NpyStore", "write_npy_store", "npy_header", "url_to_fs", "missing_protocol_error"]
 
 #: options of the backend itself; every other keyword option is a storage option
-_STORE_OPTIONS = ("block_size", "cache_type", "rdcc_nbytes", "storage_options", "cache_options")
+_STORE_OPTIONS = ("block_size", "cache_type", "rdcc_nbytes", "storage_options", "cache_options", "direct_reads")
+
+#: Largest byte range one request asks for: a long run is cut into pieces requested concurrently.
+RANGE_BYTES = 8 << 20
 
 
 class FsspecBackend(HDF5Backend):
@@ -57,7 +61,7 @@ class FsspecBackend(HDF5Backend):
         super().__init__(url, storage_options=storage, **options)
 
     def _handle_attrs(self):
-        return (*super()._handle_attrs(), "_fs", "_fobj", "_npy")
+        return (*super()._handle_attrs(), "_fs", "_fobj", "_npy", "_range_fs", "_range_spans")
 
     def _open(self) -> None:
         self._keep_parent_handles()
@@ -74,7 +78,10 @@ class FsspecBackend(HDF5Backend):
                 return
             self._check_same_version(info)
             self._fobj = open_file_object(self._fs, path, self.url, info, self.options)
+            self._range_fs, self._path = pinned_fs(self._fs, self.url, info, self.options), path
+            self._etag = info.get("ETag") if "s3" in _protocols(self._fs) else None
         self._file = open_h5(self._fobj, self.url, self.options)
+        self._range_spans = {}
 
     def _check_same_version(self, info: dict) -> None:
         """Pin the file's version on the first open; a later open of this backend or of a copy of
@@ -127,6 +134,8 @@ class FsspecBackend(HDF5Backend):
             self._keep_parent_handles()
             return
         super()._close()
+        self.__dict__.pop("_range_fs", None)
+        self.__dict__.pop("_range_spans", None)
         fobj = self.__dict__.pop("_fobj", None)
         if fobj is not None:
             fobj.close()
@@ -165,14 +174,41 @@ class FsspecBackend(HDF5Backend):
 
     def serializes_reads(self, key: str) -> bool:
         """HDF5 through a file object: every read is an h5py call (its lock held while the file
-        object fetches); ``.npy`` byte ranges: no lock."""
+        object fetches), or else one call whose byte ranges are requested concurrently already
+        (NOTE [ Remote rows by byte ranges ]): request threads would add nothing; ``.npy`` byte
+        ranges: no lock."""
         self.ensure_open()
         return self._npy is None
+
+    def _range_span(self, key: str):
+        """NOTE [ Remote rows by byte ranges ]: an HDF5 dataset whose rows are plain bytes in the
+        file (contiguous, or unfiltered chunks of whole rows: ``_Span.of``, as for local direct
+        reads) is read by its byte ranges, every range of a call requested at once (fsspec's
+        ``cat_ranges``: concurrent requests on http and s3), instead of through h5py, which
+        fetches one ``block_size`` block at a time under its lock. The offsets come from the
+        file's metadata, read once through h5py. A call for less than one ``block_size`` of rows
+        still goes through h5py and its block cache (one request at most, and its neighbours
+        cached); ``backend_options={"direct_reads": False}`` reads every call through h5py."""
+        spans = self.__dict__.get("_range_spans")
+        if spans is None or self._file is None:
+            return None
+        if key not in spans:
+            with h5_errors(self.url, f"reading the layout of {key!r}"):
+                ok = self.options.get("direct_reads", True) and "::" not in self.url
+                spans[key] = _Span.of(self._dset(key), self._file) if ok else None
+        return spans[key]
 
     def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
         if self._npy is not None:
             self.stats.read_calls += self._npy.read_into(key, ranges, out)
             return
+        span = self._range_span(key) if out.nbytes >= self.options.get("block_size", 1 << 20) else None
+        if span is not None and out.flags.c_contiguous and out.flags.writeable:
+            with h5_errors(self.url, f"reading the layout of {key!r}"):
+                allocated = span.allocated(ranges)
+            if allocated:
+                self._read_bytes(key, span, ranges, out)
+                return
         # Local files are plain OS files (no fsspec cache): nothing to count but the reads.
         cache = getattr(getattr(self._fobj, "raw", None), "__dict__", {}).get("cache")
         before = getattr(cache, "miss_count", 0)
@@ -186,3 +222,34 @@ class FsspecBackend(HDF5Backend):
         if cache is not None:
             self.stats.extra["block_misses"] = (self.stats.extra.get("block_misses", 0)
                                                 + getattr(cache, "miss_count", 0) - before)
+
+    def _read_bytes(self, key: str, span, ranges: np.ndarray, out: np.ndarray) -> None:
+        """Rows of ``ranges`` by byte ranges (NOTE [ Remote rows by byte ranges ]), pieces of at
+        most ``RANGE_BYTES`` requested together, each copied once into its place in ``out``."""
+        starts, ends, at = [], [], []
+        pos = 0
+        for start, stop in ranges.tolist():
+            for off, n in span.pieces(start, stop):
+                for a in range(0, n, RANGE_BYTES):
+                    k = min(RANGE_BYTES, n - a)
+                    starts.append(off + a)
+                    ends.append(off + a + k)
+                    at.append(pos + a)
+                pos += n
+        if not starts:
+            return
+        with url_errors(self.url, f"reading rows of {key!r}"):
+            if self._etag is not None:  # s3: every range pinned to the version opened (412 otherwise)
+                got = s3_ranges(self._range_fs, self._path, starts, ends, self._etag)
+            else:  # (http: the filesystem's If-Match header pins them)
+                got = self._range_fs.cat_ranges([self._path] * len(starts), starts, ends, on_error="raise")
+        flat = out.reshape(-1).view(np.uint8)
+        for b, a, s_, e in zip(got, at, starts, ends):
+            if isinstance(b, BaseException):
+                raise b
+            if len(b) != e - s_:
+                raise StorageError(f"{self.url}: got {len(b)} of {e - s_} bytes at offset {s_} reading {key!r}; "
+                                   f"{CHANGED}")
+            flat[a:a + len(b)] = np.frombuffer(b, np.uint8)
+        self.stats.read_calls += int((ranges[:, 1] > ranges[:, 0]).sum())
+        self.stats.extra["range_requests"] = self.stats.extra.get("range_requests", 0) + len(starts)

@@ -15,7 +15,7 @@ from solar.capabilities import fsspec_protocol_missing, pip_name
 from solar.errors import ConfigError, MissingDependencyError, SolarError, StorageError, storage_errors
 
 __all__ = ["INHERITED", "CHANGED", "transport_error", "url_errors", "range_hint", "missing_protocol_error",
-           "url_to_fs", "is_http", "full_url"]
+           "url_to_fs", "is_http", "full_url", "s3_ranges"]
 
 # NOTE [ fsspec after fork ]
 #     A forked child inherits the parent's asyncio event loop *and its epoll instance*, which the
@@ -149,6 +149,29 @@ def url_to_fs(url: str, **storage_options: Any):
         if err is None:
             raise
         raise err from exc
+
+
+def s3_ranges(fs, path: str, starts: list[int], ends: list[int], etag: str) -> list[bytes]:
+    """Bytes ``[starts[i], ends[i])`` of the S3 object ``path``, requested concurrently on the
+    filesystem's event loop, each with ``IfMatch=etag``: an object replaced since it was opened
+    is refused (s3fs's own ``cat_ranges`` does not pin the version; its file objects do)."""
+    import asyncio
+
+    from fsspec.asyn import sync  # fsspec: imported by the fsspec backends only
+
+    bucket, key, _ = fs.split_path(path)
+
+    async def one(start: int, end: int) -> bytes:
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=etag)
+        try:
+            return await resp["Body"].read()
+        finally:
+            resp["Body"].close()
+
+    async def every() -> list[bytes]:
+        return await asyncio.gather(*(one(a, b) for a, b in zip(starts, ends)))
+
+    return sync(fs.loop, every)
 
 
 def _protocols(fs) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ from solar.errors import DatasetFormatError, StorageError
 
 from .fsspec_common import is_http, url_errors, url_to_fs
 
-__all__ = ["h5_errors", "open_file_object", "open_h5"]
+__all__ = ["h5_errors", "open_file_object", "open_h5", "pinned_fs"]
 
 # NOTE [ No garbage collection while h5py reads through fsspec ]
 #     h5py holds its global lock ("phil") for the whole of a call, and an HDF5 file on an fsspec
@@ -63,15 +63,24 @@ def open_file_object(fs, path: str, url: str, info: dict, options: dict[str, Any
     """The block-cached file object h5py reads ``path`` through; over HTTP every request is pinned
     to the version ``info`` describes (the server refuses, 412, a file that changed since)."""
     kw = {} if "::" in url else {"cache_type": options.get("cache_type", "blockcache")}
-    if is_http(fs):
-        pin = {"If-Match": info["ETag"]} if info.get("ETag") else (
-            {"If-Unmodified-Since": info["Last-Modified"]} if info.get("Last-Modified") else {})
-        if pin:  # through the filesystem's own headers: open(headers=) clashes with them
-            so = options["storage_options"]
-            fs = url_to_fs(url, **{**so, "headers": {**so.get("headers", {}), **pin}})[0]
+    fs = pinned_fs(fs, url, info, options)
     fobj = fs.open(path, "rb", block_size=options.get("block_size", 1 << 20),
                    cache_options=options.get("cache_options"), **kw)
     return _WholeReads(fobj, url, info.get("size"))
+
+
+def pinned_fs(fs, url: str, info: dict, options: dict[str, Any]):
+    """``fs``, or over HTTP a filesystem whose every request is pinned to the version ``info``
+    describes (``If-Match`` its ETag, else ``If-Unmodified-Since``: the server refuses, 412, a
+    file that changed since)."""
+    if not is_http(fs):
+        return fs
+    pin = {"If-Match": info["ETag"]} if info.get("ETag") else (
+        {"If-Unmodified-Since": info["Last-Modified"]} if info.get("Last-Modified") else {})
+    if not pin:
+        return fs
+    so = options["storage_options"]  # through the filesystem's own headers: open(headers=) clashes with them
+    return url_to_fs(url, **{**so, "headers": {**so.get("headers", {}), **pin}})[0]
 
 
 def open_h5(fobj: "_WholeReads", url: str, options: dict[str, Any]):
