@@ -216,7 +216,7 @@ class SolarBatchSampler(BatchSampler):
                 # a fresh directory per buffer; an older iteration may still read the old one,
                 # whose files go when it is garbage collected
                 self.buffer = SpillTier.on_disk(self.spill_spec.directory, self.buffer_spec.nbytes,
-                                                self.spill_spec.nbytes)
+                                                self.spill_spec.nbytes, tier=self.spill_spec.tier)
             else:
                 self.buffer = MemoryTier(self.buffer_spec.nbytes)
         return P, rank
