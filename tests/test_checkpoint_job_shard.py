@@ -91,3 +91,26 @@ def test_solar_ckpt_restore_writes_the_whole_job_with_shards_reassembled(saved, 
     assert main(["export", f"{root}@1", "-o", str(tmp_path / "x.safetensors")]) == 2  # refused: one rank or .pt
     assert main(["restore", f"{root}@1", "--rank", "1", "-o", out]) == 0
     assert torch.load(out)["w"].equal(want["w"][4:8])
+
+
+def test_solar_ckpt_export_dcp_writes_a_directory_dcp_loads_and_diff_reads(saved, tmp_path, capsys):
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    from solar.checkpoint.cli import main
+
+    root, _ = saved
+    out = str(tmp_path / "dcp")
+    assert main(["export", f"{root}@1", "--format", "dcp", "-o", out]) == 0
+    want = globals_()
+    template = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(template, checkpoint_id=out, no_dist=True)
+    assert all(template[k].equal(v) for k, v in want.items())
+    assert main(["export", f"{root}@1", "--format", "dcp", "-o", out]) == 2  # never over an existing one
+    capsys.readouterr()
+    whole = str(tmp_path / "whole.pt")
+    assert main(["restore", f"{root}@1", "-o", whole]) == 0
+    capsys.readouterr()
+    assert main(["diff", whole, out, "--json", "--exit-code"]) == 0, capsys.readouterr().out
+    assert json.loads(capsys.readouterr().out)["identical"]

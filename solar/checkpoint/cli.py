@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -302,7 +303,30 @@ def _output_format(args) -> str:
     return args.format
 
 
+def _export_dcp(state: Any, path: str) -> None:
+    """Write ``state`` as a torch.distributed.checkpoint directory (one process)."""
+    # torch.distributed.checkpoint is imported only for --format dcp: it is large
+    import torch.distributed.checkpoint as dcp
+
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise InputError(f"output {path} exists; --format dcp writes a new directory: give another -o path")
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the intent
+            warnings.simplefilter("ignore")
+            dcp.save(state, checkpoint_id=path, no_dist=True)
+    except (OSError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot write the DCP directory {path} ({exc}); check free space and permissions") \
+            from exc
+
+
 def cmd_restore(args) -> int:
+    if args.format == "dcp":
+        root, step = parse_ref(args.ref)
+        reader = Reader(root, step, rank=args.rank if args.rank is not None else _first_rank(root))
+        state = _state_of(reader, root, args)
+        _export_dcp(state, args.output)
+        print(f"wrote step {reader.manifest.step} to {args.output} (torch.distributed.checkpoint)")
+        return 0
     _check_output(args.output)
     fmt = _output_format(args)
     root, step = parse_ref(args.ref)
@@ -314,13 +338,17 @@ def cmd_restore(args) -> int:
         n = reader.retry_if_removed(lambda: _export_safetensors(reader, args.output))
         print(f"wrote {n} tensors of step {reader.manifest.step} to {args.output} (safetensors)")
         return 0
-    if reader.jobs is not None and args.rank is None:  # the whole job's state, shards reassembled
-        state = whole_state(root, reader.manifest.step, weights_only=not args.trust_pickle)
-    else:
-        state = reader.state_dict(map_location="cpu", progress=True, weights_only=not args.trust_pickle)
+    state = _state_of(reader, root, args)
     _write_output(args.output, lambda tmp: torch.save(state, tmp))
     print(f"wrote step {reader.manifest.step} to {args.output} (torch.save)")
     return 0
+
+
+def _state_of(reader: Reader, root: str, args) -> Any:
+    """What restore writes: on a job root without --rank the whole job, shards reassembled."""
+    if reader.jobs is not None and args.rank is None:
+        return whole_state(root, reader.manifest.step, weights_only=not args.trust_pickle)
+    return reader.state_dict(map_location="cpu", progress=True, weights_only=not args.trust_pickle)
 
 
 def _first_rank(root: str) -> int | None:
@@ -389,7 +417,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         p.add_argument("ref", metavar="ROOT@STEP")
         p.add_argument("-o", "--output", required=True)
         # no argparse default: an explicit --format is told apart from the default (see _output_format)
-        p.add_argument("--format", choices=["pt", "safetensors"], default=None, help=fmt_help)
+        p.add_argument("--format", choices=["pt", "safetensors", "dcp"], default=None,
+                       help=fmt_help + "; dcp: a torch.distributed.checkpoint directory (-o names a new directory)")
         p.add_argument("--trust-pickle", action="store_true",
                        help="unpickle the version's non-tensor objects with the full unpickler, not only through "
                             "the allow-list of safe globals; only for a root you trust: unpickling can run "
