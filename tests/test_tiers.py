@@ -11,6 +11,8 @@ import pytest
 from solar.cache import get_tier, registry
 from solar.cache.disk import DiskTier
 from solar.cache.fsspec_tier import FsspecTier
+from solar.cache.spill import SpillTier, spill_level
+from solar.errors import ConfigError
 from solar.testing.tiers import TierTests, race_put_new
 
 
@@ -237,3 +239,41 @@ def test_a_closed_spill_tier_keeps_values_in_memory_only_and_its_directory_stays
     assert tier.put(2, big) is False  # no room in memory, and no disk any more
     assert tier.put(3, b"xyz") and tier.get(3) == b"xyz"
     assert not os.path.exists(root)
+
+
+# -- tiers as the loader's spill level (spill={"tier": name, ...}) ------------------------------
+FILE_TIERS = [n for n in registry.names() if get_tier(n).keeps_files]
+
+
+def test_the_tiers_that_keep_files_are_disk_and_fsspec():
+    assert set(FILE_TIERS) == {"disk", "fsspec"}
+    for name in set(registry.names()) - set(FILE_TIERS):
+        with pytest.raises(ConfigError, match=f"the '{name}' cache tier keeps no files in a directory"):
+            get_tier(name).in_directory("/nonexistent")
+
+
+@pytest.mark.parametrize("name", FILE_TIERS)
+def test_a_spill_to_any_file_tier_is_built_through_the_registry_and_removed_with_it(name, tmp_path):
+    """SpillTier.on_disk(tier=name) spills to a fresh, private instance of the registered tier:
+    arrays come back with their dtype and shape from its files, and the directory goes on close."""
+    tier = SpillTier.on_disk(str(tmp_path), 100, 10_000, block=1, tier=name)
+    assert type(tier.second) is get_tier(name) and tier.second.capacity_bytes is None
+    big = np.linspace(0, 1, 60).reshape(3, 4, 5).astype(np.float32)
+    assert tier.put(("x", 2), big) and ("x", 2) not in tier.first  # 240 B: spilled, under a tuple key
+    got = tier.get(("x", 2))
+    assert got.dtype == big.dtype and got.shape == big.shape and np.array_equal(got, big)
+    (root,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path)]
+    assert tier.second.root == root and os.stat(root).st_mode & 0o777 == 0o700
+    assert list(tier.second.keys()) == [0] and len(os.listdir(root)) == 1  # the tier's own key: a file number
+    tier.close()
+    assert not os.path.exists(root)
+
+
+def test_spill_level_names_the_tiers_a_buffer_can_spill_to():
+    assert spill_level("fsspec") is get_tier("fsspec")
+    with pytest.raises(ConfigError, match="no cache tier named 'nvme'; known: .*spills to one that keeps files: "
+                                          "disk, fsspec"):
+        spill_level("nvme")
+    with pytest.raises(ConfigError, match="the 'spill' cache tier keeps no files .*name one that does: disk, fsspec"):
+        spill_level("spill")
+
