@@ -26,6 +26,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
+
 import numpy as np
 import torch
 
