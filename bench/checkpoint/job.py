@@ -12,7 +12,8 @@ model's). The contenders run alternated, ``--rounds`` times, each into a fresh d
   time ends when the global manifest is committed on every rank), then an incremental save
   after 1% of the sharded tensor's chunks changed;
 * ``dcp_save``: ``dcp.save`` (blocking for all of it);
-* ``dcp_async``: ``dcp.async_save`` (blocking until it returns; total when its future is done).
+* ``dcp_async``: ``dcp.async_save`` (blocking until it returns; total when its future is done);
+* ``torch_save``: each rank ``torch.save``s its own state to its own file (the blocking baseline).
 
 Times are the slowest rank's; bytes are what each directory holds after the save. The machine
 may be shared: ratios from one run are what counts, and the load average is recorded.
@@ -33,7 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from mpi4py import MPI
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from solar.checkpoint import CheckpointWriter
 
@@ -51,11 +52,11 @@ def dir_files(path: str) -> int:
 
 def make_state(mesh, comm, mib: int) -> dict:
     g = torch.Generator().manual_seed(0)
-    rows = comm.size * mib * MiB // (4 * 1024)
-    full = torch.randn(rows, 1024, generator=g)  # every rank builds the same global tensor
     small = {f"layer{i}.bias": torch.randn(64, generator=g) for i in range(300)}
     rep = torch.randn(mib * MiB // 16, generator=g)  # mib / 4 MiB, replicated
-    return {"sharded": distribute_tensor(full, mesh, [Shard(0)]), "replicated": rep, **small}
+    local = torch.randn(mib * MiB // (4 * 1024), 1024, generator=torch.Generator().manual_seed(1 + comm.rank))
+    sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)  # this rank's rows of the global
+    return {"sharded": sharded, "replicated": rep, **small}
 
 
 def touch_one_percent(state: dict, step: int) -> None:
@@ -68,11 +69,21 @@ def touch_one_percent(state: dict, step: int) -> None:
         local[(c * chunks // n) * per_chunk] += step
 
 
+def quiet_barrier(comm) -> None:
+    """A barrier that sleeps while it waits (Open MPI's spins, taking a core from ranks still working)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.0005)
+
+
 def timed(comm, fn) -> float:
-    comm.Barrier()
+    """``fn``'s time on the slowest rank (each rank's own time, taken before any rank waits)."""
+    quiet_barrier(comm)
     t0 = time.perf_counter()
     fn()
-    return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    took = time.perf_counter() - t0
+    quiet_barrier(comm)
+    return comm.allreduce(took, op=MPI.MAX)
 
 
 def bench_solar(comm, state: dict, d: str) -> dict:
@@ -105,6 +116,14 @@ def bench_dcp(comm, state: dict, d: str, asynchronous: bool) -> dict:
             "files": dir_files(d) if comm.rank == 0 else 0}
 
 
+def bench_torch_save(comm, state: dict, d: str) -> dict:
+    """Each rank ``torch.save``s its own state (the sharded tensor's local rows) to its own file."""
+    plain = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in state.items()}
+    os.makedirs(d, exist_ok=True)
+    total = timed(comm, lambda: torch.save(plain, os.path.join(d, f"rank{comm.rank}.pt")))
+    return {"blocking_s": total, "total_s": total, "bytes": comm.allreduce(dir_bytes(d) if comm.rank == 0 else 0)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=64, help="MiB of sharded state per rank")
@@ -123,12 +142,14 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (comm.size,))
     state = make_state(mesh, comm, args.mib)
     base = comm.bcast(tempfile.mkdtemp(prefix="solar-job-bench-", dir=args.dir) if comm.rank == 0 else None)
-    runs: dict[str, list] = {"solar": [], "dcp_save": [], "dcp_async": []}
+    runs: dict[str, list] = {"solar": [], "dcp_save": [], "dcp_async": [], "torch_save": []}
     for r in range(args.rounds):
         for name in runs:
             d = os.path.join(base, f"{name}-{r}")
             if name == "solar":
                 runs[name].append(bench_solar(comm, state, d))
+            elif name == "torch_save":
+                runs[name].append(bench_torch_save(comm, state, d))
             else:
                 runs[name].append(bench_dcp(comm, state, d, asynchronous=name == "dcp_async"))
             comm.Barrier()
@@ -148,6 +169,8 @@ def main() -> None:
                "solar_blocking_vs_dcp_save": s["blocking_s"] / best["dcp_save"]["total_s"],
                "solar_blocking_vs_dcp_async_blocking": s["blocking_s"] / best["dcp_async"]["blocking_s"],
                "solar_total_vs_dcp_save": s["total_s"] / best["dcp_save"]["total_s"],
+               "solar_blocking_vs_torch_save": s["blocking_s"] / best["torch_save"]["total_s"],
+               "dcp_async_blocking_vs_torch_save": best["dcp_async"]["blocking_s"] / best["torch_save"]["total_s"],
                "runs": runs}
         print(json.dumps(out, indent=2))
         if args.out:
