@@ -134,6 +134,16 @@ _I64 = np.empty(0, np.int64)
 _U8 = np.empty(0, np.uint8)
 _PROTO = {4: np.empty(0, np.int32), 8: np.empty(0, np.int64)}
 _EMPTY = {np.dtype("<f4"): np.empty(0, "<f4"), np.dtype("<f8"): np.empty(0, "<f8")}
+for _e in _EMPTY.values():
+    _e.setflags(write=False)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """``a`` as a read-only view: outlier values come read-only from one blob's section and
+    writable from a group's, and numba compiles a kernel per flag (tens of seconds each)."""
+    v = a.view()
+    v.setflags(write=False)
+    return v
 _KIND = {NIBBLES: 0, 1: 1}  # the kernel's code kinds: 0 nibbles, 1 int8, 2 byte planes
 
 
@@ -169,7 +179,7 @@ def _share(blobs, metas, lay, int8_stream: bool, b0: int, b1: int, out: np.ndarr
     kinds, slots, wide = _codes(g, n)
     dims, plan = _geometry(tuple(lay.inner_shape), lay.reverse)
     esc_pos, esc_val = (g.esc_idx[0], g.esc_val[0].astype(np.int64)) if g.esc_idx else (_I64, _I64)
-    out_pos, out_val = (g.out_idx[0], g.out_val[0]) if g.out_idx else (_I64, _EMPTY[out.dtype])
+    out_pos, out_val = (g.out_idx[0], _readonly(g.out_val[0])) if g.out_idx else (_I64, _EMPTY[out.dtype])
     _KERNELS.decode_rows(0, b1 - b0, n, lay.lead, dims, m0.predictor == Predictor.LORENZO, plan,
                          lay.masks[b0 * lay.lead:b1 * lay.lead], lay.K, _PROTO[m0.qint], kinds, slots,
                          g.planes.get(NIBBLES, _I8), g.planes.get(1, _I8), wide,
