@@ -58,13 +58,16 @@ from solar.codec import verify as verify_blob
 from solar.collective import agree, agreement_at_end
 from solar.collective import lockstep as _lockstep
 from solar.layout import FieldSpec, checksum_key, describe_fields
-from solar.fetch import FetchPass, FetchStats, StoredBatch, evict_samples, torch_dtype
+from solar.fetch import FetchPass, FetchStats, Held, Samples, StepRows, StoredBatch, evict_samples, torch_dtype
 from solar.io_backends import open_backend
 from solar.reads import RowReads
 
 __all__ = ["H5Dataset"]
 
 _MISSING = object()
+
+#: the methods a subclass leaves alone for its batches to be plain (:meth:`H5Dataset.plain_batches`)
+_PLAIN_METHODS = ("__getitem__", "__getitems__", "_getitems", "_items", "_samples", "decode")
 
 #: Per thread, the batches whose samples a subclass's ``__getitem__`` is being called for
 #: (``stack``, innermost last): NOTE [ Subclass items ].
@@ -231,7 +234,7 @@ class H5Dataset(RowReads, Dataset):
 
     def fetch_stored(self, indices: Sequence[int], buffer=None, keep: Callable[[np.ndarray], np.ndarray] | None = None,
                      shared: bool = False, evict: Sequence[int] | None = None, disjoint: bool = False,
-                     rows=None) -> StoredBatch:
+                     rows=None, steps: Sequence[int] | None = None) -> StoredBatch:
         """Load the stored bytes of ``indices`` (batch order; repeats allowed).
 
         Hits come from ``buffer`` (a :class:`solar.cache.Tier` keyed by ``(field, index)``);
@@ -242,6 +245,9 @@ class H5Dataset(RowReads, Dataset):
         promises that no other rank reads any of these samples in this call, which lets a
         collective backend use its collective transfer (NOTE [ Disjoint collective reads ] in
         io_backends/base.py); only the loader's schedule can know that.
+
+        ``steps``: the lengths of the steps ``indices`` is made of (:meth:`fetch_steps`): raw
+        fields are then laid out step by step (:class:`solar.fetch.StepRows`).
 
         ``rows``: sample ``i`` is the stored row ``rows[i]`` (a ``Subset``'s view, NOTE [ Subsets ]
         in ``solar/subset.py``; anything with ``len`` and integer-array indexing): ``indices``,
@@ -256,7 +262,7 @@ class H5Dataset(RowReads, Dataset):
         with agreement_at_end(self.backend):  # before anything leaves or enters the buffer
             pending.load(disjoint)
         evict_samples(self, buffer, evict)
-        return pending.finish(buffer, shared)
+        return pending.finish(buffer, shared, steps)
 
     @property
     def compressed(self) -> bool:
@@ -288,7 +294,7 @@ class H5Dataset(RowReads, Dataset):
         lengths = [len(s) for s in steps]
         flat = [int(i) for s in steps for i in s]
         whole = self.fetch_stored(flat, buffer=buffer, keep=keep, shared=shared, evict=evict, disjoint=disjoint,
-                                  rows=rows)
+                                  rows=rows, steps=None if decode else lengths)  # (decoded: as one tensor)
         bounds = np.r_[0, np.cumsum(lengths)].tolist()
         problem = tensors = None
         try:
@@ -347,6 +353,7 @@ class H5Dataset(RowReads, Dataset):
         out: dict[str, torch.Tensor] = {}
         for spec in self.specs:
             val = stored.fields[spec.name]
+            val = val.whole() if isinstance(val, StepRows) else val  # (a pass laid out step by step)
             if spec.kind == "raw":
                 out[spec.name] = val if self.device.type == "cpu" else val.to(self.device, non_blocking=True)
             else:
@@ -361,11 +368,23 @@ class H5Dataset(RowReads, Dataset):
                 out[spec.name] = dec
         return out
 
+    def plain_batches(self) -> bool:
+        """Whether a batch is its loaded rows as they are, with no per-sample work: every field
+        raw, on the CPU, no ``transform``, H5Dataset's own ``__getitem__`` and batch methods
+        (NOTE [ Workers with nothing to do ] in solar/loader.py)."""
+        t = type(self)
+        return (self.transform is None and self.device.type == "cpu" and not self.compressed
+                and all(getattr(t, m) is getattr(H5Dataset, m) for m in _PLAIN_METHODS))
+
     def _samples(self, tensors: dict[str, torch.Tensor], n: int) -> list:
-        cols = [tensors[f] for f in self.fields]
-        samples = [cols[0][i] if self._single else tuple(c[i] for c in cols) for i in range(n)]
+        """The ``n`` samples of the decoded ``tensors``: rows (views), as :class:`Samples` that
+        carry their columns (NOTE [ One copy into the batch ] in solar/fetch.py), or what
+        ``transform`` makes of each."""
+        cols = tuple(tensors[f] for f in self.fields)
+        samples = Samples(cols[0][i] if self._single else tuple(c[i] for c in cols) for i in range(n))
         if self.transform is not None:
-            samples = [self.transform(s) for s in samples]
+            return [self.transform(s) for s in samples]
+        samples.columns, samples.single = cols, self._single
         return samples
 
     # -- Dataset protocol ---------------------------------------------------------------------
@@ -376,6 +395,10 @@ class H5Dataset(RowReads, Dataset):
 
     def _getitems(self, indices: Sequence[int], rows: np.ndarray | None = None) -> list:
         stored = getattr(indices, "stored", None)
+        if isinstance(stored, Held):  # a worker's batch whose bytes stay with the loader
+            samples = Samples([None] * stored.n)  # (NOTE [ Batches that stay ] in solar/fetch.py)
+            samples.held = stored
+            return samples
         if stored is None:
             stored = self.fetch_stored(indices, rows=rows)
         tensors = stored.decoded if stored.decoded is not None else self.decode(stored)

@@ -8,17 +8,81 @@ batch laid out in batch order as a :class:`StoredBatch`). The loader carries eac
 
 from __future__ import annotations
 
+import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 import torch
+from torch.utils.data import default_collate
 
 from solar.cache import TierStats
 from solar.errors import InputError
 from solar.layout import FieldSpec
 
-__all__ = ["FetchPass", "FetchStats", "StoredBatch", "StepBatch", "as_indices", "evict_samples", "torch_dtype"]
+__all__ = ["FetchPass", "FetchStats", "StoredBatch", "StepBatch", "StepRows", "Samples", "Stay", "Held", "as_indices",
+           "collate", "empty", "evict_samples", "forget_held", "torch_dtype"]
+
+# NOTE [ Batches that stay ]
+#     With DataLoader workers, each step's batch travels to a worker inside its StepBatch and
+#     comes back collated: for every step two shared-memory hand-offs (a descriptor passed
+#     through multiprocessing's resource sharer each way, per tensor) and a fresh mapping the
+#     consumer faults in. When the worker has nothing to do on the bytes (every field raw, on
+#     the CPU, H5Dataset's own samples, the loader's own :func:`collate`: ``plain_batches()``),
+#     the loader fetches with ``shared=Stay(key)``: the batch is laid out in this process's
+#     memory and stays here. Pickled for a worker, its StepBatch carries a token instead
+#     (:func:`hold`); the worker's ``__getitems__`` and :func:`collate` run as always, on a
+#     batch of placeholders, and give back a :class:`Held`; the loader's iterator takes the
+#     batch back by its token and collates it here (the same columns). Workers still draw the
+#     same steps at the same time; no byte of the batch is copied or mapped for them.
+_HELD: dict[int, tuple[Any, "StepBatch"]] = {}
+_HELD_LOCK = threading.Lock()
+_TOKENS = itertools.count()
+
+
+class Stay:
+    """``shared=`` of a fetch whose batches stay in this process (NOTE [ Batches that stay ]);
+    true, as ``shared=True`` is for workers. ``key``: the loader's, which drops its leftovers."""
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+    def __bool__(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class Held:
+    """A batch held in the loader's process, by its token (NOTE [ Batches that stay ]): what a
+    worker gets in place of the bytes and gives back in place of the collated batch."""
+
+    token: int
+    n: int
+
+    def take(self) -> "StepBatch":
+        """The StepBatch held under this token (in the process that holds it), once."""
+        with _HELD_LOCK:
+            entry = _HELD.pop(self.token, None)
+        if entry is None:
+            raise RuntimeError(f"solar.DataLoader: batch {self.token} came back from a worker, but its bytes are "
+                               "no longer held (its iteration ended); iterate the loader again")
+        return entry[1]
+
+
+def hold(step: "StepBatch", key: Any) -> Held:
+    """Keep ``step`` in this process under a new token (NOTE [ Batches that stay ])."""
+    token = next(_TOKENS)
+    with _HELD_LOCK:
+        _HELD[token] = (key, step)
+    return Held(token, len(step))
+
+
+def forget_held(key: Any) -> None:
+    """Drop what the iterations of the loader ``key`` left held (steps its workers never returned)."""
+    with _HELD_LOCK:
+        for token in [t for t, (k, _) in _HELD.items() if k is key]:
+            del _HELD[token]
 
 
 def as_indices(indices: Sequence[int], path: str, n: int) -> np.ndarray:
@@ -71,11 +135,12 @@ class StoredBatch:
     hits: int = 0
     indices: list[int] = field(default_factory=list)  # for error messages
     decoded: dict[str, torch.Tensor] | None = None  # already decoded (fetch_steps(decode=True))
+    stay: Stay | None = None  # stays in this process while workers make it (NOTE [ Batches that stay ])
 
     def part(self, a: int, b: int, decoded: dict[str, torch.Tensor] | None = None) -> "StoredBatch":
         """Samples ``[a, b)`` (views): of the stored fields, or of ``decoded`` (this batch's
         decoded tensors), which the part then carries instead of stored bytes."""
-        out = StoredBatch(b - a, indices=self.indices[a:b])
+        out = StoredBatch(b - a, indices=self.indices[a:b], stay=self.stay)
         if decoded is not None:
             out.decoded = {name: t[a:b] for name, t in decoded.items()}
             return out
@@ -109,6 +174,20 @@ class StepBatch(list):
     @stored.setter
     def stored(self, value: StoredBatch | None) -> None:
         self._stored = value
+
+    def __reduce_ex__(self, protocol):
+        stored = self._stored
+        stay = getattr(stored, "stay", None)  # (a concatenation's batches are always sent)
+        if self.error is None and stay is not None:
+            return _held_step, (list(self), hold(self, stay.key))  # NOTE [ Batches that stay ]
+        return super().__reduce_ex__(protocol)
+
+
+def _held_step(indices: list, held: Held) -> StepBatch:
+    """A worker's StepBatch whose bytes stay in the loader's process: ``stored`` is a :class:`Held`."""
+    batch = StepBatch(indices)
+    batch.stored = held
+    return batch
 
 
 @dataclass
@@ -182,8 +261,10 @@ class FetchPass:
         ds = self.dataset
         self.datas = {spec.name: ds._read_field(spec, self.read, disjoint, split) for spec in ds.specs}
 
-    def finish(self, buffer, shared: bool) -> StoredBatch:
-        """Put the kept misses in ``buffer`` and lay the batch out in batch order."""
+    def finish(self, buffer, shared: bool, steps: Sequence[int] | None = None) -> StoredBatch:
+        """Put the kept misses in ``buffer`` and lay the batch out in batch order (``steps``: the
+        lengths of the steps the batch is made of, each laid out in memory of its own: see
+        :class:`StepRows`)."""
         p, datas, kept, ds = self, self.datas, self.kept, self.dataset
         if buffer is not None:
             for j in np.flatnonzero(kept).tolist():
@@ -197,9 +278,10 @@ class FetchPass:
                         kept[j] = False
                         break
         out = p.out
+        out.stay = shared if isinstance(shared, Stay) else None
         for spec in ds.specs:
             hits = {u: vals[spec.name] for u, vals in p.held.items()}
-            out.fields[spec.name] = _assemble(spec, datas[spec.name], hits, p.mrank, p.inv, shared)
+            out.fields[spec.name] = _assemble(spec, datas[spec.name], hits, p.mrank, p.inv, shared, steps)
         ds.stats.hits += out.hits
         ds.stats.misses += len(p.idx) - out.hits
         ds.stats.kept += int(kept.sum())
@@ -215,31 +297,119 @@ def evict_samples(ds: Any, buffer, evict: Sequence[int] | None) -> None:
                 buffer.delete((spec.name, int(i)))
 
 
-def _assemble(spec: FieldSpec, data, hits: dict, mrank: np.ndarray, inv: np.ndarray, shared: bool):
-    """Lay read rows (``data``, sorted-miss order) and buffer hits out in batch order."""
+def empty(shape: tuple, dtype: torch.dtype, shared: bool) -> torch.Tensor:
+    """An uninitialized contiguous tensor, in shared memory when ``shared`` (allocated there at
+    once: ``share_memory_()`` on a new tensor would copy its garbage into the shared pages)."""
+    if not shared:
+        return torch.empty(shape, dtype=dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    storage = torch.UntypedStorage._new_shared(n * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
+
+
+class Samples(list):
+    """A batch's samples as ``H5Dataset`` makes them (a list, as torch's fetcher expects), with
+    ``columns``: one tensor per field whose rows the samples are, in sample order.
+
+    NOTE [ One copy into the batch ]: a sample of field ``f`` is row ``i`` of ``columns[f]``, a
+    view. torch's ``default_collate`` would stack those rows into a new tensor: a second copy
+    of every byte of the batch (and, in a worker, a fresh shared-memory tensor the main process
+    maps and faults in). :func:`collate` returns the columns themselves, which hold exactly what
+    stacking would give; ``solar.DataLoader`` uses it when no ``collate_fn`` is given."""
+
+    columns: tuple = ()
+    single: bool = False
+    held: Held | None = None  # placeholders of a batch held in the loader's process
+
+
+def collate(batch: Any) -> Any:
+    """``torch.utils.data.default_collate``, except for :class:`Samples` still holding their
+    columns' rows (NOTE [ One copy into the batch ]): the columns, as a list (tuple samples, as
+    ``default_collate`` gives) or the one tensor (single-field samples)."""
+    held = getattr(batch, "held", None)
+    if held is not None:
+        return held
+    cols = getattr(batch, "columns", ())
+    if not cols or not _rows_of(batch, cols):
+        return default_collate(batch)
+    return cols[0] if batch.single else list(cols)
+
+
+def _rows_of(batch: "Samples", cols: tuple) -> bool:
+    """Whether ``batch`` still holds, at every place, that place's rows of ``cols`` (a caller
+    that changed the list gets ``default_collate``)."""
+    n = len(batch)
+    if not n or any(len(c) != n for c in cols):
+        return False
+    for i in range(n):
+        items = (batch[i],) if batch.single else batch[i]
+        if type(items) is not tuple and not batch.single or len(items) != len(cols):
+            return False
+        for t, c in zip(items, cols):
+            if not isinstance(t, torch.Tensor) or t.data_ptr() != c[i].data_ptr() or t.shape != c.shape[1:]:
+                return False
+    return True
+
+
+class StepRows:
+    """A raw field of a pass of several steps, each step's rows in a tensor of its own.
+
+    Why: one tensor for a whole pass (tens of MB) is above glibc's mmap threshold, so every pass
+    got fresh pages from the kernel and paid a page fault and a zeroing per 4 KiB before its
+    first copy: several times the copy itself. A step's tensor is small enough to be reused
+    from the heap pass after pass. ``rows[a:b]`` (a step's bounds) is that step's tensor."""
+
+    def __init__(self, tensors: list[torch.Tensor], bounds: list[int]) -> None:
+        self.tensors, self.bounds = tensors, bounds
+
+    def __len__(self) -> int:
+        return self.bounds[-1]
+
+    def __getitem__(self, part: slice) -> torch.Tensor:
+        a, b = part.start or 0, len(self) if part.stop is None else part.stop
+        k = self.bounds.index(a) if a in self.bounds else -1
+        if k >= 0 and k + 1 < len(self.bounds) and self.bounds[k + 1] == b:
+            return self.tensors[k]
+        return self.whole()[a:b]
+
+    def whole(self) -> torch.Tensor:
+        """Every row in one tensor (a copy)."""
+        return torch.cat(self.tensors)
+
+
+def _assemble(spec: FieldSpec, data, hits: dict, mrank: np.ndarray, inv: np.ndarray, shared: bool,
+              steps: Sequence[int] | None = None):
+    """Lay read rows (``data``, sorted-miss order) and buffer hits out in batch order: a raw
+    field as one tensor, or with ``steps`` (step lengths) as :class:`StepRows`."""
     if spec.kind == "raw":
-        t = torch.empty((len(inv), *spec.sample_shape), dtype=torch_dtype(spec.dtype))
-        if shared:
-            t.share_memory_()
-        a = t.numpy()
         src = mrank[inv]
-        m = src >= 0
-        if m.all():
-            np.take(data, src, axis=0, out=a)
-        else:
-            a[m] = data[src[m]]
-            for j in np.flatnonzero(~m).tolist():
-                a[j] = hits[int(inv[j])]
-        return t
+        buf = getattr(data, "buf", data)  # a sieved read's rows stay in its buffer (PickedRows)
+        if buf is not data:
+            src = np.where(src >= 0, data.at[np.maximum(src, 0)], -1)
+        bounds = [0, len(inv)] if steps is None else np.r_[0, np.cumsum(steps)].tolist()
+        tensors = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            t = empty((b - a, *spec.sample_shape), torch_dtype(spec.dtype), shared and not isinstance(shared, Stay))
+            _rows_into(t.numpy(), buf, src[a:b], inv[a:b], hits)
+            tensors.append(t)
+        return tensors[0] if steps is None else StepRows(tensors, bounds)
     blobs = [data[mrank[u]] if mrank[u] >= 0 else hits[int(u)] for u in inv.tolist()]
     offsets = np.zeros(len(blobs) + 1, dtype=np.int64)
     np.cumsum([len(b) for b in blobs], out=offsets[1:])
-    flat = torch.empty(int(offsets[-1]), dtype=torch.uint8)
-    if shared:
-        flat.share_memory_()
+    flat = empty((int(offsets[-1]),), torch.uint8, shared and not isinstance(shared, Stay))
     if len(blobs):
         np.concatenate(blobs, out=flat.numpy())
     return flat, torch.from_numpy(offsets)
+
+
+def _rows_into(out: np.ndarray, buf: np.ndarray, src: np.ndarray, inv: np.ndarray, hits: dict) -> None:
+    """``out[j]`` = row ``src[j]`` of ``buf``, or the buffer hit of unique sample ``inv[j]``
+    where ``src[j] < 0``: one copy per row (a fancy-indexed assignment copies the misses twice)."""
+    if (src >= 0).all():
+        np.take(buf, src, axis=0, out=out)
+        return
+    for j, (r, u) in enumerate(zip(src.tolist(), inv.tolist())):
+        out[j] = buf[r] if r >= 0 else hits[u]
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:

@@ -22,7 +22,7 @@ from solar.collective import agree
 from solar.errors import CorruptDataError
 from solar.layout import FieldSpec, checksum_key, sample_checksum
 
-__all__ = ["RowReads", "coalesce", "SPLIT_BYTES"]
+__all__ = ["RowReads", "PickedRows", "coalesce", "SPLIT_BYTES"]
 
 #: Smallest piece a range is cut into to spread one read over several request threads.
 SPLIT_BYTES = 64 << 10
@@ -41,11 +41,34 @@ def coalesce(sorted_rows: np.ndarray) -> np.ndarray:
 
 def _picked(buf: np.ndarray, runs: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """The ``rows`` (sorted, unique) of ``buf``, the concatenated rows of ``runs`` that cover them."""
-    if len(buf) == len(rows):
-        return buf
+    return buf if len(buf) == len(rows) else buf[_places(runs, rows)]
+
+
+def _places(runs: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Where each of ``rows`` (sorted, unique) lies in the concatenated rows of ``runs``."""
     run_of = np.searchsorted(runs[:, 1], rows, side="right")
     base = np.r_[0, np.cumsum(runs[:, 1] - runs[:, 0])][:-1]
-    return buf[base[run_of] + rows - runs[run_of, 0]]
+    return base[run_of] + rows - runs[run_of, 0]
+
+
+class PickedRows:
+    """The wanted rows of a sieved read, left where they were read (``buf[at[j]]`` is wanted row
+    ``j``): picking them out into an array of their own would copy every byte once more before
+    the batch's layout copies it again (NOTE [ One copy into the batch ] in solar/fetch.py)."""
+
+    __slots__ = ("buf", "at", "dtype")
+
+    def __init__(self, buf: np.ndarray, at: np.ndarray) -> None:
+        self.buf, self.at, self.dtype = buf, at, buf.dtype
+
+    def __len__(self) -> int:
+        return len(self.at)
+
+    def __getitem__(self, j: int) -> np.ndarray:
+        return self.buf[self.at[j]]
+
+    def astype(self, dtype) -> "PickedRows":
+        return PickedRows(self.buf.astype(dtype), self.at)
 
 
 
@@ -173,7 +196,8 @@ class RowReads:
         """Read sorted unique ``rows`` of one field with one ``read_ranges`` call (maybe empty).
         ``disjoint``: see :meth:`fetch_stored`; ``split``: see :meth:`_read`.
 
-        Returns the rows (raw: an array in ``rows`` order; codec: a list of blobs).
+        Returns the rows (raw: an array in ``rows`` order, or :class:`PickedRows` of a sieved
+        read; codec: a list of blobs).
         """
         runs = self._runs(spec, rows)
         if spec.kind == "raw":
@@ -195,7 +219,7 @@ class RowReads:
         # where each wanted row starts in the concatenated buffer
         run_of = np.searchsorted(runs[:, 1], rows, side="right") if len(rows) else rows
         if spec.kind == "raw":
-            data = _picked(buf, runs, rows)
+            data = buf if len(buf) == len(rows) else PickedRows(buf, _places(runs, rows))
         else:
             lengths = want[:, 1] - want[:, 0] if len(want) else np.zeros(0, np.int64)
             base = np.r_[0, np.cumsum(lengths)][:-1]
