@@ -188,7 +188,15 @@ class FsspecBackend(HDF5Backend):
         fetches one ``block_size`` block at a time under its lock. The offsets come from the
         file's metadata, read once through h5py. A call for less than one ``block_size`` of rows
         still goes through h5py and its block cache (one request at most, and its neighbours
-        cached); ``backend_options={"direct_reads": False}`` reads every call through h5py."""
+        cached); ``backend_options={"direct_reads": False}`` reads every call through h5py.
+
+        A remote URL does not spill to node-local disk unless ``spill=`` says where and how much:
+        what is node-local (and how large, and whether it is memory in disguise, as a tmpfs
+        ``/tmp`` is) differs between machines, and a library that fills a disk it was not given
+        fails someone else's job. The buffer keeps what the plan keeps, read once; the misses
+        are read again each epoch, at link speed by these ranges. With ``spill=(dir, size)`` the
+        buffer keeps more on that disk and the hit-rate bound rises with it (LitData and
+        Streaming cache whole chunks on local disk by default; SOLAR does when asked)."""
         spans = self.__dict__.get("_range_spans")
         if spans is None or self._file is None:
             return None
