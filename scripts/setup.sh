@@ -106,5 +106,8 @@ if [ "$PARALLEL" = 1 ]; then
     || die "a dependency replaced the parallel h5py with the serial wheel; keep h5py==$H5PY_VERSION"
 fi
 check_stack || die "the installed stack does not import; see the error above"
+# The codec's cpu-kernel decoder (numba, the test extra) compiles once here into numba's on-disk
+# cache, so the first decode of a run does not stall for it.
+"$V/python" -c "import solar.codec.paths as p; p.warm()" || log "WARNING: the codec's numba kernels did not compile"
 echo "$FPR" > "$STAMP"
 log "ready: $("$V/python" -c 'import torch,h5py;print("torch",torch.__version__,"| h5py",h5py.__version__,"mpi",h5py.get_config().mpi)')"
