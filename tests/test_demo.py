@@ -1,24 +1,131 @@
-"""`solar demo`: writes the dataset, trains with both loaders, prints the side-by-side table."""
+"""`solar demo` end to end on a small configuration: ingest (raw and three bounds), the training runs
+under `mpirun -n 2` when it is here, the kill and the resume, `solar-ckpt log`/`diff`, the tables and
+the five-panel report."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import re
+import shutil
 
+import matplotlib.image
+import pytest
+
+from solar.capabilities import h5py_has_mpi
 from solar.cli import main
 
+LOADERS = ("torch raw", "solar raw", "solar rel 1e-02", "solar rel 1e-03", "solar rel 1e-04")
+PANELS = ["epoch time per loader", "hit rate against the bound per epoch", "bytes read from storage",
+          "checkpoint bytes per version", "validation loss per bound"]
+NUM = r"([-+0-9.e]+)"
 
-def test_demo_trains_with_both_loaders_and_prints_the_table(tmp_path, capsys):
-    rc = main(["demo", "--samples", "40", "--size", "16", "--out", str(tmp_path), "--ranks", "1", "--epochs", "2",
-               "--batch-size", "8", "--latency", "1e-4", "--no-progress"])
+
+def _row(out: str, name: str) -> list[str]:
+    """The cells of the loader table's row ``name``."""
+    m = re.search(rf"^{re.escape(name)}\s+(.*)$", out, re.M)
+    assert m, f"no row {name!r} in the loader table:\n{out}"
+    return m.group(1).split()
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        # the reference decoder: no numba compile in the test's time
+        rc = main(["demo", "--samples", "64", "--val-samples", "32", "--size", "16", "--epochs", "2",
+                   "--batch-size", "8", "--seeds", "2", "--ckpt-every", "2", "--latency", "1e-4",
+                   "--decoder", "reference", "--out", str(out)])
+    text = buf.getvalue()
+    assert rc == 0, text
+    return out, text
+
+
+def test_the_steps_run_under_mpirun_when_it_is_here(demo):
+    out, text = demo
+    report = json.load(open(out / "report.json"))
+    if shutil.which("mpirun") and h5py_has_mpi():
+        assert report["launcher"] == "mpirun -n 2" and "with mpirun -n 2" in text
+        assert json.load(open(out / "runs" / "solar_raw.json"))["world"] == 2
+    else:
+        assert "1 process" in report["launcher"] and "note: 1 process" in text
+    assert "read back samples [0, 32, 63]" in text and "MISMATCH" not in text
+
+
+def test_the_loader_table_has_every_loader_with_wait_and_step_time(demo):
+    _, text = demo
+    assert re.search(r"loader\s+epoch 0 s\s+epoch s\s+wait s\s+step s\s+hit rate\s+bound\s+MiB read\s+requests", text)
+    cells = {name: _row(text, name) for name in LOADERS}
+    assert all(len(c) == 9 for c in cells.values()), cells
+    assert cells["torch raw"][4:6] == ["-", "-"]  # torch's loader keeps nothing: no hit rate, no bound
+    for name in LOADERS[1:]:
+        hit, bound = float(cells[name][4]), float(cells[name][5])
+        assert bound == 0.5 and hit == bound  # epoch 1 hits the half the buffer pinned: the bound
+        assert int(cells[name][7]) < int(cells["torch raw"][7])  # coalesced reads: fewer requests
+    for name in LOADERS[2:]:  # compressed files: fewer bytes from storage than the raw one
+        assert float(cells[name][6]) < float(cells["solar raw"][6])
+    assert float(cells["torch raw"][0]) > 0 and float(cells["solar raw"][2]) >= 0
+
+
+def test_the_resumed_run_has_the_losses_of_the_uninterrupted_one(demo):
+    out, text = demo
+    runs = out / "runs"
+    whole = json.load(open(runs / "solar_raw.json"))
+    resumed = json.load(open(runs / "solar_raw_resumed.json"))
+    start = resumed["first_step"]
+    assert 0 < start < len(whole["losses"]) and resumed["resumed_from"] == start
+    assert start % 2 == 0  # a checkpoint version (--ckpt-every 2)
+    assert len(resumed["losses"]) == len(whole["losses"]) - start
+    for got, want in zip(resumed["losses"], whole["losses"][start:]):
+        assert abs(got - want) <= 1e-6 * abs(want)
+    assert not (runs / "solar_raw_killed.json").exists()  # the killed job never finished
+    check = json.load(open(out / "report.json"))["resume"]
+    assert check["exit_code"] != 0 and check["killed_at"] > start
+    assert re.search(rf"resume check: resumed from version {start} \(killed at step {check['killed_at']}\)", text)
+
+
+def test_solar_ckpt_log_and_diff_of_two_versions_are_shown(demo):
+    _, text = demo
+    assert "$ solar-ckpt log" in text and "$ solar-ckpt diff" in text
+    assert re.search(r"^changed\s+rank 0/model\.net\.0\.weight", text, re.M)  # the job root, every rank
+    assert re.search(r"^job root, all ranks: \d+ versions, ", text, re.M)
+    assert re.search(r"^\.\.\. \(\d+ more rows\)", text, re.M) and "changed chunks" in text
+
+
+def test_the_validation_table_lists_the_three_bounds_and_the_raw_spread(demo):
+    out, text = demo
+    m = re.search(rf"^raw, 2 seeds\s+x1\.0\s+{NUM}\s+\+- {NUM} \(std; min {NUM}, max {NUM}", text, re.M)
+    assert m, text
+    mean, std, lo, hi = map(float, m.groups())
+    assert lo <= mean <= hi and std > 0
+    for bound in ("1e-02", "1e-03", "1e-04"):
+        row = re.search(rf"^rel {bound}\s+x{NUM}\s+{NUM}\s+{NUM}%", text, re.M)
+        assert row, f"no validation row for {bound}"
+        assert float(row.group(1)) > 1 and float(row.group(2)) > 0
+    report = json.load(open(out / "report.json"))["validation"]
+    assert [r["data"] for r in report["bounds"]] == ["rel 1e-02", "rel 1e-03", "rel 1e-04"]
+    assert report["raw"]["seeds"] == 2
+
+
+def test_report_png_has_the_five_panels(demo):
+    out, text = demo
+    report = json.load(open(out / "report.json"))
+    assert report["panels"] == PANELS  # the titles of the figure's axes, as drawn
+    h, w = matplotlib.image.imread(out / "report.png").shape[:2]
+    assert [w, h] == report["size_px"]
+    assert f"wrote {out / 'report.png'} (5 panels" in text
+    ckpt = json.load(open(out / "runs" / "solar_raw.json"))["ckpt"]
+    assert [c["step"] for c in ckpt] == list(range(2, 2 * len(ckpt) + 1, 2)) and all(c["bytes_written"] for c in ckpt)
+
+
+def test_without_mpirun_every_step_runs_in_one_process_and_says_so(tmp_path, capsys, monkeypatch):
+    import solar.cli._demo_data as data
+
+    monkeypatch.setattr(data.shutil, "which", lambda name: None)  # as on a machine without OpenMPI
+    assert main(["demo", "--samples", "16", "--val-samples", "4", "--size", "8", "--epochs", "0",
+                 "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert rc == 0 and "match" in out and "MISMATCH" not in out
-    for label in ("epoch 0 time (s)", "steady epoch", "samples/s", "storage MiB read", "storage requests",
-                  "final loss"):
-        assert label in out
-    torch_calls, solar_calls = map(int, re.search(r"storage requests\s+(\d+)\s+(\d+)", out).groups())
-    assert torch_calls == 2 * 40 * 2  # per-sample reads: 2 fields x 40 samples x 2 epochs
-    assert solar_calls < torch_calls
-    hit = float(re.search(r"hit rate after fill\s+-\s+([0-9.]+)", out).group(1))
-    assert hit == 0.5  # the pinned half of the data hits in epoch 2: the bound min(1, 0.5)
-    losses = re.search(r"final loss\s+([0-9.]+)\s+([0-9.]+)", out).groups()
-    assert losses[0] == losses[1]  # same init, same global batches: same training
+    assert "note: 1 process: mpirun or MPI-enabled h5py not found" in out
+    assert re.search(r"^  rel 1e-04 .* on 1 rank\(s\)$", out, re.M) and "match" in out
