@@ -214,3 +214,15 @@ def test_forged_payloads_give_the_reference_outcome(decoder, x, codec, bound, ed
         assert got is want
     else:
         assert not isinstance(got, type) and same(got, want)
+
+
+@needs_kernel
+def test_warm_compiles_the_kernel_for_both_dtypes():
+    assert paths.warm()
+    outs = {str(sig[-1]) for sig in paths._kernels().decode_rows.signatures}
+    assert {"array(float32, 2d, C)", "array(float64, 2d, C)"} <= outs
+
+
+def test_warm_without_numba_compiles_nothing(monkeypatch):
+    monkeypatch.setattr(paths, "_KERNELS", False)
+    assert paths.warm() is False

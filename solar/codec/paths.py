@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from . import fused
+from .. import codec as api  # the package's API (it imports this module only when decoding)
 from .decoders import current
 from .ebq_meta import NIBBLES
 from .passes import NDIM, interp_passes
@@ -38,7 +39,7 @@ from .predict import Predictor
 from .sections import gather
 from .torch_ops import TORCH_DTYPES
 
-__all__ = ["choose", "decode_cpu", "kernel_available", "triton_kernels"]
+__all__ = ["choose", "decode_cpu", "kernel_available", "triton_kernels", "warm"]
 
 _KERNELS = None
 _LOCK = threading.Lock()
@@ -80,6 +81,18 @@ def triton_kernels(device: torch.device):
 def kernel_available() -> bool:
     """Whether the ``cpu-kernel`` path can run here (numba imports)."""
     return _kernels() is not None
+
+
+def warm() -> bool:
+    """Compile the ``cpu-kernel`` decoder for float32 and float64 blobs now, into numba's on-disk
+    cache (``make setup`` calls it), so the first decode of a run does not stall for the cold
+    compile (tens of seconds). False when numba is missing (nothing to compile)."""
+    if not kernel_available():
+        return False
+    ramp = np.linspace(0.0, 1.0, 64)
+    for dtype in (np.float32, np.float64):
+        api.decode(api.encode(ramp.astype(dtype), rel_error=1e-3), decoder="cpu-kernel")
+    return True
 
 
 def choose(device: torch.device, version: int, predictor: Predictor, n: int) -> str:
