@@ -285,3 +285,19 @@ def test_lazy_saves_commit_one_version_for_the_job(comm, shared_tmp):
         assert fut.result().step == 2
     assert list_versions(root) == [0, 1, 2]
     assert same(load(root, comm=comm), state(2, comm.rank))
+
+
+def test_loading_a_version_saved_by_another_world_size_is_refused_on_every_rank(comm, shared_tmp):
+    from mpi4py import MPI
+
+    root = os.path.join(shared_tmp, "job")
+    sub = comm.Split(0 if comm.rank == 0 else MPI.UNDEFINED)
+    if comm.rank == 0:  # a one-rank job saved this root
+        with CheckpointWriter(root, comm=sub, chunk_size=CHUNK) as w:
+            w.save(state(3, 0), 3)
+        sub.Free()
+    comm.barrier()
+    with pytest.raises(CheckpointError, match=rf"step 3 of .* was saved by 1 ranks and this job has {comm.size}.*"
+                                              r"load_into"):
+        load(root, comm=comm)
+    assert same(load(root, rank=0), state(3, 0))  # rank 0's state, from any rank

@@ -338,7 +338,7 @@ def load(root: "str | os.PathLike", step: int | None = None, map_location: Any =
             allow-list (names the key, the global and the opt-in); nothing was unpickled.
     """
     if comm is not None:
-        rank, step = agreed_step(root, step, comm, storage_options)
+        rank, step = agreed_step(root, step, comm, storage_options, same_world=True)
     reader = Reader(root, step, verify=verify, storage_options=storage_options, rank=rank)
     state = reader.state_dict(map_location, weights_only=weights_only)
     if loader is not None:
@@ -350,21 +350,32 @@ def load(root: "str | os.PathLike", step: int | None = None, map_location: Any =
     return state
 
 
-def agreed_step(root: Any, step: int | None, comm: Any, storage_options: dict | None) -> tuple[int, int | None]:
-    """This rank and the step every rank of ``comm`` loads (rank 0 resolves the newest)."""
+def agreed_step(root: Any, step: int | None, comm: Any, storage_options: dict | None, *,
+                same_world: bool = False) -> tuple[int, int | None]:
+    """This rank and the step every rank of ``comm`` loads (rank 0 resolves the newest).
+
+    ``same_world``: refuse, on every rank, a job version saved by another number of ranks (each
+    rank loads its own part, and some would have none).
+    """
     c = plain_comm(comm)
-    if step is not None:
-        return c.rank, step
     found: Any = None
     if c.rank == 0:
         try:
-            found = Reader(root, None, storage_options=storage_options, rank=0).manifest.step
+            r = Reader(root, step, storage_options=storage_options, rank=0)
+            found = (r.manifest.step, r.job_manifest.world_size if r.job_manifest is not None else None)
         except Exception as exc:  # every rank raises it
             found = f"{type(exc).__name__}: {exc}"
     found = c.bcast(found)
     if isinstance(found, str):
         raise CheckpointError(f"rank 0 found no version to load in {root}: {found}")
-    return c.rank, found
+    got, world = found
+    if same_world and world is not None and world != c.size:
+        raise CheckpointError(
+            f"step {got} of {root} was saved by {world} ranks and this job has {c.size}: each rank would load its "
+            f"own part and some have none. Fill a template with load_into(root, state, comm=...) (sharded state is "
+            f"resliced), or load one rank's replicated state with load(root, rank=0, loader=...) (a loader's "
+            f"position is global)")
+    return c.rank, got
 
 
 def list_versions(root: "str | os.PathLike", *, storage_options: dict | None = None) -> list[int]:
