@@ -47,7 +47,7 @@ MAY_USE = {
     "solar.sampler": {"solar.options", "solar.schedule", "solar.passes", "solar.prefetch", "solar.cache",
                       "solar.collective", "solar.dist"},
     "solar.loader": {"solar.sampler", "solar.options", "solar.memory", "solar.schedule", "solar.order", "solar.subset",
-                     "solar.views", "solar.dist"},
+                     "solar.views", "solar.dist", "solar.fetch"},
     # consumers of the data path and of the tiers
     "solar.dali": {"solar.loader", "solar.dist"},
     "solar.checkpoint": {"solar.cache", "solar.fileio"},
