@@ -47,6 +47,7 @@ import torch.utils.data as tud
 
 from solar.dist import get_dist_info
 from solar.errors import ConfigError
+from solar.fetch import Held, Stay, collate, forget_held
 from solar.memory import check_buffer_memory
 from solar.options import parse_buffer, parse_spill
 from solar.order import epoch_positions
@@ -93,6 +94,9 @@ class _TrackedIter:
             self._loader._progress["next_rng"] = self._loader._rng_state()
             raise
         self._loader._progress["batches"] += 1
+        if isinstance(batch, Held):  # made in a worker, its bytes here: NOTE [ Batches that stay ]
+            loader = self._loader
+            batch = loader.collate_fn(loader.dataset.__getitems__(batch.take()))
         return batch
 
     def __len__(self) -> int:
@@ -164,11 +168,14 @@ class DataLoader(tud.DataLoader[T_co]):
                                              shuffle=bool(shuffle), seed=seed, drop_last=drop_last)
             shuffle = None
             self._auto_epoch = True
+        if collate_fn is None and is_storage_backed(dataset) and (batch_size is not None or batch_sampler is not None):
+            collate_fn = collate  # default_collate, without its second copy: NOTE [ One copy into the batch ]
         super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory,
                          drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                          pin_memory_device=pin_memory_device, in_order=in_order)
         self._progress: dict[str, Any] = {"batches": 0, "done": False, "rng": None, "started": False}
+        self._stay_key = object()  # this loader's batches held for its workers (NOTE [ Batches that stay ])
         self._epoch_set = False
         self.solar_sampler: SolarBatchSampler | None = None
         if self.batch_sampler is not None and is_storage_backed(dataset) and \
@@ -264,6 +271,8 @@ class DataLoader(tud.DataLoader[T_co]):
                 replay = self._plain_skip(resume)
             else:
                 self._pending_skip = _SkipOnce(super()._index_sampler, self._plain_skip(resume))
+        if self.solar_sampler is not None:
+            self._choose_transfer()
         try:
             it = super().__iter__()
         finally:
@@ -272,6 +281,23 @@ class DataLoader(tud.DataLoader[T_co]):
             if next(it, _END) is _END:
                 break
         return _TrackedIter(it, self)
+
+    def _batches_stay(self) -> bool:
+        """Whether this iteration's batches may stay in this process while workers make them
+        (NOTE [ Batches that stay ] in solar/fetch.py): workers, this loader's own collate, H5Dataset's
+        own raw samples on the CPU (``plain_batches()``) and no pinning thread between the workers
+        and the consumer (it would see the workers' placeholders, not the tensors)."""
+        plain = getattr(self.dataset, "plain_batches", None)
+        pinned = self.pin_memory and torch.accelerator.is_available()
+        return (self.num_workers > 0 and self.solar_sampler is not None and self.collate_fn is collate
+                and not pinned and callable(plain) and bool(plain()))
+
+    def _choose_transfer(self) -> None:
+        """Before an iteration: how its batches reach the consumer. Without workers, in this
+        process; with workers, in shared memory, or staying here (NOTE [ Batches that stay ]).
+        What an earlier iteration of this loader left held is dropped."""
+        forget_held(self._stay_key)
+        self.solar_sampler.shared = Stay(self._stay_key) if self._batches_stay() else self.num_workers > 0
 
     def _epoch_positions(self) -> int:
         """Global positions an epoch of the (Distributed) sampler consumes after drop_last."""
