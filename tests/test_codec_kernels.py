@@ -226,3 +226,21 @@ def test_warm_compiles_the_kernel_for_both_dtypes():
 def test_warm_without_numba_compiles_nothing(monkeypatch):
     monkeypatch.setattr(paths, "_KERNELS", False)
     assert paths.warm() is False
+
+
+@needs_kernel
+def test_a_forked_child_decodes_with_threads_after_its_parent_did():
+    """A DataLoader worker forked after the parent decoded on a thread pool decodes on threads
+    too (an inherited pool has no threads: it would hang)."""
+    import multiprocessing as mp
+
+    blobs = [sc.encode(np.cumsum(np.ones((8, 9, 10), np.float32), 1) * k, rel_error=1e-3) for k in range(1, 5)]
+    want = decode_all(blobs, "cpu-kernel", threads=2)
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as pool:
+        got = pool.apply_async(_decode_in_child, (blobs,)).get(timeout=120)
+    assert np.array_equal(got.view(np.int32), bits(want))
+
+
+def _decode_in_child(blobs):
+    return decode_all(blobs, "cpu-kernel", threads=2).numpy()

@@ -108,6 +108,9 @@ def choose(device: torch.device, version: int, predictor: Predictor, n: int) -> 
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
+# a forked child (a DataLoader worker) inherits the pools without their threads: work submitted
+# there would never run, so the child starts without pools
+os.register_at_fork(after_in_child=_POOLS.clear)
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:
