@@ -24,7 +24,6 @@ MAY_USE = {
     "solar.failfast": set(),
     "solar.fileio": set(),
     "solar.layout": set(),
-    "solar.options": set(),
     "solar.memory": set(),
     "solar.order": set(),
     "solar.dist": {"solar.failfast"},
@@ -33,6 +32,7 @@ MAY_USE = {
     "solar.prefetch": {"solar.dist"},
     "solar.capabilities": {"solar", "solar.dist"},
     "solar.cache": {"solar.registry"},
+    "solar.options": {"solar.cache"},  # spill= names a registered cache tier, checked when the loader is built
     "solar.codec": {"solar.registry"},
     "solar.io_backends": {"solar.registry", "solar.capabilities", "solar.collective", "solar.dist", "solar.failfast"},
     # the data path, in the order a batch travels
