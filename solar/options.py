@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from solar.cache import Tier, registry as tier_registry
+from solar.cache.spill import spill_level
 from solar.errors import ConfigError
 
 __all__ = ["BufferSpec", "SpillSpec", "parse_buffer", "parse_spill"]
@@ -54,8 +56,28 @@ def parse_buffer(value: Any) -> BufferSpec:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         if m and m.group(2).lower() in _UNITS:
             return BufferSpec(nbytes=int(float(m.group(1)) * _UNITS[m.group(2).lower()]))
+    tier = _tier_named(value)
+    if tier is not None:
+        files = tier_registry.available(tier) and tier_registry.get(tier).keeps_files
+        todo = (f"to keep samples in the {tier!r} tier pass spill={{'tier': {tier!r}, 'dir': <local directory>, "
+                "'size': '100GiB'}} with buffer= in bytes (buffer='0B' keeps every buffered sample there)" if files
+                else "the loader builds the buffer itself: a memory tier of buffer= bytes ('2GiB'), and a spill tier "
+                "when spill=(directory, size) is given too")
+        raise ConfigError(f"buffer={value!r}: buffer= is the memory part of the rank buffer (samples, bytes or a "
+                          f"fraction), not a cache tier; {todo}")
     raise ConfigError(f"buffer={value!r} is not understood; use samples per rank (int), bytes per rank "
                       "('2GiB', '500MB') or a fraction of the dataset (0.5)")
+
+
+def _tier_named(value: Any) -> str | None:
+    """The cache tier a wrong ``buffer=`` value means (a tier, a registered tier's name, or a
+    spill-like dict naming one), or ``None``."""
+    tier = value.get("tier") if isinstance(value, dict) else value
+    if isinstance(tier, Tier):
+        return tier.name
+    if isinstance(tier, str) and tier.strip() in tier_registry:
+        return tier.strip()
+    return None
 
 
 @dataclass(frozen=True)
@@ -75,6 +97,12 @@ _SPILL_FORMS = ("pass (directory, size) on node-local disk, e.g. spill=('/local/
 
 def _spill_parts(value: Any) -> tuple[Any, Any, str]:
     """(directory, size, tier name) of a ``spill=`` value, or ConfigError saying which forms it takes."""
+    if isinstance(value, Tier) or (isinstance(value, dict) and isinstance(value.get("tier"), Tier)):
+        tier = value if isinstance(value, Tier) else value["tier"]
+        raise ConfigError(f"spill={value!r}: spill= names a registered cache tier, not a {type(tier).__name__} "
+                          "instance: the loader makes a fresh one per buffer in a private directory under 'dir' "
+                          f"and removes it with the buffer; pass {{'tier': {tier.name!r}, 'dir': ..., "
+                          "'size': ...}")
     if isinstance(value, dict):
         if not {"dir", "size"} <= set(value) <= {"dir", "size", "tier"}:
             raise ConfigError(f"spill={value!r}: a dict takes the keys 'dir' and 'size', and 'tier' if the files go "
@@ -108,9 +136,10 @@ def parse_spill(value: Any, buffer: BufferSpec) -> SpillSpec | None:
     if value is None:
         return None
     directory, size, tier = _spill_parts(value)
-    if not isinstance(tier, str):
-        raise ConfigError(f"spill={value!r}: 'tier' names a registered cache tier (disk, fsspec), not "
-                          f"{type(tier).__name__} {tier!r}")
+    try:
+        spill_level(tier)
+    except ConfigError as exc:
+        raise ConfigError(f"spill={value!r}: {exc}") from None
     try:  # bytes: a number (1.5e9) or a string with a unit ('100GiB'); never samples, unlike buffer=
         nbytes = parse_buffer(size).nbytes if isinstance(size, str) else size
     except ConfigError:

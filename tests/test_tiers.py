@@ -8,6 +8,7 @@ import uuid
 import numpy as np
 import pytest
 
+import solar
 from solar.cache import get_tier, registry
 from solar.cache.disk import DiskTier
 from solar.cache.fsspec_tier import FsspecTier
@@ -277,3 +278,32 @@ def test_spill_level_names_the_tiers_a_buffer_can_spill_to():
     with pytest.raises(ConfigError, match="the 'spill' cache tier keeps no files .*name one that does: disk, fsspec"):
         spill_level("spill")
 
+
+def test_loader_options_naming_a_tier_say_what_to_pass(h5path, tmp_path):
+    """Wrong buffer=/spill= values that mean a cache tier: the error names the value and the form to use."""
+    ds, d = solar.H5Dataset(h5path), str(tmp_path)
+    disk = DiskTier(tmp_path / "mine")
+
+    def refused(**options):
+        with pytest.raises(ConfigError) as err:
+            solar.DataLoader(ds, batch_size=4, **options)
+        return str(err.value)
+
+    msg = refused(buffer="disk")
+    assert msg.startswith("buffer='disk': buffer= is the memory part of the rank buffer") and \
+        "pass spill={'tier': 'disk', 'dir': <local directory>, 'size': '100GiB'}" in msg and "buffer='0B'" in msg
+    assert "buffer=DiskTier(" in refused(buffer=disk) and "spill={'tier': 'disk'" in refused(buffer=disk)
+    assert "the loader builds the buffer itself: a memory tier of buffer= bytes" in refused(buffer="memory")
+    msg = refused(buffer="1MB", spill=disk)
+    assert msg.startswith("spill=DiskTier(") and "not a DiskTier instance" in msg and \
+        "pass {'tier': 'disk', 'dir': ..., 'size': ...}" in msg
+    msg = refused(buffer="1MB", spill={"tier": "memory", "dir": d, "size": "1MB"})
+    assert msg.startswith("spill={'tier': 'memory'") and "name one that does: disk, fsspec" in msg
+    assert "no cache tier named 'nvme'" in refused(buffer="1MB", spill={"tier": "nvme", "dir": d, "size": "1MB"})
+    msg = refused(buffer="1MB", spill={"tier": "disk", "path": d, "size": "1MB"})
+    assert "a dict takes the keys 'dir' and 'size', and 'tier'" in msg
+    msg = refused(buffer="1MB", spill={"tier": "fsspec", "dir": "s3://bucket/spill", "size": "1MB"})
+    assert "spill directory s3://bucket/spill is a URL" in msg and "pass a local directory" in msg
+    assert "pass (directory, size)" in refused(buffer="1MB", spill=(d, "1MB", "disk"))
+    loader = solar.DataLoader(ds, batch_size=4, buffer="1MB", spill={"tier": "fsspec", "dir": d, "size": "1MB"})
+    assert loader.solar_sampler.spill_spec.tier == "fsspec"
