@@ -114,3 +114,15 @@ def test_solar_ckpt_export_dcp_writes_a_directory_dcp_loads_and_diff_reads(saved
     capsys.readouterr()
     assert main(["diff", whole, out, "--json", "--exit-code"]) == 0, capsys.readouterr().out
     assert json.loads(capsys.readouterr().out)["identical"]
+
+
+def test_solar_ckpt_import_saves_a_dcp_directory_as_a_version(saved, tmp_path):
+    from solar.checkpoint.cli import main
+
+    root, _ = saved
+    out = str(tmp_path / "dcp")
+    assert main(["export", f"{root}@1", "--format", "dcp", "-o", out]) == 0
+    assert main(["import", out, str(tmp_path / "ck"), "--step", "7"]) == 0
+    got, want = load(tmp_path / "ck", 7), globals_()
+    assert all(got[k].equal(v) for k, v in want.items())
+    assert main(["import", str(tmp_path), str(tmp_path / "ck2"), "--step", "1"]) == 2  # no .metadata there

@@ -31,6 +31,8 @@ from .jobreport import job_log, job_show
 from .jobstore import JobStore, is_job_root
 from .reader import Reader
 from .reshard import whole_state
+from .sources import load_dcp
+from .writer import CheckpointWriter
 from .report import fmt_bytes, format_report, table
 from .store import CheckpointStore, parse_ref
 from .verify import verify
@@ -356,6 +358,20 @@ def _first_rank(root: str) -> int | None:
     return 0 if is_job_root(CheckpointStore(root)) else None
 
 
+def cmd_import(args) -> int:
+    """A torch.distributed.checkpoint directory as one version of a (single-process) root."""
+    if not os.path.isfile(os.path.join(args.dcp, ".metadata")):
+        raise InputError(f"{args.dcp} is not a torch.distributed.checkpoint directory (it has no .metadata)")
+    state = load_dcp(args.dcp, args.trust_pickle)
+    with CheckpointWriter(args.root, chunk_size=args.chunk_size) as w:
+        res = w.save(state, args.step, meta={"imported_from": os.path.abspath(args.dcp)}).result()
+    _emit(args, {"root": res.root, "step": res.step, "logical_bytes": res.logical_bytes,
+                 "bytes_written": res.bytes_written},
+          f"imported {args.dcp} as step {res.step} of {res.root}: {fmt_bytes(res.logical_bytes)}, "
+          f"{fmt_bytes(res.bytes_written)} written")
+    return 0
+
+
 def cmd_gc(args) -> int:
     rep = gc(args.root, args.keep_last, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
@@ -425,6 +441,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
                             "arbitrary code")
         _rank_option(p)
         p.set_defaults(func=cmd_restore)
+    p = sub.add_parser("import", help="save a torch.distributed.checkpoint directory as a version of ROOT")
+    p.add_argument("dcp", metavar="DCP_DIR")
+    p.add_argument("root")
+    p.add_argument("--step", type=int, required=True)
+    p.add_argument("--chunk-size", type=int, default=1 << 20)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="unpickle the directory's non-tensor objects with the full unpickler; only for files you "
+                        "trust: unpickling can run arbitrary code")
+    p.set_defaults(func=cmd_import)
     p = sub.add_parser("gc", help="remove old versions and unreferenced chunks")
     p.add_argument("root")
     p.add_argument("--keep-last", type=int, default=None, metavar="K")

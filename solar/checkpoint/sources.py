@@ -196,7 +196,7 @@ def _torch_load(file: str, shown: str, trust_pickle: bool, **kw: Any) -> Any:
             f"(diff(..., trust_pickle=True))") from exc
 
 
-def _load_dcp(path: str, trust_pickle: bool = False) -> Any:
+def load_dcp(path: str, trust_pickle: bool = False) -> Any:
     """A ``torch.distributed.checkpoint`` directory as one state dict (single process, CPU)."""
     # torch.distributed is imported only for a DCP input: it is large and most diffs never need it
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -239,7 +239,7 @@ def _load_safetensors(path: str) -> _Loaded:
 def _load_file(path: str, trust_pickle: bool = False) -> _Loaded:
     """Tensors, plain values (``None``: none to compare) and why not, of a ``.pt``, ``.safetensors`` or DCP input."""
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata")):
-        obj = _load_dcp(path, trust_pickle)
+        obj = load_dcp(path, trust_pickle)
     elif not os.path.isfile(path):
         raise InputError(f"{path}: no such file, and not a ROOT@STEP checkpoint reference")
     elif path.endswith(".safetensors"):
