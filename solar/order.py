@@ -17,7 +17,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["global_order", "index_dtype", "sampler_num_samples", "epoch_positions"]
+__all__ = ["global_order", "index_dtype", "sampler_num_samples", "epoch_positions", "permutation_into"]
 
 
 def index_dtype(n: int, world_size: int = 1) -> type:
@@ -49,14 +49,17 @@ def epoch_positions(per_rank: int, world_size: int, batch_size: int, drop_last_b
 
 
 def global_order(n: int, world_size: int, seed: int, epoch: int, shuffle: bool = True,
-                 drop_last: bool = False) -> np.ndarray:
+                 drop_last: bool = False, perm: np.ndarray | None = None) -> np.ndarray:
     """The padded/truncated global order of one epoch (:func:`index_dtype`), identical to
-    DistributedSampler's.
+    DistributedSampler's; or, given ``perm``, that permutation padded and split alike (NOTE
+    [ Feistel order ] in solar/permute.py).
 
     See NOTE [ Global order ].
     """
     dt = index_dtype(n, world_size)
-    if shuffle:
+    if perm is not None:
+        perm = np.asarray(perm).astype(dt, copy=False)
+    elif shuffle:
         g = torch.Generator()
         g.manual_seed(int(seed) + int(epoch))
         perm = torch.randperm(n, generator=g).numpy().astype(dt)  # torch's int64 order, then narrowed
@@ -68,4 +71,21 @@ def global_order(n: int, world_size: int, seed: int, epoch: int, shuffle: bool =
     out = np.empty(total, dtype=perm.dtype)  # perm repeated to length total, in an array of its own
     for start in range(0, total, n):  # (np.tile(...)[:total] and np.resize keep a longer array alive)
         out[start:start + n] = perm[:total - start]
+    return out
+
+
+def permutation_into(out: np.ndarray, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """Write the epoch's permutation of ``len(out)`` samples (NOTE [ Global order ], before any
+    padding) into ``out`` (int32 or int64), with no other array of its size: a node's shared
+    window is filled in place. torch's ``randperm`` gives the same order in either width."""
+    if out.dtype not in (np.int32, np.int64):
+        raise TypeError(f"a permutation is written into int32 or int64, not {out.dtype}")
+    if not shuffle:
+        for lo in range(0, len(out), 1 << 20):
+            out[lo:lo + (1 << 20)] = np.arange(lo, min(len(out), lo + (1 << 20)), dtype=out.dtype)
+        return out
+    g = torch.Generator()
+    g.manual_seed(int(seed) + int(epoch))
+    t = torch.from_numpy(out)
+    torch.randperm(len(out), generator=g, dtype=t.dtype, out=t)
     return out

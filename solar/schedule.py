@@ -42,9 +42,8 @@ NOTE [ Resumed tail ]
     DataLoader's ``drop_last=True``, dropped, as every rank's batch in it is partial. Without a
     change of world size or batch the last step is already whole and nothing changes.
 
-:class:`Planner` plans the ``solar`` policy. The baselines it is compared with (``policy="lru"``
-and ``policy="fifo"``, for ``solar plan`` and ``bench/plan``) are simulated step by step by
-:class:`solar.testing.baselines.BaselinePlanner`.
+:class:`Planner` plans the ``solar`` policy; the baselines (``policy="lru"``/``"fifo"``) are
+simulated by :class:`solar.testing.baselines.BaselinePlanner`.
 """
 
 from __future__ import annotations
@@ -55,75 +54,14 @@ import numpy as np
 
 from solar.errors import ConfigError
 from solar.order import epoch_positions, global_order, index_dtype, sampler_num_samples  # noqa: F401 (re-exported)
+from solar.ownership import capacity_for_bytes, owner_of  # noqa: F401 (re-exported)
+from solar.permute import FeistelOrder
 
 __all__ = ["PlanConfig", "EpochPlan", "Planner", "global_order", "index_dtype", "sampler_num_samples",
            "epoch_positions", "owner_of", "capacity_for_bytes", "POLICIES"]
 
 POLICIES = ("solar", "lru", "fifo")
 INT64_MAX = 2**63 - 1
-
-
-def owner_of(indices: np.ndarray, world_size: int, batch_size: int, capacity: int) -> np.ndarray:
-    """The rank that owns (keeps) each sample index, or -1: a pure function of the index.
-
-    Indices ``< P*C`` are owned: full rounds of ``b``-blocks go round-robin over ranks
-    (``(i // b) % P``); the remaining ``P * (C % b)`` indices are dealt out one by one
-    (``i % P``). Every rank owns exactly ``C`` samples. See NOTE [ Pinned residency: why the bound is reached ].
-    """
-    P, b, C = world_size, batch_size, capacity
-    i = np.asarray(indices)
-    if i.dtype.kind not in "iu" or i.dtype.itemsize < 4 or max(P, b) > np.iinfo(i.dtype).max:
-        i = i.astype(np.int64)  # too narrow to divide by b and P: widened (the planner's int32 is not)
-    # The bounds stay Python ints: compared with any index array they are exact (no clipping, so
-    # an index at the dtype's maximum is owned when it should be), and one is subtracted only
-    # from indices at or past it, which it therefore fits.
-    full, owned = P * b * (C // b), P * C
-    own = np.full(i.shape, -1, dtype=np.int32 if P < 2**31 else np.int64)
-    m1 = i < full
-    own[m1] = (i[m1] // b) % P
-    m2 = (i >= full) & (i < owned)
-    if m2.any():
-        own[m2] = (i[m2] - full) % P
-    return own
-
-
-def capacity_for_bytes(sizes: np.ndarray, budget: int, world_size: int, batch_size: int) -> int:
-    """Largest per-rank capacity ``C`` (samples) whose owned samples fit ``budget`` bytes on every rank.
-
-    ``sizes[i]`` is sample i's stored size (all fields). Raw fields have equal sizes; compressed
-    fields vary, and the owned set must fit on the rank that owns it.
-    """
-    sizes = np.asarray(sizes, dtype=np.int64)
-    n = len(sizes)
-    if n and sizes.min() == sizes.max():  # raw fields: every sample costs the same
-        return int(min(-(-n // world_size), budget // max(1, int(sizes[0]))))
-
-    P, b = world_size, batch_size
-    prefix = np.concatenate([[0], np.cumsum(sizes)])  # int64: exact sums
-
-    def fits(c: int) -> bool:
-        # per-rank owned bytes from the prefix sums, by owner_of's two parts: O(N/b + P*b) per
-        # capacity tried, where owner_of over every index would be O(N) per capacity tried
-        m = min(n, P * c)
-        end1 = min(P * b * (c // b), m)  # b-blocks dealt round-robin: block k -> rank k % P
-        starts = np.arange(0, end1, b)
-        block = prefix[np.minimum(starts + b, end1)] - prefix[starts]
-        per_rank = np.zeros(P, np.int64)
-        if len(starts):
-            per_rank += np.bincount(np.arange(len(starts)) % P, weights=block, minlength=P).astype(np.int64)
-        tail = sizes[end1:m]  # the rest one by one: index end1 + j -> rank j % P
-        if len(tail):
-            per_rank += np.pad(tail, (0, -len(tail) % P)).reshape(-1, P).sum(axis=0)
-        return bool(per_rank.max(initial=0) <= budget)
-
-    lo, hi = 0, -(-n // world_size)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 @dataclass(frozen=True)
@@ -141,6 +79,8 @@ class PlanConfig:
         drop_last_batch: DataLoader's ``drop_last`` (drop each rank's last partial batch).
         policy: ``"solar"`` (pinned residency + remap every step; :class:`Planner`), or the
             baselines ``"lru"`` and ``"fifo"`` (:class:`solar.testing.baselines.BaselinePlanner`).
+        order: ``"torch"`` (DistributedSampler's), or ``"feistel"``: not torch's order, one no
+            rank materializes (NOTE [ Feistel order ] in solar/permute.py).
     """
 
     num_samples: int
@@ -152,6 +92,7 @@ class PlanConfig:
     drop_last: bool = False
     drop_last_batch: bool = False
     policy: str = "solar"
+    order: str = "torch"
 
     def __post_init__(self) -> None:
         N, P, b, C = self.num_samples, self.world_size, self.batch_size, self.capacity
@@ -169,8 +110,9 @@ class PlanConfig:
         if not isinstance(seed, (int, np.integer)) or not -INT64_MAX - 1 <= seed <= INT64_MAX:
             raise ConfigError(f"seed must be an integer in [-2**63, 2**63-1] (int64, so that seed + epoch stays within "
                               f"what torch.Generator.manual_seed accepts), got {seed!r}; use a smaller seed")
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.policy not in POLICIES or self.order not in ("torch", "feistel"):
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)} (got {self.policy!r}) and order "
+                              f"'torch' or 'feistel' (got {self.order!r})")
         if self.drop_last and N < P:
             raise ConfigError(f"drop_last=True with {N} samples and world size {P} leaves no sample; "
                               "use fewer ranks or drop_last=False")
@@ -327,7 +269,7 @@ class EpochPlan:
         return {"epoch": self.epoch, "steps": steps}
 
 
-def _step_quota(n: int, G: int, P: int) -> np.ndarray:
+def step_quota(n: int, G: int, P: int) -> np.ndarray:
     """Per (step, rank) slot counts for ``n`` positions in steps of ``G``: ``b`` each, and the
     last partial step split as evenly as possible (equal unless a resume changed the world size)."""
     S = -(-n // G)
@@ -339,7 +281,7 @@ def _step_quota(n: int, G: int, P: int) -> np.ndarray:
     return quota
 
 
-def _grouped_accept(items: np.ndarray, key: np.ndarray, free: np.ndarray) -> np.ndarray:
+def grouped_accept(items: np.ndarray, key: np.ndarray, free: np.ndarray) -> np.ndarray:
     """Mask over ``items`` (in priority order): per ``key``, the first ``free[key]`` are accepted."""
     o = np.argsort(key, kind="stable")
     k = key[o]
@@ -351,11 +293,14 @@ def _grouped_accept(items: np.ndarray, key: np.ndarray, free: np.ndarray) -> np.
     return ok
 
 
-def _assign_pinned(samples: np.ndarray, G: int, P: int, owner: np.ndarray, resident: np.ndarray):
-    """Vectorized assignment of one run of steps. See NOTE [ Pinned residency: why the bound is reached ]."""
+def assign_pinned(samples: np.ndarray, G: int, P: int, owner: np.ndarray, resident: np.ndarray):
+    """Per position of a run of whole steps (the last may be partial): (rank, hit, keep), from
+    each sample's ``owner`` and whether it is ``resident`` there. Step-local, so any run of steps
+    gets what the whole epoch gets for them (NOTE [ Sharded planning ] in solar/shardplan.py).
+    See NOTE [ Pinned residency: why the bound is reached ]."""
     n = len(samples)
     step = np.arange(n, dtype=samples.dtype) // G
-    quota = _step_quota(n, G, P)
+    quota = step_quota(n, G, P)
     own = owner
     rank = np.full(n, -1, dtype=owner.dtype)
     hit = np.zeros(n, dtype=bool)
@@ -363,7 +308,7 @@ def _assign_pinned(samples: np.ndarray, G: int, P: int, owner: np.ndarray, resid
     dt = samples.dtype
     cand = np.flatnonzero(own >= 0).astype(dt)  # narrowed at once: arrays of up to n entries
     if len(cand):
-        res = resident[samples[cand]]
+        res = resident[cand]
         key = step[cand] * P + own[cand]
         o = np.lexsort((~res, key))  # per (step, owner): resident first, then by position
         cand, key, res = cand[o], key[o], res[o]
@@ -426,7 +371,8 @@ class Planner:
         cached = self._order_cache
         if cached is not None and cached[0] == epoch:
             return cached[1]
-        out = global_order(c.num_samples, c.world_size, c.seed, epoch, c.shuffle, c.drop_last)[: c.epoch_length]
+        perm = FeistelOrder(c.num_samples, c.seed).perm(epoch) if c.order == "feistel" and c.shuffle else None
+        out = global_order(c.num_samples, c.world_size, c.seed, epoch, c.shuffle, c.drop_last, perm)[: c.epoch_length]
         self._order_cache = (epoch, out)  # the rebalancing reads epoch e+1, which is planned next
         return out
 
@@ -475,7 +421,7 @@ class Planner:
         dt = index_dtype(N, P)
         next_step = np.full(N, -1, dtype=dt)  # step of each sample's first occurrence in the next epoch
         next_step[nxt[::-1]] = np.arange(len(nxt) - 1, -1, -1, dtype=dt) // G
-        room = _step_quota(len(nxt), G, P).reshape(-1).copy()
+        room = step_quota(len(nxt), G, P).reshape(-1).copy()
         res = np.flatnonzero(self._resident & (next_step >= 0)).astype(dt)
         cell = next_step[res] * P + self._owner[res]
         room -= np.bincount(cell, minlength=room.size)
@@ -490,7 +436,7 @@ class Planner:
         drop_cell = next_step[cand] * P + self._owner[cand]
         o = np.lexsort((this_step[cand], drop_cell))
         cand, drop_cell = cand[o], drop_cell[o]
-        drops = cand[_grouped_accept(np.arange(len(cand)), drop_cell, -np.minimum(room, 0))]
+        drops = cand[grouped_accept(np.arange(len(cand)), drop_cell, -np.minimum(room, 0))]
         # adoption candidates: plain reads this epoch of unowned samples, landing next epoch in a
         # (step, rank) cell with room
         pos = np.flatnonzero(~plan.hit & ~plan.keep).astype(dt)
@@ -517,7 +463,7 @@ class Planner:
             j = np.maximum.accumulate(earliest - np.arange(len(d))) + np.arange(len(d))
             m = j < len(r_pos)
             d, j = d[m], j[m]
-            fits = _grouped_accept(np.arange(len(j)), r_cell[j], room)
+            fits = grouped_accept(np.arange(len(j)), r_cell[j], room)
             d, j = d[fits], j[fits]
             room -= np.bincount(r_cell[j], minlength=room.size)
             plan.keep[r_pos[j]] = True
@@ -592,7 +538,7 @@ class Planner:
         for lo, hi in parts:
             if hi <= lo:
                 continue
-            r, h, k = _assign_pinned(samples[lo:hi], G, P, own[lo:hi], self._resident)
+            r, h, k = assign_pinned(samples[lo:hi], G, P, own[lo:hi], self._resident[samples[lo:hi]])
             out[0][lo:hi], out[1][lo:hi], out[2][lo:hi] = r, h, k
             self._resident[samples[lo:hi][k]] = True
         return tuple(out)

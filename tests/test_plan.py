@@ -179,3 +179,34 @@ def test_one_epoch_has_no_hit_rate_to_report(capsys):
     assert rc == 0 and rep["hit_rate"] is None and len(rep["epochs"]) == 1
     rc, out = _run_plan(capsys, "--epochs", "1")
     assert rc == 0 and "hit rate (epochs >= 2): n/a" in out.out
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_one_ranks_view_is_its_share_of_the_whole_plan(capsys, rank):
+    """--rank R (NOTE [ Sharded planning ]): rank R's batches, hits and misses of each epoch are
+    its part of the plan every rank would compute, and the job's hit rate is the same."""
+    from solar.schedule import PlanConfig, Planner
+
+    rc, out = _plan(capsys, "--rank", str(rank))
+    assert rc == 0, out.err
+    view = json.loads(out.out)
+    _, whole = _plan(capsys)
+    assert view["hit_rate"] == pytest.approx(json.loads(whole.out)["hit_rate"]) and view["rank"] == rank
+    planner = Planner(PlanConfig(300, 4, 8, 30, 5))
+    for e in view["epochs"]:
+        plan = planner.plan(e["epoch"])
+        mine = plan.rank == rank
+        assert (e["rank_samples"], e["rank_hits"]) == (int(mine.sum()), int(plan.hit[mine].sum()))
+    assert view["rank_private_bytes"] > 0
+
+
+def test_one_ranks_view_of_the_feistel_order_and_bad_ranks(capsys, tmp_path):
+    rc, out = _plan(capsys, "--rank", "1", "--order", "feistel", "--plot", str(tmp_path / "r.png"))
+    assert rc == 0, out.err
+    view = json.loads(out.out)
+    assert view["order"] == "feistel" and view["hit_rate"] >= 0.97 * view["bound"]
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    for extra, match in ((["--rank", "4"], "outside --world-size 4"), (["--rank", "0", "--dump", str(tmp_path / "d")],
+                                                                       "leave out --rank")):
+        rc, out = _plan(capsys, *extra)
+        assert rc == 2 and match in out.err

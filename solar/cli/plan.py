@@ -18,6 +18,7 @@ import time
 import numpy as np
 import torch  # noqa: F401  (loaded before any timing: its import is not planning time)
 
+from solar.cli.plan_rank import rank_view
 from solar.errors import ConfigError
 from solar.fileio import write_atomic, write_text_atomic
 from solar.memory import available_memory
@@ -50,12 +51,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--dump", metavar="FILE", help="write every step's assignment as JSON (small problems)")
     parser.add_argument("--plot", metavar="FILE.png", help="plot hit rate per epoch vs the bound and the baselines")
+    parser.add_argument("--order", choices=("torch", "feistel"), default="torch",
+                        help="torch (DistributedSampler's order, default) or feistel (not torch's order: one no "
+                             "rank materializes, NOTE [ Feistel order ])")
+    parser.add_argument("--rank", type=int, metavar="R",
+                        help="report rank R's view, planned sharded (NOTE [ Sharded planning ]): under mpirun "
+                             "with --world-size ranks each rank plans only its share and rank R prints; without "
+                             "mpirun every rank's share is simulated in this process")
 
 
 def _config(args: argparse.Namespace, policy: str):
     return PlanConfig(args.samples, args.world_size, args.batch_size, args.buffer, args.seed,
                       shuffle=not args.no_shuffle, drop_last=args.drop_last, drop_last_batch=args.drop_last,
-                      policy=policy)
+                      policy=policy, order=getattr(args, "order", "torch"))
 
 
 def _balanced(plan) -> bool:
@@ -170,12 +178,19 @@ def run(args: argparse.Namespace) -> int:
         if args.dump and args.samples * args.epochs > MAX_DUMP_ACCESSES:
             raise ConfigError(f"--dump writes one entry per access; {args.samples} x {args.epochs} epochs is more "
                               f"than {MAX_DUMP_ACCESSES}; use fewer samples or epochs")
+        if args.dump and args.rank is not None:
+            raise ConfigError("--dump writes every rank's assignment; leave out --rank (one rank's view)")
         for option, path in (("--dump", args.dump), ("--plot", args.plot)):
             if path:
                 check_output(option, path)
         check_memory(args, _config(args, args.policy))
         dump: list | None = [] if args.dump else None
-        report = simulate(args, args.policy, dump)
+        if args.rank is not None:
+            report = rank_view(args, _config(args, "solar"))
+            if report is None:
+                return 0  # another rank of the job prints
+        else:
+            report = simulate(args, args.policy, dump)
     except ConfigError as exc:
         print(f"solar plan: {exc}", file=sys.stderr)
         return 2
@@ -185,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
                         lambda p: write_text_atomic(p, json.dumps({"epochs": dump}, separators=(",", ":")))))
     if args.plot:
         reports = {args.policy: report}
-        for other in POLICIES:
+        for other in POLICIES if args.rank is None else ():  # (a rank's view: the sharded plan alone)
             if other != args.policy:
                 reports[other] = simulate(args, other)
         outputs.append(("--plot", args.plot, lambda p: plot(p, reports)))
@@ -198,6 +213,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
     if args.json:
         print(json.dumps(report))
+        return 0
+    if args.rank is not None:
+        print(json.dumps(report, indent=1))
         return 0
     print(f"policy {report['policy']}: N={args.samples} P={args.world_size} b={args.batch_size} C={args.buffer} "
           f"seed={args.seed}  (planning: {report['plan_seconds_per_epoch']:.3f} s/epoch)")
