@@ -140,6 +140,7 @@ def collect_job(jobs: JobStore, keep_last: int | None = None, *, dry_run: bool =
     if not dry_run:
         for step in report.removed_versions + report.removed_torn:
             jobs.delete_global(step)
+        jobs.forget(report.removed_versions)
     parts = jobs.part_steps()
     for step in sorted(parts):
         if step not in kept and not dry_run:

@@ -188,6 +188,11 @@ class JobStore:
             out |= self._refs[key]
         return out
 
+    def forget(self, steps: "set[int] | list[int]") -> None:
+        """Drop what :meth:`referenced` remembers of removed versions (a long run keeps few)."""
+        gone = set(steps)
+        self._refs = {k: v for k, v in self._refs.items() if k[0] not in gone}
+
     # -- global manifests --
     def steps(self) -> list[int]:
         out = []
