@@ -31,6 +31,7 @@ NOTE [ Buffer and workers ]
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import os
 import weakref
@@ -46,15 +47,20 @@ from solar.cache.spill import SpillTier
 from solar.collective import agree_iteration
 from solar.dist import collective_call, mpi_executor
 from solar.errors import ConfigError
+from solar.exchange import run_mpi
+from solar.nodeshare import NodeOrder
 from solar.options import parse_buffer, parse_spill
 from solar.passes import PassFetcher, PassGeometry, drop_frame_locals, in_groups, raise_failed
 from solar.prefetch import prefetch as _prefetch
 from solar.schedule import PlanConfig, Planner, capacity_for_bytes
+from solar.shardplan import ShardPlanner
 
 __all__ = ["SolarBatchSampler", "is_storage_backed"]
 
 #: Upper bound of the stored bytes one prefetch pass reads (two passes are in flight at most).
 GROUP_BYTES = 256 << 20
+#: From this many samples on, ranks of a collective backend plan sharded (NOTE [ Sharded planning ])
+SHARD_FROM = 1 << 20
 
 def is_storage_backed(dataset: Any) -> bool:
     """True for datasets SOLAR can drive (they implement ``fetch_stored``, like ``H5Dataset``)."""
@@ -211,7 +217,7 @@ class SolarBatchSampler(BatchSampler):
         if key != self._key:
             self._key = key
             self._capacity = cfg.capacity if cfg else self.capacity(1, b)
-            self._planner = Planner(cfg) if cfg else None
+            self._planner = self._new_planner(cfg) if cfg else None
             if self.spill_spec is not None:
                 # a fresh directory per buffer; an older iteration may still read the old one,
                 # whose files go when it is garbage collected
@@ -220,6 +226,34 @@ class SolarBatchSampler(BatchSampler):
             else:
                 self.buffer = MemoryTier(self.buffer_spec.nbytes)
         return P, rank
+
+    def _sharded_for(self, cfg: PlanConfig) -> bool:
+        """Whether ``cfg`` is planned sharded: see :meth:`_new_planner`."""
+        mode = os.environ.get("SOLAR_PLANNER", "auto")
+        if mode not in ("auto", "sharded", "full"):
+            raise ConfigError(f"SOLAR_PLANNER={mode!r}: use auto (sharded from {SHARD_FROM} samples on), "
+                              "sharded or full")
+        big = mode == "sharded" or (mode == "auto" and cfg.num_samples >= SHARD_FROM)
+        return big and self._collective and cfg.world_size > 1
+
+    def _new_planner(self, cfg: PlanConfig):
+        """NOTE [ Sharded planning ] in solar/shardplan.py: on a collective backend with two or
+        more ranks and a dataset of ``SHARD_FROM`` samples or more, each rank plans only its
+        share (collective calls, on the MPI thread), the order once per node (or computed,
+        ``order="feistel"``); otherwise the whole plan, on every rank alike (its ``EpochPlan``
+        shows every rank's part). ``SOLAR_PLANNER=sharded`` or ``full`` decides for any size."""
+        old = self._planner
+        if isinstance(old, ShardPlanner) and isinstance(old.order, NodeOrder):
+            collective_call(old.order.close)  # every rank replaces its planner at the same point
+        if not self._sharded_for(cfg):
+            return Planner(cfg)
+        comm = self.dataset.backend.comm
+        order = None if cfg.order == "feistel" and cfg.shuffle else collective_call(NodeOrder, cfg, comm)
+        return ShardPlanner(cfg, comm.rank, order, exchange=functools.partial(run_mpi, comm=comm))
+
+    @property
+    def _sharded(self) -> bool:
+        return isinstance(self._planner, ShardPlanner)
 
     # -- resume ---------------------------------------------------------------------------------
     def set_resume(self, state: dict | None) -> None:
@@ -241,17 +275,23 @@ class SolarBatchSampler(BatchSampler):
                 # a state saved with more padding (another world size) may lie past this epoch's end
                 start = min(int(resume["position"]), self._planner.config.epoch_length)
             plan = self._planned_ahead(epoch, start)
-            if plan is None:
-                plan = self._planner.plan(epoch, start)
+            if plan is None:  # a sharded plan is collective: on the MPI thread
+                plan = collective_call(self._planner.plan, epoch, start) if self._sharded else \
+                    self._planner.plan(epoch, start)
             self.current = {"mode": "schedule", "epoch": epoch, "start": start, "global_batch": plan.global_batch,
                             "world_size": P, "plan": plan}
             # the next iteration's epoch: the next one, or this one again where the epoch does not
             # advance (a loader whose sampler never gets set_epoch, e.g. for validation)
             last, self._last_epoch = self._last_epoch, epoch
-            self._plan_ahead(epoch if last == epoch else epoch + 1)
+            ahead = epoch if last == epoch else epoch + 1
             twin = plan.twin_steps()
+            first = self.group_size(self._geometry()[2])  # the steps of the first pass
             for k, (step, (keep, evict)) in enumerate(zip(plan.rank_steps(rank), plan.rank_actions(rank))):
+                if k == first:  # once the first pass is on its way (a sharded plan would queue before it)
+                    self._plan_ahead(ahead)
                 yield step.tolist(), keep, evict, (k, int(twin[k]))
+            if plan.num_steps <= first:
+                self._plan_ahead(ahead)
             return
         skip = int(resume["batches"]) if resume and resume.get("mode") == "passthrough" else 0
         self.current = {"mode": "passthrough", "start": skip}
@@ -320,6 +360,7 @@ class SolarBatchSampler(BatchSampler):
         iteration is usually ``epoch + 1`` from its start (or the same epoch again, where the last
         two iterations had one: a loader never given ``set_epoch``), with the residency the
         current plan left, so the plan is made on a copy of the planner on :func:`_plan_thread`
+        (a sharded plan, which is collective, on the MPI thread, after the epoch's first pass)
         while this epoch trains, and taken at the next iteration if nothing changed the planner
         meanwhile (:meth:`_planned_ahead`). An early stop (rewind), a new geometry, a loaded state
         or another epoch discards it and plans inline: the plans are the same either way
@@ -334,7 +375,10 @@ class SolarBatchSampler(BatchSampler):
             return
         planner = self._planner
         spec = copy.deepcopy(planner)
-        self._ahead = (planner, epoch, _plan_thread().submit(lambda: (spec, spec.plan(epoch))))
+        # a sharded plan is collective: queued on the MPI thread, where every rank submits it
+        # at the same point of its program (NOTE [ SOLAR's own MPI traffic ] in solar/dist.py)
+        thread = mpi_executor() if self._sharded else _plan_thread()
+        self._ahead = (planner, epoch, thread.submit(lambda: (spec, spec.plan(epoch))))
 
     def _planned_ahead(self, epoch: int, start: int):
         """The plan made ahead for ``epoch`` (from position 0) if it still applies; it then
@@ -360,7 +404,8 @@ class SolarBatchSampler(BatchSampler):
     def _drop_ahead(self) -> None:
         """Forget the plan made ahead (cancelled if it has not started: the plan thread is shared)."""
         if self._ahead is not None:
-            self._ahead[2].cancel()
+            if not self._sharded:  # (a collective plan runs on every rank or on none: never cancelled)
+                self._ahead[2].cancel()
             self._ahead = None
 
     def _settle_last_iteration(self) -> None:
@@ -429,7 +474,10 @@ class SolarBatchSampler(BatchSampler):
         if steps < 0:
             self._key = None  # start over: new planner and buffer, on every rank alike
             return
-        self._planner.rewind(plan, steps)
+        if self._sharded:
+            collective_call(self._planner.rewind, plan, steps)
+        else:
+            self._planner.rewind(plan, steps)
         if self.buffer is not None:
             keys = [k for k in self.buffer.keys()
                     if isinstance(k, tuple) and len(k) == 2 and isinstance(k[1], (int, np.integer))]
@@ -448,6 +496,7 @@ class SolarBatchSampler(BatchSampler):
         return {"dataset size": cfg.num_samples, "world size": cfg.world_size, "batch_size": cfg.batch_size,
                 "seed": cfg.seed, "epoch (set_epoch)": int(self.sampler.epoch), "shuffle": int(cfg.shuffle),
                 "DistributedSampler drop_last": int(cfg.drop_last),
+                "sharded planning (SOLAR_PLANNER)": int(self._sharded_for(cfg)),
                 "drop_last": int(cfg.drop_last_batch), "buffer capacity (samples)": cfg.capacity,
                 "steps per pass (prefetch=)": self.group_size(cfg.batch_size),
                 "decode ahead (num_workers == 0 on compressed data)": int(self._decode_ahead),

@@ -51,7 +51,7 @@ MAY_USE = {
     "solar.views": {"solar.dataset", "solar.subset", "solar.concat"},
     "solar.passes": {"solar.fetch", "solar.schedule", "solar.failfast"},
     "solar.sampler": {"solar.options", "solar.schedule", "solar.passes", "solar.prefetch", "solar.cache",
-                      "solar.collective", "solar.dist"},
+                      "solar.collective", "solar.dist", "solar.shardplan", "solar.nodeshare", "solar.exchange"},
     "solar.loader": {"solar.sampler", "solar.options", "solar.memory", "solar.schedule", "solar.order", "solar.subset",
                      "solar.views", "solar.dist", "solar.fetch"},
     # consumers of the data path and of the tiers

@@ -1,0 +1,64 @@
+"""solar.DataLoader with sharded planning under a real ``mpirun`` (NOTE [ Sharded planning ] in
+solar/shardplan.py; the sampler's choice of planner: ``SolarBatchSampler._new_planner``). On 4
+ranks with ``SOLAR_NODE_RANKS=2`` the job has two "nodes", two windows of the order."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch.utils.data as tud
+
+import solar
+from solar.nodeshare import NODE_RANKS_ENV
+from solar.order import global_order
+from solar.shardplan import RankPlan, ShardPlanner
+from solar.synthetic import ptycho_sample, write_ptycho_h5
+
+
+@pytest.mark.mpi
+def test_the_loader_plans_its_share_and_its_buffers_hit_as_planned(comm, shared_tmp, monkeypatch):
+    """On a collective backend the loader plans with ShardPlanner (SOLAR_PLANNER=sharded, as for
+    large datasets): every step's union over the ranks is DistributedSampler's global batch, and
+    the buffers serve exactly the hits the ranks' plans promised."""
+    monkeypatch.setenv(NODE_RANKS_ENV, "2")
+    monkeypatch.setenv("SOLAR_PLANNER", "sharded")  # (auto shards from solar.sampler.SHARD_FROM samples on)
+    n, P, b = 150, comm.size, 3
+    path = os.path.join(shared_tmp, "sharded.h5")
+    write_ptycho_h5(path, n, 8, seed=2, comm=comm, progress=False)
+    comm.Barrier()
+    ds = solar.H5Dataset(path)
+    sampler = tud.DistributedSampler(ds, num_replicas=P, rank=comm.rank, seed=4)
+    loader = solar.DataLoader(ds, batch_size=b, sampler=sampler, buffer=0.5)
+    y_ref = np.stack([ptycho_sample(i, 8, 2)[1] for i in range(n)])
+    planned = 0
+    for e in range(3):
+        sampler.set_epoch(e)
+        mine = [y.numpy() for _, y in loader]
+        plan = loader.solar_sampler.current["plan"]
+        assert isinstance(plan, RankPlan) and isinstance(loader.solar_sampler._planner, ShardPlanner)
+        planned += comm.allreduce(plan.hits)
+        everyone = comm.allgather(mine)
+        order = global_order(n, P, 4, e)
+        for k in range(len(mine)):
+            want = y_ref[order[k * P * b:(k + 1) * P * b]]  # the last step is partial
+            want = want.reshape(len(want), -1)
+            got = np.concatenate([everyone[r][k] for r in range(P)]).reshape(len(want), -1)
+            assert sorted(map(bytes, got)) == sorted(map(bytes, want)), f"epoch {e} step {k}"
+    assert comm.allreduce(ds.stats.hits) == planned > 0
+    # an early stop rewinds every rank's share alike: later epochs serve the planned hits, less
+    # any the read-ahead past the stop evicted (read and put back: NOTE [ Early stop ] in
+    # solar/sampler.py), as with the whole plan on every rank
+    sampler.set_epoch(3)
+    for k, _ in enumerate(loader):
+        if k == 2:
+            break
+    for e in (4, 5):
+        sampler.set_epoch(e)
+        hits0 = ds.stats.hits
+        list(loader)
+        served = comm.allreduce(ds.stats.hits - hits0)
+        promised = comm.allreduce(loader.solar_sampler.current["plan"].hits)
+        assert 0.9 * promised <= served <= promised, (e, served, promised)
+    ds.close()
