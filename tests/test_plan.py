@@ -210,3 +210,12 @@ def test_one_ranks_view_of_the_feistel_order_and_bad_ranks(capsys, tmp_path):
                                                                        "leave out --rank")):
         rc, out = _plan(capsys, *extra)
         assert rc == 2 and match in out.err
+
+
+def test_one_ranks_view_without_mpirun_is_refused_when_every_share_would_not_fit(capsys, monkeypatch):
+    """Without mpirun, --rank plans every rank's share in this process: refused up front when
+    that would not fit, as the whole plan is."""
+    monkeypatch.setattr("solar.cli.plan.available_memory", lambda: 1 << 30)
+    rc = main(["plan", "--samples", "10000000", "--world-size", "4096", "--batch-size", "32", "--buffer", "1220",
+               "--rank", "5", "--json"])
+    assert rc == 2 and "GiB of memory" in capsys.readouterr().err

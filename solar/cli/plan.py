@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch  # noqa: F401  (loaded before any timing: its import is not planning time)
 
-from solar.cli.plan_rank import rank_view
+from solar.cli.plan_rank import rank_view, simulated_ranks
 from solar.errors import ConfigError
 from solar.fileio import write_atomic, write_text_atomic
 from solar.memory import available_memory
@@ -33,6 +33,9 @@ MAX_DUMP_ACCESSES = 2_000_000
 #: bench/plan/memory.json), and per dumped access (nested lists plus the JSON text).
 PLAN_BYTES = {"solar": (40, 80), "lru": (160, 160), "fifo": (160, 160)}
 DUMP_BYTES_PER_ACCESS = 200
+#: Peak bytes per sample of planning every rank's share in one process (``--rank`` without
+#: mpirun; bench/plan/scale.py measured 200 at N = 1e7, P = 4096)
+SHARDED_SIM_BYTES = 250
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -156,8 +159,10 @@ def check_memory(args: argparse.Namespace, cfg) -> None:
     if avail is None:
         return
     accesses = cfg.epoch_length * args.epochs if args.dump else 0
-    policies = POLICIES if args.plot else (args.policy,)
+    policies = POLICIES if args.plot and args.rank is None else (args.policy,)
     need = max(plan_bytes(cfg, p, accesses if p == args.policy else 0) for p in policies)
+    if args.rank is not None:  # one rank's view: this process plans every rank's share, or only its own
+        need = 0 if simulated_ranks(cfg.world_size) == 1 else SHARDED_SIM_BYTES * cfg.num_samples
     if need <= avail:
         return
     fixes = [f"use fewer --samples (N={cfg.num_samples})"]

@@ -23,7 +23,7 @@ from solar.nodeshare import NodeOrder
 from solar.schedule import PlanConfig
 from solar.shardplan import LocalOrder, RankPlan, ShardPlanner
 
-__all__ = ["rank_view"]
+__all__ = ["rank_view", "simulated_ranks"]
 
 
 def _plan_bytes(plan: RankPlan) -> int:
@@ -68,6 +68,13 @@ def _epochs_here(cfg: PlanConfig, epochs: int, rank: int):
         plan = plans[rank]
         kept = planners[rank].nbytes() + _plan_bytes(plan)
         yield plan, sum(p.hits for p in plans), costs[rank].seconds, max(kept, costs[rank].peak_bytes)
+
+
+def simulated_ranks(world_size: int) -> int:
+    """How many ranks' shares this process plans: one under an mpirun job of ``world_size``
+    ranks, else all of them."""
+    comm = mpi_comm()
+    return 1 if comm is not None and comm.size > 1 and comm.size == world_size else world_size
 
 
 def rank_view(args: argparse.Namespace, cfg: PlanConfig) -> dict | None:
