@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -90,7 +91,9 @@ def configs(data: DemoData, plan: Plan, out: str) -> dict[str, RunConfig]:
 
 
 def run_all(run: Launcher, data: DemoData, plan: Plan, out: str) -> dict[str, dict]:
-    """Every uninterrupted run; their figures by name."""
+    """Every uninterrupted run; their figures by name. A rerun starts from empty checkpoint roots, so
+    the bytes each version writes are this run's, not de-duplicated against the last run's."""
+    shutil.rmtree(os.path.join(out, "ckpt"), ignore_errors=True)
     return {name: _must(name, train(run, cfg)) for name, cfg in configs(data, plan, out).items()}
 
 
@@ -113,8 +116,6 @@ def kill_and_resume(run: Launcher, reference: RunConfig, samples: int, plan: Pla
     cfg = replace(reference, name="solar raw killed", ckpt=root, kill_at=at,
                   out=os.path.join(out, "runs", "solar_raw_killed.json"))
     if os.path.isdir(root):
-        import shutil  # only a rerun over an old output directory needs it
-
         shutil.rmtree(root)
     figures, done, wall = train(run, cfg)
     if figures is not None:
