@@ -25,6 +25,7 @@ MAY_USE = {
     "solar.fileio": set(),
     "solar.layout": set(),
     "solar.memory": set(),
+    "solar.stats": set(),  # one loader's per-epoch records: reads the counters it is given
     "solar.order": set(),
     "solar.ownership": set(),
     "solar.permute": set(),
@@ -53,7 +54,7 @@ MAY_USE = {
     "solar.sampler": {"solar.options", "solar.schedule", "solar.passes", "solar.prefetch", "solar.cache",
                       "solar.collective", "solar.dist", "solar.shardplan", "solar.nodeshare", "solar.exchange"},
     "solar.loader": {"solar.sampler", "solar.options", "solar.memory", "solar.schedule", "solar.order", "solar.subset",
-                     "solar.views", "solar.dist", "solar.fetch"},
+                     "solar.views", "solar.dist", "solar.fetch", "solar.stats"},
     # consumers of the data path and of the tiers
     "solar.dali": {"solar.loader", "solar.dist"},
     "solar.checkpoint": {"solar.cache", "solar.fileio"},
