@@ -39,6 +39,8 @@ NOTE [ Resume ]
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 import warnings
 from typing import Any, TypeVar
 
@@ -52,6 +54,7 @@ from solar.memory import check_buffer_memory
 from solar.options import parse_buffer, parse_spill
 from solar.order import epoch_positions
 from solar.sampler import SolarBatchSampler, is_storage_backed
+from solar.stats import EpochMeter, EpochStats, StatsHistory
 from solar.subset import StoredSubset
 from solar.views import refresh, stored_concat, stored_subset
 
@@ -62,6 +65,8 @@ __all__ = ["DataLoader"]
 STATE_VERSION = 2
 _LOADABLE_VERSIONS = (1, 2)
 _END = object()
+#: ``log_stats=True`` logs each epoch's summary line here, at INFO
+_LOG = logging.getLogger("solar.loader")
 #: What the loader yields: solar.DataLoader[T] annotates and subclasses as torch's DataLoader[T] does.
 T_co = TypeVar("T_co", covariant=True)
 
@@ -78,14 +83,29 @@ DEFAULT_BUFFER = _DefaultBuffer("1GiB")
 class _TrackedIter:
     """Delegates to torch's iterator and counts the batches the consumer actually received."""
 
-    def __init__(self, it: Any, loader: "DataLoader") -> None:
+    def __init__(self, it: Any, loader: "DataLoader", meter: EpochMeter) -> None:
         self._it = it
         self._loader = loader
+        self._meter: EpochMeter | None = meter  # None once the epoch is recorded
+
+    def __next__(self) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._next()
+        except StopIteration:
+            meter, self._meter = self._meter, None
+            if meter is not None:
+                meter.wait += time.perf_counter() - t0
+                self._loader._record(meter)
+            raise
+        finally:
+            if self._meter is not None:
+                self._meter.wait += time.perf_counter() - t0
 
     def __iter__(self) -> "_TrackedIter":
         return self
 
-    def __next__(self) -> Any:
+    def _next(self) -> Any:
         try:
             batch = next(self._it)
         except StopIteration:
@@ -143,6 +163,10 @@ class DataLoader(tud.DataLoader[T_co]):
             mpi4py under mpirun, then ``RANK``/``WORLD_SIZE``, else 1), ``shuffle`` and ``seed``;
             the epoch advances by itself on every iteration unless :meth:`set_epoch` is called.
         seed: seed of that sampler (``distributed=True`` only).
+        log_stats: log each completed epoch's summary line (:meth:`solar.stats.EpochStats.summary`)
+            to the ``"solar.loader"`` logger at INFO (``logging.basicConfig(level=logging.INFO)``
+            shows it). Whether or not, :attr:`stats`, :attr:`stats_history` and :meth:`report`
+            give the per-epoch statistics (docs/loader.md, "Statistics per epoch").
     """
 
     def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
@@ -150,8 +174,10 @@ class DataLoader(tud.DataLoader[T_co]):
                  drop_last: bool = False, timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
                  generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True, buffer: Any = DEFAULT_BUFFER, prefetch: int = 8,
-                 spill: Any = None, distributed: bool = False, seed: int = 0) -> None:
+                 spill: Any = None, distributed: bool = False, seed: int = 0, log_stats: bool = False) -> None:
         self._auto_epoch = False
+        self._log_stats = bool(log_stats)
+        self._history = StatsHistory()
         if isinstance(dataset, (tud.Subset, tud.ConcatDataset)) and not is_storage_backed(dataset) and \
                 (batch_size is not None or batch_sampler is not None):
             # NOTE [ Subsets ] in solar/subset.py, NOTE [ Several files ] in solar/concat.py
@@ -231,8 +257,44 @@ class DataLoader(tud.DataLoader[T_co]):
         fn(epoch)
         self._epoch_set = True
 
+    # -- statistics -----------------------------------------------------------------------------
+    @property
+    def stats(self) -> EpochStats | None:
+        """The last completed epoch's :class:`solar.stats.EpochStats` (None before the first)."""
+        return self._history[-1] if self._history else None
+
+    @property
+    def stats_history(self) -> StatsHistory:
+        """Every completed epoch's :class:`solar.stats.EpochStats`, oldest first."""
+        return self._history
+
+    def report(self) -> None:
+        """Print a short table of :attr:`stats_history`, one row per completed epoch
+        (``loader.stats_history.report()`` returns it as a string)."""
+        print(self._history.report())
+
+    def _record(self, meter: EpochMeter) -> None:
+        """An iteration has returned its last batch: its epoch's record joins the history."""
+        record = meter.finish(self._progress["batches"] - meter.skipped, self._bound())
+        self._history = StatsHistory((*self._history, record))
+        if self._log_stats:
+            _LOG.info("solar.DataLoader %s", record.summary())
+
+    def _bound(self) -> float | None:
+        """The hit-rate limit ``min(1, P*C/N)`` of this geometry (``PlanConfig.bound``); None
+        when SOLAR does not drive the dataset."""
+        ss = self.solar_sampler
+        if ss is None or not len(self.dataset):
+            return None
+        if _zero(ss.buffer_spec):
+            return 0.0
+        if ss.mode == "schedule":
+            return ss.plan_config().bound
+        return min(1.0, ss.capacity(1, ss.batch_size or 1) / len(self.dataset))
+
     # -- iteration ------------------------------------------------------------------------------
     def __iter__(self):
+        meter = EpochMeter(self.dataset if self.solar_sampler is not None else None, 0)
         # advance by itself only if nobody chose the epoch since the last iteration started: not
         # loader.set_epoch, and not the torch idiom loader.sampler.set_epoch (which bypasses us)
         if self._auto_epoch and self._progress["started"] and not self._epoch_set \
@@ -280,7 +342,11 @@ class DataLoader(tud.DataLoader[T_co]):
         for _ in range(replay):
             if next(it, _END) is _END:
                 break
-        return _TrackedIter(it, self)
+        epoch = self._progress["epoch"]
+        meter.epoch = int(epoch) if epoch is not None else len(self._history)
+        meter.skipped = self._progress["batches"]  # a resumed passthrough epoch counts those before
+        meter.wait = time.perf_counter() - meter.start  # the wait for iter(loader) itself
+        return _TrackedIter(it, self, meter)
 
     def _batches_stay(self) -> bool:
         """Whether this iteration's batches may stay in this process while workers make them
