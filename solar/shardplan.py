@@ -54,7 +54,7 @@ from typing import Generator, NamedTuple, Protocol
 import numpy as np
 
 from solar.errors import ConfigError
-from solar.exchange import Post, post, reply
+from solar.exchange import Post, by_rank, post
 from solar.order import index_dtype, permutation_into
 from solar.permute import FeistelOrder
 from solar.schedule import PlanConfig, assign_pinned, grouped_accept, owner_of
@@ -67,6 +67,8 @@ _HIT, _KEEP = 1, 2  # assignment flags
 #: owner (a rebalancing drop, an eviction); released (no owner)
 _K_KEEP, _K_ADOPT, _K_DROP, _K_RELEASE = 1, 2, 3, 4
 _RESIDENT, _READ = 1, 2  # what a home tells an owner (its resident) or a reader (its plain read)
+_ASK, _NEXT = 1, 2  # to a home: a question (owner, resident?), or a next-epoch position
+_RESULT, _SEEN = 1, 2  # an assignment to its rank, or an occurrence (and keep) to its home
 
 
 class OrderSource(Protocol):
@@ -273,16 +275,37 @@ class ShardPlanner:
         """Records with one column per argument, in the plan's index dtype."""
         return np.stack([np.asarray(c).astype(self.dtype, copy=False) for c in cols], axis=1)
 
-    def _ask_homes(self, samples: np.ndarray):
-        """(owner, resident) of ``samples`` from their homes: two exchanges."""
-        asked = yield post(self._rows(samples), self._home(samples), self.config.world_size)
-        local = asked.rows[:, 0] - self.home_lo
-        back = yield reply(self._rows(self._own[local], self._res[local]), asked)
-        order = np.argsort(self._home(samples), kind="stable")  # as the homes answered
+    def _ask_homes(self, samples: np.ndarray, nxt: tuple | None = None):
+        """(owner, resident) of ``samples`` from their homes: two exchanges. ``nxt``: this rank's
+        share of the next epoch's order (samples, positions), delivered to the homes with the
+        questions; then each home's first next-epoch position of its samples comes back too."""
+        P = self.config.world_size
+        cols = [np.full(len(samples), _ASK), samples, np.zeros(len(samples), self.dtype)]
+        dest = self._home(samples)
+        if nxt is not None:
+            cols = [np.concatenate([a, b]) for a, b in zip(cols, (np.full(len(nxt[0]), _NEXT), *nxt))]
+            dest = np.concatenate([dest, self._home(nxt[0])])
+        asked = yield post(self._rows(*cols), dest, P)
+        del cols, dest
+        rows = asked.rows
+        ask = rows[:, 0] == _ASK
+        local = rows[ask, 1] - self.home_lo
+        source = np.repeat(np.arange(P), asked.counts)[ask]
+        answer = Post(self._rows(self._own[local], self._res[local]), np.bincount(source, minlength=P))
+        first_next = None
+        if nxt is not None:
+            first_next = np.full(len(self._own), -1, self.dtype)
+            later = rows[~ask]
+            # positions arrive ascending (by source, then as sent): the first occurrence wins
+            first_next[later[::-1, 1] - self.home_lo] = later[::-1, 2]
+            del later
+        del asked, rows, ask, local, source
+        back = yield answer
+        order = by_rank(self._home(samples), P)  # as the homes answered
         own = np.empty(len(samples), self._own.dtype)
         res = np.zeros(len(samples), bool)
         own[order], res[order] = back.rows[:, 0], back.rows[:, 1] != 0
-        return own, res
+        return own, res, first_next
 
     def _tell_homes(self, samples: np.ndarray, kind, rank=0):
         """Apply ``kind`` (``_K_*``, per sample or one for all) at the samples' homes: one exchange."""
@@ -315,26 +338,46 @@ class ShardPlanner:
         pos = np.arange(lo, hi, dtype=self.dtype)
         samples = self.samples_at(lay, pos)
         before = (self._own.copy(), self._res.copy(), self._held)
-        own, res = yield from self._ask_homes(samples)
+        nxt = None
+        if self._rebalancing:  # this rank's share of the next epoch's order, for its samples' homes
+            npos = np.arange(*self._share(c.epoch_length), dtype=self.dtype)
+            nxt = (self.order.perm_at(epoch + 1, npos % c.num_samples).astype(self.dtype, copy=False), npos)
+            del npos
+        own, res, first_next = yield from self._ask_homes(samples, nxt)
+        del nxt
         rank = np.full(len(pos), -1, own.dtype)
         flags = np.zeros(len(pos), np.uint8)
-        for i, (a, b) in enumerate(lay.parts(G)):
+        parts = lay.parts(G)
+        for i, (a, b) in enumerate(parts):
             s, e = (int(np.clip(x - lo, 0, len(pos))) for x in (a, b))
             if i:  # a later part sees the keeps of the earlier ones (repeats: NOTE [ Resumed tail ])
                 res[s:e] = (yield from self._ask_homes(samples[s:e]))[1]
             if e > s:
                 r, h, k = assign_pinned(samples[s:e], G, P, own[s:e], res[s:e])
                 rank[s:e], flags[s:e] = r, h * _HIT | k * _KEEP
-            yield from self._tell_homes(samples[s:e][(flags[s:e] & _KEEP) != 0], _K_KEEP)
+            if i < len(parts) - 1:  # (the last part's keeps travel with the assignment)
+                yield from self._tell_homes(samples[s:e][(flags[s:e] & _KEEP) != 0], _K_KEEP)
         del own, res
-        got = yield post(self._rows(pos, samples, flags), rank, P)
-        plan = RankPlan(lay, G, P, q, got.rows[:, 0].copy(), got.rows[:, 1].copy(), got.rows[:, 2].astype(np.uint8))
+        # each assignment to the rank it names, each occurrence (with its keep) to its home
+        n = len(pos)
+        cols = (np.repeat([_RESULT, _SEEN], n), np.concatenate([pos, samples]), np.concatenate([samples, pos]),
+                np.concatenate([flags, rank]), np.concatenate([np.zeros(n, np.uint8), flags]))
+        out = post(self._rows(*cols), np.concatenate([rank, self._home(samples)]), P)
+        del cols, pos, samples, rank, flags
+        got = yield out
+        del out
+        mine = got.rows[got.rows[:, 0] == _RESULT]
+        seen = got.rows[got.rows[:, 0] == _SEEN, 1:]  # (sample, position, rank, flags)
         del got  # (a view would keep the whole receive buffer)
+        self._res[seen[(seen[:, 3] & _KEEP) != 0, 0] - self.home_lo] = True
+        plan = RankPlan(lay, G, P, q, mine[:, 1].copy(), mine[:, 2].copy(), mine[:, 3].astype(np.uint8))
+        del mine
         plan.twins = self._twin_steps(lay)
         if self._rebalancing:
-            yield from self._rebalance(plan, samples, pos, rank, flags)
+            yield from self._rebalance(plan, seen, first_next)
+        del seen
         keep = (plan.flags & _KEEP) != 0
-        self._held = np.setdiff1d(np.union1d(before[2], plan.samples[keep]), plan.evict_sample).astype(self.dtype)
+        self._held = _held_after(before[2], plan.samples[keep], plan.evict_sample)
         changed = np.flatnonzero((before[0] != self._own) | (before[1] != self._res)).astype(self.dtype)
         self._undo = (plan, changed, before[0][changed], before[1][changed])
         plan.undo = before[2]
@@ -359,30 +402,20 @@ class ShardPlanner:
         np.maximum.at(out, at[same + 1] // G, (at[same] // G).astype(np.int64))
         return out
 
-    def _rebalance(self, plan: RankPlan, samples, pos, rank, flags):
-        """NOTE [ Rebalancing with the next epoch's order ], for this rank's (next step, rank) cells."""
-        c = self.config
-        P, N = c.world_size, c.num_samples
-        plain = (flags & (_HIT | _KEEP)) == 0
-        seen = yield post(self._rows(samples, pos, rank, plain), self._home(samples), P)
-        nlo, nhi = self._share(c.epoch_length)
-        npos = np.arange(nlo, nhi, dtype=self.dtype)
-        nsamples = self.order.perm_at(plan.epoch + 1, npos % N).astype(self.dtype, copy=False)
-        out = post(self._rows(nsamples, npos), self._home(nsamples), P)
-        del npos, nsamples
-        nxt = yield out
-        del out
-        answers = self._home_answers(seen.rows, nxt.rows)
-        del seen, nxt
+    def _rebalance(self, plan: RankPlan, seen: np.ndarray, first_next: np.ndarray):
+        """NOTE [ Rebalancing with the next epoch's order ], for this rank's (next step, rank) cells:
+        the homes answer the owners and readers (one exchange), the swaps go back (another)."""
+        answers = self._home_answers(seen, first_next)
         told = yield answers
         del answers
         moves = self._swap(plan, told.rows)
         del told
         yield from self._tell_homes(moves[0], moves[1], self.rank)
 
-    def _home_answers(self, seen: np.ndarray, nxt: np.ndarray) -> Post:
+    def _home_answers(self, seen: np.ndarray, first_next: np.ndarray) -> Post:
         """What this home tells each owner about its residents and each reader about its plain
-        reads of unowned samples: ``(kind, sample, next step, position this epoch)``."""
+        reads of unowned samples: ``(kind, sample, next step, position this epoch)``; ``seen``:
+        every occurrence of its samples this epoch (sample, position, rank, flags)."""
         G, n = self.config.global_batch, len(self._own)
         local = seen[:, 0] - self.home_lo
         once = np.bincount(local, minlength=n) == 1
@@ -391,12 +424,8 @@ class ShardPlanner:
         reader = np.full(n, -1, self.dtype)
         reader[local] = seen[:, 2]
         plain = np.zeros(n, bool)
-        plain[local] = seen[:, 3] != 0
-        first_next = np.full(n, -1, self.dtype)
-        nl = nxt[:, 0] - self.home_lo
-        first_next[nl[::-1]] = nxt[::-1, 1]  # positions arrive ascending: the first occurrence wins
+        plain[local] = (seen[:, 3] & (_HIT | _KEEP)) == 0
         next_step = np.where(first_next >= 0, first_next // G, -1).astype(self.dtype, copy=False)
-        del first_next
         res = np.flatnonzero(self._res & (next_step >= 0))
         read = np.flatnonzero(plain & once & (self._own < 0) & (next_step >= 0))
         at = np.concatenate([res, read])
@@ -463,9 +492,17 @@ class ShardPlanner:
         samples = np.concatenate([plan.samples[kept], plan.evict_sample[gone], plan.release_sample[released]])
         kinds = np.repeat([_K_ADOPT, _K_DROP, _K_RELEASE], [kept.sum(), gone.sum(), released.sum()])
         yield from self._tell_homes(samples.astype(self.dtype), kinds, self.rank)
-        held = np.union1d(plan.undo, plan.samples[kept])
-        self._held = np.setdiff1d(held, plan.evict_sample[gone]).astype(self.dtype)
+        self._held = _held_after(plan.undo, plan.samples[kept], plan.evict_sample[gone])
         plan.undo, self._undo = None, None
+
+
+def _held_after(held: np.ndarray, kept: np.ndarray, evicted: np.ndarray) -> np.ndarray:
+    """The sorted set ``held | kept - evicted`` (a sort of the C + keeps samples, no hashing)."""
+    out = np.concatenate([held, kept.astype(held.dtype, copy=False)])
+    out.sort()
+    if len(out):
+        out = out[np.concatenate([[True], out[1:] != out[:-1]])]
+    return out[~np.isin(out, evicted)] if len(evicted) else out
 
 
 def _give_back_freed_memory() -> None:
