@@ -81,7 +81,8 @@ DEFAULT_BUFFER = _DefaultBuffer("1GiB")
 
 
 class _TrackedIter:
-    """Delegates to torch's iterator and counts the batches the consumer actually received."""
+    """Delegates to torch's iterator, counts the batches the consumer actually received and
+    the time it waited for them, and records the epoch at its end (solar/stats.py)."""
 
     def __init__(self, it: Any, loader: "DataLoader", meter: EpochMeter) -> None:
         self._it = it
