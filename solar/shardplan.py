@@ -37,7 +37,10 @@ NOTE [ Sharded planning ]
     * **Rewind** (an early stop): the homes restore what the plan changed in their range, and
       each rank re-sends the keeps, evictions and releases of its executed steps.
 
-    Every exchange is collective: every rank makes the same ones in the same order, posting
+    Five exchanges per epoch (two more per part where padding repeats a sample): questions to
+    the homes, with the next epoch's positions; their answers; the assignments to their ranks,
+    with every occurrence and keep to its home; the homes' answers to owners and readers; the
+    swaps. Every exchange is collective: every rank makes the same ones in the same order, posting
     nothing where it has nothing. Under MPI they run on SOLAR's MPI thread (NOTE [ SOLAR's own
     MPI traffic ] in solar/dist.py), so a rank that dies aborts the job (NOTE [ Fail fast ]).
     In one process :func:`solar.exchange.run_together` runs every rank's code in lockstep and
