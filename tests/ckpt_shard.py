@@ -16,7 +16,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard as RowShard, distribute_tensor
 
@@ -65,6 +64,10 @@ def init_gloo(comm) -> None:
 
 
 def main() -> None:
+    # imported here: tests/test_checkpoint_job_shard.py imports globals_ from this file, and
+    # importing mpi4py.MPI would initialize MPI in the pytest process (test_cli checks it is not)
+    from mpi4py import MPI
+
     comm = MPI.COMM_WORLD
     mode, root = sys.argv[1], sys.argv[2]
     init_gloo(comm)
