@@ -46,6 +46,7 @@ from __future__ import annotations
 import operator
 import os
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -358,9 +359,11 @@ class H5Dataset(RowReads, Dataset):
                 out[spec.name] = val if self.device.type == "cpu" else val.to(self.device, non_blocking=True)
             else:
                 blobs, names = self._blobs(stored, spec)
+                t0 = time.perf_counter()
                 dec = decode_batch(blobs, device=self.device, names=names,
-                                                compile=self.decode_compile) if blobs else torch.empty(
+                                   compile=self.decode_compile) if blobs else torch.empty(
                     (0, *spec.sample_shape), dtype=torch_dtype(spec.dtype))
+                self.stats.decode_s += time.perf_counter() - t0
                 if not isinstance(dec, torch.Tensor) or tuple(dec.shape[1:]) != tuple(spec.sample_shape) \
                         or dec.dtype != torch_dtype(spec.dtype):  # (checked blob by blob only then)
                     for blob, name in zip(blobs, names or [None] * len(blobs)):

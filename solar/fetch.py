@@ -119,6 +119,7 @@ class FetchStats(TierStats):
     kept: int = 0
     steps: int = 0
     read_calls: int = 0  # storage requests (ranges after coalescing and sieving); bytes_in: bytes read
+    decode_s: float = 0.0  # seconds H5Dataset.decode spent in the codec, in this process
 
 
 @dataclass

@@ -295,7 +295,8 @@ class DataLoader(tud.DataLoader[T_co]):
 
     # -- iteration ------------------------------------------------------------------------------
     def __iter__(self):
-        meter = EpochMeter(self.dataset if self.solar_sampler is not None else None, 0)
+        meter = EpochMeter(self.dataset if self.solar_sampler is not None else None, 0,
+                           decode_here=self.num_workers == 0)
         # advance by itself only if nobody chose the epoch since the last iteration started: not
         # loader.set_epoch, and not the torch idiom loader.sampler.set_epoch (which bypasses us)
         if self._auto_epoch and self._progress["started"] and not self._epoch_set \

@@ -28,7 +28,8 @@ class EpochStats(NamedTuple):
     ``bound`` is the hit-rate limit of this geometry, ``min(1, P*C/N)`` (P ranks, C samples
     per rank buffer, N samples; ``solar.schedule.PlanConfig.bound``). Counters the loader
     cannot see are ``None``: all of them on a dataset that is not storage-backed (the loader
-    is then torch's), and ``decode_s`` where the dataset does not count decode time.
+    is then torch's), and ``decode_s`` where the dataset does not count decode time or workers
+    decode (``num_workers > 0``: the time is spent in their processes).
     """
 
     epoch: int  #: the sampler's epoch (``set_epoch``), else the count of this loader's earlier epochs
@@ -68,10 +69,11 @@ class EpochMeter:
     """One iteration being measured: counters taken at its start, wait time added by the
     iterator (two clock reads per batch, no per-sample work)."""
 
-    __slots__ = ("counters", "start", "wait", "epoch", "skipped", "_source")
+    __slots__ = ("counters", "start", "wait", "epoch", "skipped", "_source", "_decode_here")
 
-    def __init__(self, source: Any, epoch: int) -> None:
+    def __init__(self, source: Any, epoch: int, decode_here: bool = True) -> None:
         self._source = source  # the dataset whose ``stats`` count this loader's I/O, or None
+        self._decode_here = decode_here  # False: workers decode, so this process's counter misses it
         self.counters = _snapshot(source)
         self.start = time.perf_counter()
         self.wait = 0.0
@@ -83,6 +85,8 @@ class EpochMeter:
         now = _snapshot(self._source)
         diff = {k: None if now[k] is None or self.counters[k] is None else now[k] - self.counters[k]
                 for k in _COUNTERS}
+        if not self._decode_here:
+            diff["decode_s"] = None
         return EpochStats(epoch=self.epoch, batches=batches, bound=bound, wait_s=self.wait,
                           wall_s=time.perf_counter() - self.start, **diff)
 

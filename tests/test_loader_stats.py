@@ -174,3 +174,29 @@ def test_a_resumed_epoch_counts_the_batches_it_returned():
     b.load_state_dict(state)
     assert len(list(b)) == 3
     assert b.stats.batches == 3 and np.isfinite(b.stats.wait_s)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_decode_time_is_counted_where_this_process_decodes(tmp_path, workers):
+    """On a compressed file each epoch's decode time is the codec's time in this process (> 0,
+    within the epoch); with workers the decoding happens in their processes, so it is None
+    rather than a misleading 0. A raw file decodes nothing: 0."""
+    from solar.ingest import ingest
+    from solar.synthetic import write_ptycho_h5
+
+    raw, comp = str(tmp_path / "raw.h5"), str(tmp_path / "comp.h5")
+    write_ptycho_h5(raw, 48, 16, seed=1, progress=False)
+    ingest([raw], comp, rel_error=1e-2, comm=None, progress=False)
+    for path, compressed in ((comp, True), (raw, False)):
+        ds = solar.H5Dataset(path)
+        ld = solar.DataLoader(ds, batch_size=8, sampler=tud.DistributedSampler(ds, 1, 0, seed=0),
+                              num_workers=workers, buffer=0.5)
+        _epochs([ld], 2)
+        for rec in ld.stats_history:
+            if workers:
+                assert rec.decode_s is None
+            elif compressed:
+                assert 0 < rec.decode_s <= rec.wall_s
+            else:
+                assert rec.decode_s == 0
+        assert ("decode" in ld.stats.summary()) == (workers == 0)
