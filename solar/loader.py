@@ -159,6 +159,8 @@ class DataLoader(tud.DataLoader[T_co]):
         spill: ``(directory, size)`` on node-local disk (``("/local/nvme/solar", "100GiB")``):
             the buffer keeps ``buffer=`` bytes in memory and up to ``size`` more in files there,
             and the schedule plans for both (``buffer=`` must then be bytes). Default ``None``.
+            ``{"tier": name, "dir": ..., "size": ...}`` keeps the files in another registered
+            cache tier (``"disk"``, ``"fsspec"``: :func:`solar.options.parse_spill`).
         distributed: when True and no sampler is given, shard with a ``DistributedSampler`` whose
             rank and world size come from ``solar.dist.get_dist_info()`` (torch.distributed, then
             mpi4py under mpirun, then ``RANK``/``WORLD_SIZE``, else 1), ``shuffle`` and ``seed``;
