@@ -219,3 +219,34 @@ def test_one_ranks_view_without_mpirun_is_refused_when_every_share_would_not_fit
     rc = main(["plan", "--samples", "10000000", "--world-size", "4096", "--batch-size", "32", "--buffer", "1220",
                "--rank", "5", "--json"])
     assert rc == 2 and "GiB of memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("buffer, extra, capacity", [
+    ("500", [], 500), ("0.5", [], 1250),
+    ("40KiB", ["--sample-bytes", "64"], 640), ("1MB", ["--sample-bytes", "64"], 2500),
+])
+def test_buffer_takes_the_loaders_forms(capsys, buffer, extra, capacity):
+    """--buffer is samples per rank, a fraction of the dataset over the ranks, or bytes per rank
+    with --sample-bytes, counted as solar.DataLoader counts them (capped at a rank's share)."""
+    rc = main(["plan", "--samples", "10000", "--world-size", "4", "--batch-size", "8", "--epochs", "2",
+               "--buffer", buffer, *extra, "--json"])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["buffer"] == capacity
+
+
+@pytest.mark.parametrize("buffer, match", [
+    ("40KiB", "--buffer 40KiB is bytes per rank; give --sample-bytes B"),
+    ("1.5", "as a float is a fraction of the dataset and must be in [0, 1]"),
+    ("lots", "buffer='lots' is not understood"),
+])
+def test_buffer_forms_that_cannot_be_planned_are_refused(capsys, buffer, match):
+    rc = main(["plan", "--samples", "100", "--batch-size", "4", "--buffer", buffer])
+    assert rc == 2 and match in capsys.readouterr().err
+
+
+def test_plot_and_dump_say_where_they_wrote(capsys, tmp_path):
+    png, dump = tmp_path / "hits.png", tmp_path / "plan.json"
+    rc = main(["plan", "--samples", "100", "--batch-size", "4", "--buffer", "0.5", "--plot", str(png),
+               "--dump", str(dump)])
+    err = capsys.readouterr().err
+    assert rc == 0 and f"wrote --plot {png}" in err and f"wrote --dump {dump}" in err

@@ -22,6 +22,7 @@ from solar.cli.plan_rank import rank_view, simulated_ranks
 from solar.errors import ConfigError
 from solar.fileio import write_atomic, write_text_atomic
 from solar.memory import available_memory
+from solar.options import parse_buffer
 from solar.schedule import POLICIES, PlanConfig, Planner
 from solar.testing.baselines import BaselinePlanner
 
@@ -43,7 +44,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=3, help="E, epochs to plan (default 3)")
     parser.add_argument("--world-size", type=int, default=1, help="P, number of ranks (default 1)")
     parser.add_argument("--batch-size", type=int, required=True, help="b, samples per rank per step")
-    parser.add_argument("--buffer", type=int, required=True, help="C, samples each rank's buffer keeps")
+    parser.add_argument("--buffer", required=True,
+                        help="each rank's buffer, in solar.DataLoader's forms: samples per rank (800), a fraction "
+                             "of the dataset over all ranks (0.5), or bytes per rank ('40MiB', with --sample-bytes)")
+    parser.add_argument("--sample-bytes", type=int, metavar="B",
+                        help="bytes of one sample (all fields), to turn a --buffer in bytes into samples")
     parser.add_argument("--seed", type=int, default=0, help="DistributedSampler seed (default 0)")
     parser.add_argument("--policy", choices=POLICIES, default="solar",
                         help="solar (pinned + remap), or the baselines lru (per-rank LRU) and fifo "
@@ -176,8 +181,31 @@ def check_memory(args: argparse.Namespace, cfg) -> None:
                       f"{', or '.join(fixes)}")
 
 
+def buffer_capacity(args: argparse.Namespace) -> int:
+    """C, samples per rank, from ``--buffer`` in the loader's forms (``parse_buffer``), counted as
+    ``SolarBatchSampler.capacity`` counts them for samples of ``--sample-bytes`` each."""
+    text = str(args.buffer).strip()
+    try:
+        return int(text)  # samples per rank, as given: PlanConfig checks the range
+    except ValueError:
+        pass
+    try:
+        value: object = float(text)
+    except ValueError:
+        value = text
+    spec = parse_buffer(value)
+    n, P = args.samples, max(1, args.world_size)
+    if spec.fraction is not None:
+        return int(spec.fraction * n // P)
+    if not args.sample_bytes or args.sample_bytes < 1:
+        raise ConfigError(f"--buffer {text} is bytes per rank; give --sample-bytes B (one sample's bytes over all "
+                          "fields) to turn it into samples, or pass samples (800) or a fraction (0.5)")
+    return int(min(-(-n // P), spec.nbytes // args.sample_bytes))
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        args.buffer = buffer_capacity(args)
         if args.epochs < 1:
             raise ConfigError(f"--epochs must be >= 1, got {args.epochs}")
         if args.dump and args.samples * args.epochs > MAX_DUMP_ACCESSES:
@@ -212,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
     for option, path, write in outputs:
         try:
             write(path)
+            print(f"solar plan: wrote {option} {os.path.abspath(path)}", file=sys.stderr)
         except OSError as exc:  # checked above, so: disk full, permissions changed, an I/O error
             print(f"solar plan: cannot write {option} {path} ({exc.strerror or exc}); check free space and "
                   f"permissions there; {path} was not written", file=sys.stderr)
