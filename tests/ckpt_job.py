@@ -20,7 +20,6 @@ import signal
 import sys
 
 import torch
-from mpi4py import MPI
 
 from solar.checkpoint import CheckpointWriter, list_versions
 
@@ -46,6 +45,10 @@ def _next_step(comm, root: str) -> int:
 
 
 def main() -> None:
+    # imported here: tests/test_checkpoint_job_crash.py imports make_state from this file, and
+    # importing mpi4py.MPI would initialize MPI in the pytest process (test_cli checks it is not)
+    from mpi4py import MPI
+
     comm = MPI.COMM_WORLD
     root, mode = sys.argv[1], sys.argv[2]
     print(f"pid {comm.rank} {os.getpid()}", flush=True)
