@@ -34,6 +34,16 @@ class BufferSpec:
     nbytes: int | None = None
     fraction: float | None = None
 
+    def per_rank(self, num_samples: int, world_size: int) -> int | None:
+        """Samples each of ``world_size`` ranks keeps of ``num_samples``, for a spec in samples
+        (capped at a rank's share) or a fraction; ``None`` for bytes, whose count depends on the
+        samples' sizes (``solar.ownership.capacity_for_bytes``)."""
+        if self.samples is not None:
+            return min(self.samples, -(-num_samples // world_size))
+        if self.fraction is not None:
+            return int(self.fraction * num_samples // world_size)
+        return None
+
 
 def parse_buffer(value: Any) -> BufferSpec:
     """``int`` samples per rank, ``"2GiB"``/``"500MB"`` bytes per rank, or a float fraction in (0, 1]

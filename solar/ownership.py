@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["owner_of", "capacity_for_bytes"]
+__all__ = ["owner_of", "capacity_for_bytes", "capacity_for_uniform"]
 
 
 def owner_of(indices: np.ndarray, world_size: int, batch_size: int, capacity: int) -> np.ndarray:
@@ -36,6 +36,12 @@ def owner_of(indices: np.ndarray, world_size: int, batch_size: int, capacity: in
     return own
 
 
+def capacity_for_uniform(num_samples: int, sample_bytes: int, budget: int, world_size: int) -> int:
+    """:func:`capacity_for_bytes` when every one of ``num_samples`` samples is ``sample_bytes``
+    (raw fields): ``budget`` bytes hold that many, capped at a rank's share."""
+    return int(min(-(-num_samples // world_size), budget // max(1, sample_bytes)))
+
+
 def capacity_for_bytes(sizes: np.ndarray, budget: int, world_size: int, batch_size: int) -> int:
     """Largest per-rank capacity ``C`` (samples) whose owned samples fit ``budget`` bytes on every rank.
 
@@ -45,7 +51,7 @@ def capacity_for_bytes(sizes: np.ndarray, budget: int, world_size: int, batch_si
     sizes = np.asarray(sizes, dtype=np.int64)
     n = len(sizes)
     if n and sizes.min() == sizes.max():  # raw fields: every sample costs the same
-        return int(min(-(-n // world_size), budget // max(1, int(sizes[0]))))
+        return capacity_for_uniform(n, int(sizes[0]), budget, world_size)
 
     P, b = world_size, batch_size
     prefix = np.concatenate([[0], np.cumsum(sizes)])  # int64: exact sums

@@ -183,10 +183,8 @@ class SolarBatchSampler(BatchSampler):
     def capacity(self, world_size: int, batch_size: int) -> int:
         """Samples each rank's buffer may keep, from the ``buffer=`` option."""
         spec, n = self.buffer_spec, len(self.dataset)
-        if spec.samples is not None:
-            return min(spec.samples, -(-n // world_size))
-        if spec.fraction is not None:
-            return int(spec.fraction * n // world_size)
+        if spec.nbytes is None:
+            return spec.per_rank(n, world_size)
         key = (n, world_size, batch_size)
         if key not in self._capacities:
             sizes, budget = self.dataset.sample_nbytes(), spec.nbytes

@@ -23,6 +23,7 @@ from solar.errors import ConfigError
 from solar.fileio import write_atomic, write_text_atomic
 from solar.memory import available_memory
 from solar.options import parse_buffer
+from solar.ownership import capacity_for_uniform
 from solar.schedule import POLICIES, PlanConfig, Planner
 from solar.testing.baselines import BaselinePlanner
 
@@ -195,12 +196,12 @@ def buffer_capacity(args: argparse.Namespace) -> int:
         value = text
     spec = parse_buffer(value)
     n, P = args.samples, max(1, args.world_size)
-    if spec.fraction is not None:
-        return int(spec.fraction * n // P)
+    if spec.nbytes is None:
+        return spec.per_rank(n, P)
     if not args.sample_bytes or args.sample_bytes < 1:
         raise ConfigError(f"--buffer {text} is bytes per rank; give --sample-bytes B (one sample's bytes over all "
                           "fields) to turn it into samples, or pass samples (800) or a fraction (0.5)")
-    return int(min(-(-n // P), spec.nbytes // args.sample_bytes))
+    return capacity_for_uniform(n, args.sample_bytes, spec.nbytes, P)
 
 
 def run(args: argparse.Namespace) -> int:
