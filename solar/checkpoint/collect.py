@@ -1,5 +1,9 @@
 """Garbage collection: drop old versions and every chunk no kept version references.
 
+Chunks stored as deltas live as long as a kept version reads them, and so do their bases (the delta
+tables of kept manifests list every base, bases of bases included), whether or not a kept version
+uses the base itself.
+
 Order matters for crash safety: manifests go first, chunks after, so a ``gc`` killed half-way can
 leave unreferenced chunks behind (the next ``gc`` removes them) but never a manifest whose chunks
 are gone. A referenced chunk is never deleted.
@@ -11,7 +15,9 @@ from dataclasses import dataclass, field
 
 from solar.errors import ConfigError
 
+from .deltastore import delete_delta, delta_keys
 from .jobstore import JobStore, is_job_root
+from .manifest import Manifest
 from .pack import delete_pack, located, pack_names, packs_of
 from .store import CheckpointStore, referenced
 
@@ -56,7 +62,7 @@ def collect(store: CheckpointStore, keep_last: int | None = None, *, dry_run: bo
     report = GcReport(kept=[m.step for m in keep])
     report.removed_versions = [m.step for m in manifests if m.step not in set(report.kept)]
     report.removed_torn = [s for s in store.steps() if s not in valid]
-    live = referenced(keep)
+    live = referenced(keep) | chained(keep)
     report.kept_chunks = len(live)
     if not dry_run:
         for step in report.removed_versions + report.removed_torn:
@@ -66,8 +72,9 @@ def collect(store: CheckpointStore, keep_last: int | None = None, *, dry_run: bo
     report.locations = located(keep)
     _sweep_packs(store, packs_of(keep), packs_of(dropped), report, dry_run, full_sweep)
     packed = located(dropped)
-    candidates = list(store.chunk_digests()) if full_sweep else sorted(d for d in referenced(dropped)
+    candidates = list(store.chunk_digests()) if full_sweep else sorted(d for d in referenced(dropped) | chained(dropped)
                                                                          if d not in packed)
+    _sweep_deltas(store, keep, dropped, dry_run, full_sweep)
     if full_sweep and not dry_run:
         for digest in store.damaged_digests() - live:  # no kept version needs that chunk any more
             store.clear_damaged(digest)
@@ -77,6 +84,29 @@ def collect(store: CheckpointStore, keep_last: int | None = None, *, dry_run: bo
             if not dry_run:
                 store.delete_chunk(digest)
     return report
+
+
+def chained(manifests: list[Manifest]) -> set[bytes]:
+    """The chunks the given versions' delta tables name: each delta's target and base."""
+    out: set[bytes] = set()
+    for m in manifests:
+        for d, ref in m.deltas.items():
+            out.add(d)
+            out.add(ref.base)
+    return out
+
+
+def _sweep_deltas(store: CheckpointStore, keep: list[Manifest], dropped: list[Manifest], dry_run: bool,
+                  full_sweep: bool) -> None:
+    """Delete the delta objects no kept version reads: of the dropped versions', or every one stored."""
+    live = {(d, ref.base) for m in keep for d, ref in m.deltas.items()}
+    if full_sweep:
+        candidates = set(delta_keys(store))
+    else:
+        candidates = {(d, ref.base) for m in dropped for d, ref in m.deltas.items()}
+    if not dry_run:
+        for target, base in sorted(candidates - live):
+            delete_delta(store, target, base)
 
 
 def _sweep_packs(store: CheckpointStore, live: set[str], dropped: set[str], report: GcReport, dry_run: bool,
@@ -134,6 +164,8 @@ def collect_job(jobs: JobStore, keep_last: int | None = None, *, dry_run: bool =
         candidates |= jobs.referenced(jm)
     kept_parts = [jobs.part(jm, r) for jm in keep for r in range(jm.world_size)]
     dropped_parts = [jobs.part(jm, r) for jm in dropped for r in range(jm.world_size)]
+    live |= chained(kept_parts)
+    candidates |= chained(dropped_parts)
     report.locations = located(kept_parts)
     candidates -= set(located(dropped_parts))
     report.kept_chunks = len(live)
@@ -147,6 +179,7 @@ def collect_job(jobs: JobStore, keep_last: int | None = None, *, dry_run: bool =
             for rank in parts[step]:
                 jobs.delete_part(step, rank)
     _sweep_packs(store, packs_of(kept_parts), packs_of(dropped_parts), report, dry_run, full_sweep)
+    _sweep_deltas(store, kept_parts, dropped_parts, dry_run, full_sweep)
     if full_sweep:
         candidates = set(store.chunk_digests())
         if not dry_run:

@@ -5,6 +5,12 @@ Binary layout (``solar-ckpt/1``), little-endian::
     MAGIC (16 B) | header length (u64) | JSON header | chunk digests (n x 16 B)
         | xxh3-128 of all before (16 B) | END (8 B)
 
+A manifest some of whose chunks are stored as deltas (:mod:`.delta`) has the format
+``solar-ckpt/2`` and ``features: ["deltas"]``, and a ``deltas`` table (target digest -> base
+digest, chain depth, delta bytes) covering every delta it reads, bases of bases included; a reader
+of ``solar-ckpt/1`` only refuses it by its format instead of reading a delta as a missing chunk.
+Every other manifest keeps the ``solar-ckpt/1`` bytes.
+
 The JSON header holds the step, hash name, chunk size, the state dict's skeleton, the tensor table
 (safetensors-style ``dtype``/``shape`` plus blob, byte offset and strides), the blob table (bytes,
 first digest row, chunk count, Merkle root) and write statistics. Digests are a raw array, not JSON,
@@ -29,9 +35,16 @@ from solar.errors import CorruptDataError
 from .chunking import DIGEST_SIZE, HASHES, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, chunk_count
 from .flatten import DTYPES, TensorRef
 
-__all__ = ["FORMAT", "Manifest", "BlobEntry", "Location", "encode", "decode", "seal", "unseal"]
+__all__ = ["FORMAT", "FORMAT_DELTAS", "FEATURES", "Manifest", "BlobEntry", "Location", "DeltaRef", "encode", "decode",
+           "seal", "unseal", "MAX_CHAIN"]
 
 FORMAT = "solar-ckpt/1"
+#: the format of a manifest that reads chunks through deltas
+FORMAT_DELTAS = "solar-ckpt/2"
+#: the extensions this SOLAR reads (a manifest naming another is refused, not misread)
+FEATURES = frozenset({"deltas"})
+#: the longest delta chain a manifest may declare (a writer's ``max_chain`` is at most this)
+MAX_CHAIN = 64
 MAGIC = b"SOLAR-CKPT\x00v1\x00\x00\x00"
 END = b"SOLAREND"
 assert len(MAGIC) == 16
@@ -43,6 +56,15 @@ class Location(NamedTuple):
     pack: str
     offset: int
     length: int
+
+
+class DeltaRef(NamedTuple):
+    """How a chunk stored as a delta is rebuilt: apply the delta object (``nbytes`` long) to chunk
+    ``base``, itself whole (``depth`` 1) or a delta of depth ``depth - 1``."""
+
+    base: bytes
+    depth: int
+    nbytes: int
 
 
 @dataclass
@@ -75,6 +97,8 @@ class Manifest:
     meta: dict = field(default_factory=dict)
     # chunks that live in pack files (digest -> where); every other chunk is a file of its own
     locations: dict[bytes, Location] = field(default_factory=dict)
+    # chunks stored as deltas (target digest -> how), bases of bases included
+    deltas: dict[bytes, DeltaRef] = field(default_factory=dict)
 
     def blob_digests(self, i: int) -> np.ndarray:
         b = self.blobs[i]
@@ -94,7 +118,7 @@ class Manifest:
 
 def encode(m: Manifest) -> bytes:
     header = {
-        "format": FORMAT,
+        "format": FORMAT_DELTAS if m.deltas else FORMAT,
         "step": m.step,
         "hash": m.hash,
         "chunk_size": m.chunk_size,
@@ -109,6 +133,9 @@ def encode(m: Manifest) -> bytes:
     }
     if m.locations:  # only then: manifests of unpacked saves keep their exact bytes
         header["locations"] = {d.hex(): list(loc) for d, loc in sorted(m.locations.items())}
+    if m.deltas:
+        header["features"] = ["deltas"]
+        header["deltas"] = {d.hex(): [r.base.hex(), r.depth, r.nbytes] for d, r in sorted(m.deltas.items())}
     head = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     digests = np.ascontiguousarray(m.digests, dtype=np.uint8).reshape(-1, DIGEST_SIZE)
     return seal(b"".join([MAGIC, struct.pack("<Q", len(head)), head, digests.tobytes()]))
@@ -154,9 +181,13 @@ def decode(data: bytes, where: str = "manifest") -> Manifest:
         h = json.loads(bytes(body[24:24 + hlen]))
     except (ValueError, RecursionError) as exc:
         raise CorruptDataError(f"{where} has an unreadable header: {exc}") from exc
-    if not isinstance(h, dict) or h.get("format") != FORMAT:
+    if not isinstance(h, dict) or h.get("format") not in (FORMAT, FORMAT_DELTAS):
         got = h.get("format") if isinstance(h, dict) else None
-        raise CorruptDataError(f"{where} has format {got!r:.80}; this SOLAR reads {FORMAT}")
+        raise CorruptDataError(f"{where} has format {got!r:.80}; this SOLAR reads {FORMAT} and {FORMAT_DELTAS}")
+    features = h.get("features", [])
+    if not isinstance(features, list) or not set(map(str, features)) <= FEATURES:
+        raise CorruptDataError(f"{where} uses features {features!r:.80}, which this SOLAR cannot read "
+                               f"(it reads {sorted(FEATURES)}); upgrade SOLAR to load it")
     raw = body[24 + hlen:]
     if len(raw) % DIGEST_SIZE:
         raise CorruptDataError(f"{where} has a digest table of {len(raw)} B, not a multiple of {DIGEST_SIZE}")
@@ -167,7 +198,35 @@ def decode(data: bytes, where: str = "manifest") -> Manifest:
         tensors=[TensorRef(**t) for t in h["tensors"]], blobs=[BlobEntry(**b) for b in h["blobs"]],
         digests=digests, root=h["root"], created=h["created"], parent=h["parent"], stats=h["stats"],
         meta=h.get("meta", {}), locations=_locations(h.get("locations", {}), where),
+        deltas=_deltas(h, where),
     )
+
+
+def _deltas(h: dict, where: str) -> dict[bytes, DeltaRef]:
+    """The header's delta table, checked: each base is whole (depth 1) or a delta one shorter, so
+    a chain ends, at most :data:`MAX_CHAIN` long, and no delta is larger than the chunk size."""
+    raw = h.get("deltas", {})
+    if raw and (h["format"] != FORMAT_DELTAS or "deltas" not in h.get("features", [])):
+        raise CorruptDataError(f"{where} is invalid: it has a delta table without format {FORMAT_DELTAS} and the "
+                               "'deltas' feature. The root is damaged or was crafted; do not use this version")
+    try:
+        out = {}
+        for k, (base, depth, nbytes) in raw.items():
+            if not (_is_int(depth) and 1 <= depth <= MAX_CHAIN and _is_int(nbytes)
+                    and 0 < nbytes <= h["chunk_size"]):
+                raise ValueError(f"entry of chunk {k!r:.40} is {[base, depth, nbytes]!r:.120}")
+            out[bytes.fromhex(k)] = DeltaRef(bytes.fromhex(base), depth, nbytes)
+        for d, r in out.items():
+            if len(d) != 16 or len(r.base) != 16:
+                raise ValueError(f"entry of chunk {d.hex()} names digests that are not 16 B")
+            below = out.get(r.base)
+            if (below.depth if below is not None else 0) != r.depth - 1:
+                raise ValueError(f"chunk {d.hex()} has depth {r.depth} over base {r.base.hex()} of depth "
+                                 f"{below.depth if below is not None else 0}")
+        return out
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise CorruptDataError(f"{where} is invalid: 'deltas' {exc}. The root is damaged or was crafted; do not use "
+                               "this version") from None
 
 
 def _locations(raw: Any, where: str) -> dict[bytes, Location]:

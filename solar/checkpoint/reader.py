@@ -1,5 +1,7 @@
-"""Restore any version straight from its manifest and the chunk store (no increment chains).
+"""Restore any version straight from its manifest and the chunk store.
 
+A chunk stored as a delta (``deltas=True`` writers) is rebuilt from its base through a chain of at
+most ``max_chain`` deltas (:mod:`.deltastore`); every other chunk is read as it is stored.
 Every chunk is re-hashed as it is read, so :func:`load` never returns corrupt data: a flipped byte
 raises :class:`~solar.errors.CorruptDataError` naming the chunk and the tensors it touches.
 
@@ -24,6 +26,7 @@ from solar.errors import CheckpointError, CorruptDataError
 
 from .chunking import chunk_spans, hasher
 from .comm import plain_comm
+from .deltastore import ChunkReadError, rebuild
 from .errors import CheckpointVersionRemovedError
 from .flatten import materialize, unflatten
 from .jobstore import JobManifest, JobStore, is_job_root
@@ -245,6 +248,12 @@ class Reader:
             d = digests[j].tobytes()
             a, e = spans[j]
             out = view[a - start:e - start]
+            if m.deltas and d in m.deltas:  # rebuilt through its chain, every piece checked
+                try:
+                    self.bytes_read += rebuild(self.store, m, d, out, self._digest)
+                except ChunkReadError as exc:
+                    raise self._chunk_error(i, d, exc.what) from None
+                continue
             try:
                 loc = m.locations.get(d) if m.locations else None
                 n = read_packed(self.store, d, loc, out) if loc else self.store.read_chunk_into(d, out)

@@ -24,6 +24,7 @@ from solar.errors import CorruptDataError
 
 from . import merkle
 from .chunking import chunk_spans, hasher
+from .deltastore import ChunkReadError, rebuild
 from .errors import CheckpointVersionRemovedError
 from .jobstore import JobStore, is_job_root
 from .manifest import Location, Manifest
@@ -99,6 +100,7 @@ class _Chunk(NamedTuple):
     uses: list[tuple[int, list[str]]]  # (step, names of the tensors of the blob holding it)
     hash: str
     loc: Location | None  # where a packed chunk lives
+    chain: Manifest | None = None  # a version reading the chunk through deltas (rebuilt, bases checked)
 
 
 def _job_manifests(store: CheckpointStore, step: int | None, report: VerifyReport) -> tuple[list, list, Callable]:
@@ -168,8 +170,15 @@ def _verify(store: CheckpointStore, step: int | None, progress: bool) -> VerifyR
     gone: set[int] = set()  # versions found removed (retention) while their chunks were checked
     view = memoryview(bytearray(max((c.size for c in chunks.values()), default=0)))
     fns = {h: hasher(h) for h in {c.hash for c in chunks.values()}}
-    for d, (size, uses, hname, loc) in chunks.items():
-        detail = _chunk_problem(store, d, size, view, fns[hname], loc)
+    for d, (size, uses, hname, loc, chain) in chunks.items():
+        if chain is not None:
+            try:
+                rebuild(store, chain, d, view[:size], fns[hname])
+                detail = None
+            except ChunkReadError as exc:
+                detail = exc.what
+        else:
+            detail = _chunk_problem(store, d, size, view, fns[hname], loc)
         report.chunks_checked += 1
         report.bytes_checked += size
         if bar is not None:
@@ -212,7 +221,8 @@ def _check_trees(manifests: list[Manifest], report: VerifyReport) -> dict[bytes,
             names = m.tensors_of_blob(i)
             for j, (a, e) in enumerate(chunk_spans(b.nbytes, m.chunk_size)):
                 d = rows[j].tobytes()
-                chunks.setdefault(d, _Chunk(e - a, [], m.hash, m.locations.get(d))).uses.append((m.step, names))
+                chain = m if d in m.deltas else None
+                chunks.setdefault(d, _Chunk(e - a, [], m.hash, m.locations.get(d), chain)).uses.append((m.step, names))
     return chunks
 
 

@@ -30,6 +30,7 @@ from solar.errors import CheckpointError, ConfigError
 from . import merkle
 from .chunking import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, chunk_spans, hash_chunks, hasher
 from .collect import collect
+from .deltasave import DEFAULT_MAX_CHAIN, DeltaSaver
 from .flatten import Flat, flatten
 from .host import HostPool
 from .jobstore import is_job_root
@@ -126,6 +127,10 @@ class CheckpointWriter:
         durable: fsync every chunk and manifest of a local root before the next step of the commit
             (default). ``False`` keeps every write atomic against killed processes but not against
             power loss; it saves the fsync time.
+        deltas: store a changed chunk as a delta against the previous save's chunk at the same
+            place when that is smaller (:mod:`.deltasave`; keeps a host copy of the last save).
+        max_chain: with ``deltas``, the most deltas a chunk is rebuilt through before it is
+            written whole again.
 
     Raises:
         CheckpointLockedError: another writer holds ``root`` (or ``staging``).
@@ -151,10 +156,14 @@ class CheckpointWriter:
         durable: bool = True,
         comm: Any = None,
         pack: bool = False,
+        deltas: bool = False,
+        max_chain: int = DEFAULT_MAX_CHAIN,
     ) -> None:
         self._check_args(chunk_size, keep_last, max_in_flight)
         if pack and staging is not None:
             raise ConfigError("pack=True and staging= cannot be combined yet; leave one out")
+        if deltas and staging is not None:
+            raise ConfigError("deltas=True and staging= cannot be combined yet; leave one out")
         self.pack = pack
         self.chunk_size = int(chunk_size)
         self.keep_last = keep_last
@@ -173,6 +182,8 @@ class CheckpointWriter:
             self._main.lock.release()
             raise
         self.root = self._main.store.root
+        self._deltas = (DeltaSaver(self.chunk_size, max_chain, self._main.store.valid_manifests(warn=False))
+                        if deltas else None)
         first = self._stage or self._main
         latest = first.store.latest()
         self._prev_step = latest.step if latest else None
@@ -358,7 +369,11 @@ class CheckpointWriter:
             manifest_bytes = sink.store.put_manifest(m)
         except BaseException:
             self._drop_orphans(sink, out.digests)
+            if self._deltas is not None:
+                self._deltas.abort(sink.store)
             raise
+        if self._deltas is not None:
+            self._deltas.committed()
         sink.add_known(out.digests)
         sink.locations.update(out.locations)
         self._prev_trees, self._prev_step = out.trees, step
@@ -370,6 +385,8 @@ class CheckpointWriter:
             protect = frozenset(self._undrained | {step})
         # gc runs here, in the one thread that writes this sink, so it never races a dedup decision
         sink.gc(self.keep_last, protect)
+        if self._deltas is not None and self.keep_last is not None:
+            self._deltas.retain(sink.known | sink.damaged)
         return SaveResult(step=step, logical_bytes=m.logical_bytes, bytes_written=out.bytes_written,
                           chunks_total=m.nchunks, chunks_written=out.chunks_written,
                           chunks_unchanged=out.chunks_unchanged, manifest_bytes=manifest_bytes,
@@ -377,9 +394,10 @@ class CheckpointWriter:
                           root=sink.store.root, chunks_rewritten=out.chunks_rewritten)
 
     def _plan(self, sink: _Sink, flat: Flat, host: list[np.ndarray],
-              on_new: Callable[[bytes, memoryview], None] | None = None) -> _Plan:
+              on_new: Callable[[bytes, memoryview, str, int], None] | None = None) -> _Plan:
         """Hash every blob, diff its Merkle tree against the previous version's, and find the chunks
-        the store is not known to hold (``on_new`` is called once for each, as it is found)."""
+        the store is not known to hold (``on_new(digest, bytes, blob name, chunk index)`` is called
+        once for each, as it is found)."""
         cs, digest = self.chunk_size, self._digest
         entries, all_digests, new_trees, roots = [], [], {}, []
         new: dict[bytes, memoryview] = {}
@@ -412,7 +430,7 @@ class CheckpointWriter:
                 a, e = spans[j]
                 new[d] = view[a:e]
                 if on_new is not None:
-                    on_new(d, new[d])
+                    on_new(d, new[d], name, j)
             root = merkle.root(levels)
             roots.append(root)
             entries.append(BlobEntry(blob.nbytes, first, len(leaves), root.hex(), blob.device))
@@ -444,23 +462,32 @@ class CheckpointWriter:
         pending: dict[bytes, Future] = {}
         small: dict[bytes, memoryview] = {}
 
-        def put(d: bytes, view: memoryview) -> None:  # written while the next blobs are hashed
+        def put(d: bytes, view: memoryview, name: str, j: int) -> None:  # written while the next blobs are hashed
             if self.pack and view.nbytes < self.chunk_size:
                 small[d] = view  # into this save's pack, once every blob is hashed
+            elif self._deltas is not None:
+                pending[d] = self._io.submit(self._deltas.put, sink, d, view, name, j)
             else:
                 pending[d] = self._io.submit(sink.store.put_chunk, d, view)
 
+        if self._deltas is not None:
+            self._deltas.begin(flat)
         plan = self._plan(sink, flat, host, put)
         packed = self._io.submit(write_pack, sink.store, sorted(small.items()))
         wait_futures([*pending.values(), packed])
         failed = [f.exception() for f in [*pending.values(), packed] if f.exception() is not None]
         if failed:
             self._drop_orphans(sink, [d for d, f in pending.items() if f.exception() is None])
+            if self._deltas is not None:
+                self._deltas.abort(sink.store)
             raise failed[0]
         locs, pack_bytes = packed.result()
         written = sum(f.result() for f in pending.values()) + pack_bytes
         nwritten = len(pending) + len(small)
         m = self._manifest(flat, plan, step, meta, written, nwritten, locate(plan.digests, sink.locations, locs))
+        if self._deltas is not None:
+            self._deltas.written(flat, host, plan.digests)
+            self._deltas.annotate(m, {**sink.locations, **locs})
         return _Written(m, written, nwritten, plan.unchanged, len(plan.rewritten), plan.trees,
                         set(pending) | set(small), locs)
 

@@ -1,0 +1,198 @@
+"""Deltas of one chunk against an older chunk: finding what changed, encoding it, applying it.
+
+A chunk that changed since the previous version is usually changed in a few elements only (bf16
+weights in fine-tuning: about 1% per step, at random positions), so its 1 MiB are stored as what
+changed against the previous version's chunk at the same place, when that is smaller:
+
+- ``SPARSE``: the changed elements' positions (gaps between them, u32) and values (XOR with the
+  base), each split into byte planes and compressed with zstd: about 2.5 B per changed bf16 element;
+- ``XOR``: the whole chunk XOR the base, split into byte planes and compressed with zstd (moderately
+  dense changes whose high bytes stay the same).
+
+Whichever is smaller is kept, and neither when it would not be clearly smaller than the chunk
+(dense changes: every fp32 master weight and Adam moment moves each step), nor when more than
+:data:`DENSE` of the elements changed (then trying costs time and saves nothing).
+
+A delta object (``deltas/<2 hex>/<target hex><base hex>`` in a root) is::
+
+    DELTA_MAGIC (4 B) | kind (u8) | element size (u8) | 0 (2 B) | base digest (16 B) | chunk length (u64)
+        | SPARSE: changed count (u64) | zstd(gap planes + value planes)
+        | XOR:    zstd(byte planes of chunk XOR base)
+
+Its bytes are not hashed themselves: the chunk it rebuilds is, against the target digest, and so is
+its base, before the delta is applied (:func:`apply` is given the base's bytes already checked).
+
+Change detection runs in torch on whatever device the bytes are (:func:`changed_positions`,
+:func:`changed_leaves`): on CUDA only the indices and the changed leaves cross to the host.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import zstandard
+
+__all__ = ["SPARSE", "XOR", "DENSE", "Encoded", "encode", "apply", "header", "changed_positions", "changed_leaves",
+           "element_size", "DeltaFormatError"]
+
+DELTA_MAGIC = b"SDL\x01"
+SPARSE, XOR = 1, 2
+_HEAD = struct.Struct("<4sBBxx16sQ")
+_COUNT = struct.Struct("<Q")
+#: above this fraction of changed elements no delta is tried: the chunk is written whole
+DENSE = 0.25
+#: the XOR form is tried from this fraction of changed elements on (below it SPARSE always wins)
+_TRY_XOR = 0.02
+#: a delta is kept only if it is at most this fraction of the chunk's length
+KEEP_BELOW = 0.9
+_LEVEL = 1
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class DeltaFormatError(ValueError):
+    """A delta object that is not one :func:`encode` wrote (damaged or crafted)."""
+
+
+class Encoded(NamedTuple):
+    """What :func:`encode` found: the delta object (``None``: store the chunk whole) and the changed
+    elements (-1: more than :data:`DENSE` of them, not counted exactly)."""
+
+    data: bytes | None
+    changed: int
+
+
+class Header(NamedTuple):
+    kind: int
+    elem: int
+    base: bytes
+    length: int
+
+
+def element_size(nbytes: int, itemsize: int) -> int:
+    """The word a chunk of ``nbytes`` is compared in: the tensor's item size if it divides the chunk, else bytes."""
+    return itemsize if itemsize in _WORD and nbytes % itemsize == 0 else 1
+
+
+def changed_positions(new, old, elem: int, dense: float = 1.0):
+    """Indices of the ``elem``-byte words where ``new`` and ``old`` differ (bitwise), or ``None``
+    when more than ``dense`` of the words differ (the positions are then not worth listing).
+
+    ``new``/``old``: equal-length byte buffers: uint8 tensors (compared on their device, CUDA or
+    CPU, and a tensor of indices returned there) or host bytes-likes (compared with numpy, which
+    does it several times faster than torch on the CPU; a numpy array returned).
+    """
+    if isinstance(new, torch.Tensor):
+        mask = new.view(_WORD[elem]) != old.view(_WORD[elem])
+        if int(mask.sum()) > dense * mask.numel():
+            return None
+        return mask.nonzero().flatten()
+    mask = np.frombuffer(new, _NP[elem]) != np.frombuffer(old, _NP[elem])
+    if np.count_nonzero(mask) > dense * mask.size:
+        return None
+    return np.flatnonzero(mask)
+
+
+def changed_leaves(new: torch.Tensor, old: torch.Tensor, leaf: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The leaves (``leaf`` bytes each, the last one shorter) where ``new`` differs from ``old``.
+
+    Runs where the tensors are (CUDA or CPU, both uint8 and of one length); only the changed leaves'
+    indices and bytes come back to the host: ``(indices, bytes)`` with ``bytes`` a ``(k, leaf)``
+    host tensor (the last leaf zero-padded). ``old`` is the device-side copy of the previous
+    version (MTCheck's fingerprint, exact: a compare, not a hash that could collide).
+    """
+    n = new.numel()
+    if old.numel() != n:
+        raise ValueError(f"changed_leaves: {n} B against {old.numel()} B")
+    pad = -n % leaf
+    a = torch.nn.functional.pad(new, (0, pad)).view(-1, leaf)
+    b = torch.nn.functional.pad(old, (0, pad)).view(-1, leaf)
+    idx = (a != b).any(dim=1).nonzero().flatten()
+    return idx.cpu(), a.index_select(0, idx).cpu()
+
+
+def _planes(words: np.ndarray, elem: int) -> bytes:
+    """The bytes of ``words`` grouped by byte position (all low bytes, then the next ...)."""
+    return np.ascontiguousarray(words.view(np.uint8).reshape(-1, elem).T).tobytes()
+
+
+def _unplanes(raw: bytes, elem: int, dtype) -> np.ndarray:
+    return np.ascontiguousarray(np.frombuffer(raw, np.uint8).reshape(elem, -1).T).view(dtype).reshape(-1)
+
+
+def header(obj) -> Header:
+    """The checked header of a delta object."""
+    if len(obj) < _HEAD.size:
+        raise DeltaFormatError(f"delta object of {len(obj)} B is shorter than its header")
+    magic, kind, elem, base, length = _HEAD.unpack_from(obj)
+    if magic != DELTA_MAGIC or kind not in (SPARSE, XOR) or elem not in _WORD or length % elem:
+        raise DeltaFormatError(f"not a delta object (magic {magic!r}, kind {kind}, element size {elem})")
+    return Header(kind, elem, base, length)
+
+
+def encode(new: memoryview, old: memoryview, base: bytes, elem: int) -> Encoded:
+    """The delta turning ``old`` (the chunk ``base``) into ``new``, if clearly smaller than ``new``."""
+    n = new.nbytes
+    nelem = n // elem
+    pos = changed_positions(new, old, elem, DENSE)
+    if pos is None:
+        return Encoded(None, -1)
+    k = len(pos)
+    if k == 0:
+        return Encoded(None, 0)
+    dt = _NP[elem]
+    a = np.frombuffer(new, dt)
+    b = np.frombuffer(old, dt)
+    head = _HEAD.pack(DELTA_MAGIC, SPARSE, elem, base, n)
+    cz = zstandard.ZstdCompressor(level=_LEVEL)
+    gaps = np.diff(pos, prepend=-1).astype(np.uint32) - np.uint32(1)
+    best = head + _COUNT.pack(k) + cz.compress(_planes(gaps, 4) + _planes(a[pos] ^ b[pos], elem))
+    if k >= _TRY_XOR * nelem:
+        xor = head[:4] + bytes([XOR]) + head[5:] + cz.compress(_planes(a ^ b, elem))
+        if len(xor) < len(best):
+            best = xor
+    if len(best) > KEEP_BELOW * n:
+        return Encoded(None, k)
+    return Encoded(best, k)
+
+
+def apply(obj, out: memoryview, base: bytes) -> None:
+    """Turn ``out`` (the bytes of chunk ``base``, already checked) into the delta's target, in place.
+
+    Raises:
+        DeltaFormatError: the object is damaged or crafted, or not a delta against ``base``.
+    """
+    h = header(obj)
+    if h.base != base:
+        raise DeltaFormatError(f"it is a delta against chunk {h.base.hex()}, not {base.hex()}")
+    if h.length != out.nbytes:
+        raise DeltaFormatError(f"it rebuilds {h.length} B, the chunk has {out.nbytes} B")
+    dt = _NP[h.elem]
+    nelem = h.length // h.elem
+    mine = np.frombuffer(out, dt)
+    dz = zstandard.ZstdDecompressor()
+    body = memoryview(obj)[_HEAD.size:]
+    try:
+        if h.kind == XOR:
+            raw = dz.decompress(body, max_output_size=h.length)
+            if len(raw) != h.length:
+                raise DeltaFormatError(f"its XOR stream has {len(raw)} B, not {h.length} B")
+            mine ^= _unplanes(raw, h.elem, dt)
+            return
+        (k,) = _COUNT.unpack_from(body)
+        if not 0 < k <= nelem:
+            raise DeltaFormatError(f"it changes {k} elements of {nelem}")
+        want = k * (4 + h.elem)
+        raw = dz.decompress(body[_COUNT.size:], max_output_size=want)
+    except zstandard.ZstdError as exc:
+        raise DeltaFormatError(f"its compressed stream is damaged ({exc})") from None
+    if len(raw) != want:
+        raise DeltaFormatError(f"its sparse stream has {len(raw)} B, not {want} B")
+    gaps = _unplanes(raw[:4 * k], 4, np.uint32).astype(np.int64)
+    pos = np.cumsum(gaps + 1) - 1
+    if pos[-1] >= nelem:
+        raise DeltaFormatError(f"it changes element {pos[-1]} of a chunk of {nelem}")
+    mine[pos] ^= _unplanes(raw[4 * k:], h.elem, dt)

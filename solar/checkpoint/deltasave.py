@@ -1,0 +1,187 @@
+"""The writer's side of fine-grained increments (``CheckpointWriter(..., deltas=True)``).
+
+Chunks stay the unit of storage and de-duplication, and the Merkle tree still locates the changed
+ones. Inside a changed chunk, the writer compares the new bytes with the previous save's bytes at the
+same place and stores a delta (:mod:`.delta`) when that is clearly smaller; otherwise the chunk
+whole. For that it keeps a host copy of what it last saved (the *mirror*: one copy of the state,
+tagged per chunk with the digest it holds), refreshed only where chunks changed.
+
+A delta is written against a base only if the base is a chunk the store is known to hold (so a
+mirror holding bytes of a save that failed is never a base), and only while the chain stays
+bounded: at most ``max_chain`` deltas deep and at most one chunk's worth of delta bytes on top of
+the whole base, so a restore reads at most about twice a version's size. Otherwise the chunk is
+re-based: written whole, and the next deltas start from it.
+
+A writer opened on an existing root starts without a mirror: its first save writes changed chunks
+whole (reading the old bytes back would cost a full read of the previous version).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable, NamedTuple
+
+import numpy as np
+
+from solar.errors import ConfigError
+
+from .chunking import chunk_spans
+from .delta import element_size, encode
+from .deltastore import delete_delta, put_delta
+from .manifest import MAX_CHAIN, DeltaRef, Manifest
+
+__all__ = ["DeltaSaver", "DEFAULT_MAX_CHAIN", "check_max_chain"]
+
+#: the default longest delta chain: a restore applies at most this many deltas per chunk
+DEFAULT_MAX_CHAIN = 8
+
+
+def check_max_chain(max_chain: int) -> int:
+    if not isinstance(max_chain, int) or isinstance(max_chain, bool) or not 1 <= max_chain <= MAX_CHAIN:
+        raise ConfigError(f"max_chain must be an int between 1 and {MAX_CHAIN}, got {max_chain!r}")
+    return max_chain
+
+
+class _Blob(NamedTuple):
+    elem: int  # the word changes are found in
+    nbytes: int
+
+
+class _Mirror(NamedTuple):
+    data: np.ndarray  # uint8, the blob's bytes as last saved
+    digests: np.ndarray  # (n, 16) uint8: the digest of what ``data`` holds at each chunk
+
+
+class DeltaSaver:
+    """Per-writer state of delta saves; ``put`` runs in the writer's I/O threads, the rest in its
+    save thread (one save at a time)."""
+
+    def __init__(self, chunk_size: int, max_chain: int, manifests: Iterable[Manifest]) -> None:
+        self.chunk_size = chunk_size
+        self.max_chain = check_max_chain(max_chain)
+        self.chains: dict[bytes, DeltaRef] = {}  # committed chunks stored as deltas
+        for m in manifests:
+            self.chains.update(m.deltas)
+        self._mirror: dict[str, _Mirror] = {}
+        self._blobs: dict[str, _Blob] = {}
+        self._fresh: dict[bytes, DeltaRef] = {}  # this save's deltas
+        self._whole: set[bytes] = set()  # this save's chunks written whole
+        self._changed = 0
+        self._lock = threading.Lock()
+
+    # -- one save --
+    def begin(self, flat) -> None:
+        """Start a save of ``flat``: its blobs' element sizes, by the name the writer keys blobs by."""
+        self._fresh, self._whole, self._changed = {}, set(), 0
+        self._blobs = {}
+        for i, blob in enumerate(flat.blobs):
+            name = flat.tensors[blob.tensors[0]].name if blob.tensors else f"<blob {i}>"
+            itemsize = flat.tensors[blob.tensors[0]].itemsize if blob.tensors else 1
+            self._blobs[name] = _Blob(element_size(self.chunk_size, itemsize), blob.nbytes)
+
+    def _chain_bytes(self, d: bytes) -> int:
+        """The delta bytes read on top of the whole chunk to rebuild ``d``."""
+        total = 0
+        ref = self.chains.get(d)
+        while ref is not None:
+            total += ref.nbytes
+            ref = self.chains.get(ref.base)
+        return total
+
+    def _base(self, known: set[bytes], name: str, j: int) -> bytes | None:
+        mirror, blob = self._mirror.get(name), self._blobs.get(name)
+        if mirror is None or blob is None or mirror.data.nbytes != blob.nbytes:
+            return None
+        base = mirror.digests[j].tobytes()
+        return base if base in known else None
+
+    def put(self, sink, d: bytes, view: memoryview, name: str, j: int) -> int:
+        """Store new chunk ``d`` (position ``j`` of blob ``name``): as a delta if that pays, else whole."""
+        n = view.nbytes
+        blob = self._blobs.get(name)
+        elem = element_size(n, blob.elem if blob else 1)
+        base = self._base(sink.known, name, j)
+        changed = n // elem
+        if base is not None:
+            a = j * self.chunk_size
+            prev = self.chains.get(base)
+            depth = (prev.depth if prev is not None else 0) + 1
+            enc = encode(view, memoryview(self._mirror[name].data[a:a + n]), base, elem)
+            changed = enc.changed if enc.changed >= 0 else changed
+            if (enc.data is not None and depth <= self.max_chain
+                    and self._chain_bytes(base) + len(enc.data) <= n):
+                written = put_delta(sink.store, d, base, enc.data)
+                with self._lock:
+                    self._fresh[d] = DeltaRef(base, depth, written)
+                    self._changed += changed
+                return written
+        written = sink.store.put_chunk(d, view)
+        with self._lock:
+            self._whole.add(d)
+            self._changed += changed
+        return written
+
+    def written(self, flat, host: list[np.ndarray], digests: list[np.ndarray]) -> None:
+        """After every chunk of the save is written (and before its staging copy is reused): keep the
+        saved bytes where they differ from the mirror's."""
+        live = set()
+        for i, (blob, arr, rows) in enumerate(zip(flat.blobs, host, digests)):
+            name = flat.tensors[blob.tensors[0]].name if blob.tensors else f"<blob {i}>"
+            live.add(name)
+            src = np.frombuffer(memoryview(arr).cast("B"), np.uint8) if arr.nbytes else np.zeros(0, np.uint8)
+            mirror = self._mirror.get(name)
+            if mirror is None or mirror.data.nbytes != src.nbytes:
+                self._mirror[name] = _Mirror(src.copy(), rows.copy())
+                continue
+            differ = np.flatnonzero((mirror.digests != rows).any(axis=1))
+            for j in differ.tolist():
+                a, e = chunk_spans(src.nbytes, self.chunk_size)[j]
+                mirror.data[a:e] = src[a:e]
+            mirror.digests[differ] = rows[differ]
+        for name in set(self._mirror) - live:  # tensors no longer saved
+            del self._mirror[name]
+
+    def annotate(self, m: Manifest, locations: dict) -> None:
+        """Give manifest ``m`` its delta table (bases of bases included), the locations of packed
+        bases, and the save's delta statistics."""
+        table: dict[bytes, DeltaRef] = {}
+        todo = [d for d in _rows(m.digests) if d not in self._whole and (d in self._fresh or d in self.chains)]
+        while todo:
+            d = todo.pop()
+            if d in table:
+                continue
+            ref = self._fresh.get(d) or self.chains[d]
+            table[d] = ref
+            if ref.base in self._fresh or ref.base in self.chains:
+                todo.append(ref.base)
+            elif ref.base in locations:
+                m.locations[ref.base] = locations[ref.base]
+        m.deltas = table
+        m.stats["delta_chunks"] = len(self._fresh)
+        m.stats["delta_bytes"] = sum(r.nbytes for r in self._fresh.values())
+        m.stats["elements_changed"] = self._changed
+
+    def committed(self) -> None:
+        """The save's manifest is committed: its deltas are known, its whole chunks end their chains."""
+        for d in self._whole:
+            self.chains.pop(d, None)
+        self.chains.update(self._fresh)
+        self._fresh, self._whole = {}, set()
+
+    def abort(self, store) -> None:
+        """The save failed: delete the delta objects it wrote (best effort; a full gc sweeps the rest)."""
+        for d, ref in self._fresh.items():
+            try:
+                delete_delta(store, d, ref.base)
+            except OSError:
+                pass
+        self._fresh, self._whole = {}, set()
+
+    def retain(self, live: set[bytes]) -> None:
+        """Forget the chains of chunks retention removed."""
+        self.chains = {d: r for d, r in self.chains.items() if d in live}
+
+
+def _rows(digests: np.ndarray) -> Iterable[bytes]:
+    raw = np.ascontiguousarray(digests).tobytes()
+    return (raw[i:i + 16] for i in range(0, len(raw), 16))

@@ -1,0 +1,126 @@
+"""Delta objects in a root, and rebuilding any chunk of a version (whole, packed, or through its deltas).
+
+Layout beside ``chunks/`` and ``packs/``::
+
+    deltas/<2 hex>/<target hex><base hex>   one delta object (:mod:`.delta`): chunk target as a delta of base
+
+Named by both digests, so a delta is immutable like a chunk: the same target rewritten against
+another base (after ``verify --repair`` marked it, or after ``gc`` removed it) is another object,
+and the versions that read the first one keep reading it. Published atomically (the tier's
+temporary + rename), so a killed writer leaves either nothing or the whole object under its name.
+
+:func:`rebuild` reads one chunk of a manifest and checks every piece on the way: a whole chunk
+against its digest; a delta's base (recursively) against the base's digest before the delta is
+applied, and the rebuilt chunk against its own. A delta whose base is missing or damaged is
+reported naming the chunk and the base.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from solar.cache.base import TierFullError
+from solar.errors import CheckpointError, CorruptDataError
+
+from .delta import DeltaFormatError, apply
+from .manifest import Manifest
+from .pack import read_packed
+from .store import CheckpointStore
+
+__all__ = ["delta_key", "put_delta", "get_delta", "delete_delta", "delta_keys", "rebuild", "ChunkReadError"]
+
+_DELTAS = "deltas/"
+
+
+class ChunkReadError(Exception):
+    """Why a chunk could not be rebuilt; ``what`` completes "chunk X of step S ...", the reader names the tensors."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+def delta_key(target: bytes, base: bytes) -> str:
+    t = target.hex()
+    return f"{_DELTAS}{t[:2]}/{t}{base.hex()}"
+
+
+def put_delta(store: CheckpointStore, target: bytes, base: bytes, data: bytes) -> int:
+    """Store one delta object; return the bytes written.
+
+    Raises:
+        CheckpointError: the tier refused it (byte budget) or the device is full.
+    """
+    try:
+        ok = store.tier.put(delta_key(target, base), data)
+    except (TierFullError, OSError) as exc:
+        raise CheckpointError(f"cannot write checkpoint delta of chunk {target.hex()} to {store.root}: {exc}") from exc
+    if not ok:
+        raise CheckpointError(f"checkpoint root {store.root} is over its byte budget writing the delta of chunk "
+                              f"{target.hex()} ({len(data)} B); run `solar-ckpt gc {store.root} --keep-last K` or "
+                              "raise the budget")
+    return len(data)
+
+
+def get_delta(store: CheckpointStore, target: bytes, base: bytes) -> bytes | None:
+    return store.tier.get(delta_key(target, base))
+
+
+def delete_delta(store: CheckpointStore, target: bytes, base: bytes) -> bool:
+    return store.tier.delete(delta_key(target, base))
+
+
+def delta_keys(store: CheckpointStore) -> Iterator[tuple[bytes, bytes]]:
+    """Every stored delta object as ``(target, base)``."""
+    for key in store.tier.keys_with_prefix(_DELTAS):
+        name = str(key).rpartition("/")[2]
+        if len(name) == 64:
+            try:
+                yield bytes.fromhex(name[:32]), bytes.fromhex(name[32:])
+            except ValueError:
+                continue
+
+
+def _whole(store: CheckpointStore, m: Manifest, d: bytes, out: memoryview,
+           digest: Callable[[memoryview], bytes]) -> int:
+    loc = m.locations.get(d) if m.locations else None
+    try:
+        n = read_packed(store, d, loc, out) if loc else store.read_chunk_into(d, out)
+    except (ValueError, CorruptDataError):  # longer than expected, or missing
+        raise ChunkReadError("is missing or has the wrong size") from None
+    if n != out.nbytes:
+        raise ChunkReadError(f"has {n} B instead of {out.nbytes} B")
+    if digest(out) != d:
+        raise ChunkReadError("fails its hash (the stored bytes changed)")
+    return n
+
+
+def rebuild(store: CheckpointStore, m: Manifest, d: bytes, out: memoryview,
+            digest: Callable[[memoryview], bytes]) -> int:
+    """Read chunk ``d`` of version ``m`` into ``out`` (exactly its size), checked; return the bytes read.
+
+    Raises:
+        ChunkReadError: the chunk, its delta or a base of it is missing or damaged (says which).
+    """
+    ref = m.deltas.get(d) if m.deltas else None
+    if ref is None:
+        return _whole(store, m, d, out, digest)
+    try:
+        n = rebuild(store, m, ref.base, out, digest)
+    except ChunkReadError as exc:
+        raise ChunkReadError(f"is a delta against base chunk {ref.base.hex()}, which {exc.what}") from None
+    data = get_delta(store, d, ref.base)
+    if data is None:
+        raise ChunkReadError(f"is a delta against base chunk {ref.base.hex()} whose delta object is missing")
+    if len(data) != ref.nbytes:
+        raise ChunkReadError(f"is a delta against base chunk {ref.base.hex()} whose delta object has {len(data)} B "
+                             f"instead of {ref.nbytes} B")
+    try:
+        apply(data, out, ref.base)
+    except DeltaFormatError as exc:
+        raise ChunkReadError(f"is a delta against base chunk {ref.base.hex()} whose delta object is damaged: "
+                             f"{exc}") from None
+    if digest(out) != d:
+        raise ChunkReadError(f"rebuilt from its delta against base chunk {ref.base.hex()} fails its hash (the delta "
+                             "object changed)")
+    return n + len(data)
