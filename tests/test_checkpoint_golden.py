@@ -76,3 +76,60 @@ def test_writer_still_produces_the_golden_format(golden, tmp_path):
         assert [x.to_json() for x in a.blobs] == [x.to_json() for x in b.blobs]
         assert a.digests.tobytes() == b.digests.tobytes()
         assert old.tier.get(manifest_key(step))[:16] == MAGIC
+
+
+# -- solar-ckpt/2: chunks stored as deltas (issue 23) --
+
+GOLDEN_DELTAS = os.path.join(os.path.dirname(__file__), "fixtures", "checkpoint", "root-deltas")
+
+
+def golden_delta_states():
+    """Three versions of a 6 KiB bf16 tensor (6 chunks of 1 KiB), a few elements changed each time, no RNG."""
+    w = (torch.arange(3072, dtype=torch.float32) / 97).to(torch.bfloat16)
+    out = {}
+    for step in (1, 2, 3):
+        if step > 1:
+            w = w.clone()
+            w[(step * 13) % 300::211] += 0.5 * step  # 14-15 elements over 6 chunks
+        out[step] = {"w": w, "epoch": step}
+    return out
+
+
+def write_deltas(root):
+    with CheckpointWriter(root, chunk_size=CHUNK, deltas=True) as w:
+        for step, state in golden_delta_states().items():
+            w.save(state, step)
+
+
+@pytest.fixture(scope="module")
+def golden_deltas():
+    if os.environ.get("SOLAR_REGEN_GOLDEN") == "1":
+        shutil.rmtree(GOLDEN_DELTAS, ignore_errors=True)
+        write_deltas(GOLDEN_DELTAS)
+        os.unlink(os.path.join(GOLDEN_DELTAS, ".lock"))
+    return GOLDEN_DELTAS
+
+
+def test_golden_deltas_load_bit_exact(golden_deltas):
+    store = CheckpointStore(golden_deltas)
+    assert store.read_manifest(3).deltas and store.read_manifest(3).stats["delta_chunks"] == 6
+    for step, want in golden_delta_states().items():
+        got = load(golden_deltas, step)
+        assert got["epoch"] == step
+        assert got["w"].view(torch.int16).tolist() == want["w"].view(torch.int16).tolist(), step
+    assert verify(golden_deltas).ok
+
+
+def test_writer_still_produces_the_golden_delta_format(golden_deltas, tmp_path):
+    write_deltas(tmp_path)
+    old, new = CheckpointStore(golden_deltas), CheckpointStore(tmp_path)
+    assert sorted(old.chunk_digests()) == sorted(new.chunk_digests())
+    for step in (1, 2, 3):
+        a, b = old.read_manifest(step), new.read_manifest(step)
+        assert (a.root, a.chunk_size, a.skeleton) == (b.root, b.chunk_size, b.skeleton)
+        assert a.digests.tobytes() == b.digests.tobytes()
+        # the same chains; the delta objects' sizes depend on the zstd release, so they are not compared
+        chains = [{d: (r.base, r.depth) for d, r in m.deltas.items()} for m in (a, b)]
+        assert chains[0] == chains[1]
+        raw = old.tier.get(manifest_key(step))
+        assert raw[:16] == MAGIC and (b'"format":"solar-ckpt/2"' in raw) == (step > 1)
