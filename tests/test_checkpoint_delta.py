@@ -257,3 +257,29 @@ def test_manifest_marks_the_feature_and_old_readers_refuse_by_format(tmp_path):
     with pytest.raises(CorruptDataError, match="depth"):
         decode(encode_m(m))
     assert np.array_equal(decode(raw1).digests, m.digests)
+
+
+def test_log_and_diff_report_elements_changed_and_bytes_as_chunks_and_deltas(tmp_path, capsys):
+    import json
+
+    from solar.checkpoint.cli import main
+
+    saved, results = _series(tmp_path, 3)
+    assert main(["log", str(tmp_path), "--json"]) == 0
+    versions = json.loads(capsys.readouterr().out)["versions"]
+    first, last = versions[0], versions[2]
+    assert first["delta_bytes"] == 0 and first["chunk_bytes"] == results[0].bytes_written
+    assert first["elements_changed"] == saved[0].numel() + 7  # every element of a first save is new
+    changed = int((saved[2].view(torch.int16) != saved[1].view(torch.int16)).sum()) + 7  # bias: 7 new values
+    assert last["elements_changed"] == changed
+    assert last["delta_bytes"] > 0 and last["delta_chunks"] == 3
+    assert last["delta_bytes"] + last["chunk_bytes"] == results[2].bytes_written
+    assert main(["log", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "changed elems" in text and "as deltas" in text and str(changed) in text
+    assert main(["diff", f"{tmp_path}@0", f"{tmp_path}@2", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert [i["step"] for i in rep["increments"]] == [1, 2]
+    assert rep["increments"][1]["elements_changed"] == changed
+    assert main(["diff", f"{tmp_path}@0", f"{tmp_path}@2"]) == 0
+    assert "written by the saves after" in capsys.readouterr().out

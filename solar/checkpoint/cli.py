@@ -26,6 +26,7 @@ from solar.fileio import write_atomic
 
 from .collect import gc
 from .compare import diff
+from .deltastats import increment
 from .flatten import DTYPES, materialize
 from .jobreport import job_log, job_show
 from .jobstore import JobStore, is_job_root
@@ -33,7 +34,7 @@ from .reader import Reader
 from .reshard import whole_state
 from .sources import load_dcp
 from .writer import CheckpointWriter
-from .report import fmt_bytes, format_report, table
+from .report import INCREMENT_HEAD, fmt_bytes, format_report, increment_cells, table
 from .store import CheckpointStore, parse_ref
 from .verify import verify
 
@@ -87,14 +88,15 @@ def cmd_log(args) -> int:
         out.append({"step": m.step, "complete": True, "created": m.created, "tensors": len(m.tensors),
                     "logical_bytes": m.logical_bytes, "bytes_written": written, "chunks": m.nchunks,
                     "chunks_written": m.stats.get("chunks_written"),
-                    "chunks_rewritten": m.stats.get("chunks_rewritten", 0), "dedup_ratio": ratio, "root": m.root})
+                    "chunks_rewritten": m.stats.get("chunks_rewritten", 0), "dedup_ratio": ratio, "root": m.root,
+                    **increment(m.stats)})
         rows.append([m.step, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created)), len(m.tensors),
                      fmt_bytes(m.logical_bytes), fmt_bytes(written),
                      f"{m.stats.get('chunks_written', '?')}/{m.nchunks}",
-                     "inf" if ratio is None else f"{ratio:.1f}x"])
+                     "inf" if ratio is None else f"{ratio:.1f}x", *increment_cells(increment(m.stats))])
     summary = {"root": store.root, "versions": out, "logical_bytes": total_logical, "bytes_written": total_written,
                "dedup_ratio": total_logical / total_written if total_written else None}
-    text = table(["step", "created", "tensors", "logical", "written", "new chunks", "dedup"], rows)
+    text = table(["step", "created", "tensors", "logical", "written", "new chunks", "dedup", *INCREMENT_HEAD], rows)
     unreadable = f" (+{len(damaged)} unreadable manifests)" if damaged else ""
     if total_written:
         text += (f"\n{len(manifests)} versions{unreadable}, {fmt_bytes(total_logical)} logical, "

@@ -20,6 +20,7 @@ import torch
 from solar.errors import InputError
 
 from .chunking import hasher
+from .deltastats import increment, saved_stats
 from .sources import TensorTable, open_table, tensor_info, version_ref
 
 __all__ = ["DiffReport", "diff"]
@@ -44,6 +45,8 @@ class DiffReport:
     plain_unchanged: int = 0
     plain_compared: bool = True
     plain_note: str = ""  # why plain values were not compared
+    # two versions of one root: what each save after a up to b wrote (report.increment, with "step")
+    increments: list[dict] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
@@ -58,6 +61,7 @@ class DiffReport:
             "plain": {"compared": self.plain_compared, "note": self.plain_note, "added": self.plain_added,
                       "removed": self.plain_removed, "changed": self.plain_changed,
                       "unchanged": self.plain_unchanged},
+            "increments": self.increments,
         }
 
 
@@ -287,4 +291,21 @@ def diff(a: "str | TensorTable", b: "str | TensorTable", *, values: bool = False
         rep.changed.append(entry)
         rep.changed_chunks += nchg
         rep.changed_bytes += entry["bytes"]
+    rep.increments = increments_between(a, b, rank) if isinstance(a, str) and isinstance(b, str) else []
     return rep
+
+
+def increments_between(a: str, b: str, rank: int | None = None) -> list[dict]:
+    """What each save after version ``a`` up to version ``b`` wrote, when both are versions of one
+    root (``ROOT@S``, ``ROOT@T`` with ``S < T``); on a job root summed over the ranks (or ``rank``'s)."""
+    va, vb = version_ref(a), version_ref(b)
+    if va is None or vb is None or va[1] is None or vb[1] is None or va[0] != vb[0] or va[1] >= vb[1]:
+        return []
+    out = []
+    for stats, step in saved_stats(va[0], va[1], vb[1], rank):
+        summed: dict = {"step": step}
+        for inc in (increment(s) for s in stats):
+            for k, v in inc.items():
+                summed[k] = None if v is None or summed.get(k, 0) is None else summed.get(k, 0) + v
+        out.append(summed)
+    return out

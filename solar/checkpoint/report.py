@@ -7,7 +7,25 @@ from typing import Any
 
 from .compare import DiffReport
 
-__all__ = ["fmt_bytes", "table", "format_report"]
+__all__ = ["fmt_bytes", "table", "format_report", "increment_cells", "INCREMENT_HEAD"]
+
+#: the columns of :func:`increment_cells`
+INCREMENT_HEAD = ["changed elems", "as chunks", "as deltas"]
+
+
+def increment_cells(inc: dict) -> list[str]:
+    """The table cells of a :func:`~solar.checkpoint.deltastats.increment`."""
+    changed = inc["elements_changed"]
+    return ["" if changed is None else str(changed), fmt_bytes(inc["chunk_bytes"]), fmt_bytes(inc["delta_bytes"])]
+
+
+def _increment_lines(rep: DiffReport) -> list[str]:
+    if not rep.increments:
+        return []
+    rows = [[i["step"], *increment_cells(i)] for i in rep.increments]
+    total = sum(i["chunk_bytes"] + i["delta_bytes"] for i in rep.increments)
+    return [f"written by the saves after {rep.a} up to {rep.b}: {fmt_bytes(total)}",
+            table(["step", *INCREMENT_HEAD], rows)]
 
 
 def fmt_bytes(n: float) -> str:
@@ -56,6 +74,7 @@ def format_report(rep: DiffReport) -> str:
         lines.append(f"plain values identical ({rep.plain_unchanged})")
     else:
         lines.append(not_compared)
+    lines += _increment_lines(rep)
     return "\n".join(lines)
 
 
