@@ -4,7 +4,8 @@ Two container kinds, chosen from what the URL holds when the backend opens (so a
 one process and pickled to another decides where it reads):
 
 * **An HDF5 file** (any URL that is a file and does not end in ``.npy``): read by h5py through a
-  block-cached fsspec file object (:mod:`solar.io_backends.fsspec_hdf5`).
+  block-cached fsspec file object (:mod:`solar.io_backends.fsspec_hdf5`), its plain rows by
+  byte ranges, or from a node-local copy with ``stage=`` (:mod:`solar.io_backends.fsspec_stage`).
 * **A ``.npy`` store**: a directory (or URL prefix) of ``.npy`` files, or one ``.npy`` file, read
   by byte ranges (:mod:`solar.io_backends.npy_store`, NOTE [ npy store layout ] there).
 
@@ -27,6 +28,7 @@ from .base import ArrayInfo
 from .fsspec_common import (CHANGED, INHERITED, _protocols, is_http, missing_protocol_error, s3_ranges, url_errors,
                             url_to_fs)
 from .fsspec_hdf5 import h5_errors, open_file_object, open_h5, pinned_fs
+from .fsspec_stage import StagedFile
 from .hdf5 import HDF5Backend, _Span
 from .npy_format import npy_header
 from .npy_store import NpyStore, write_npy_store
@@ -34,7 +36,8 @@ from .npy_store import NpyStore, write_npy_store
 __all__ = ["FsspecBackend", "NpyStore", "write_npy_store", "npy_header", "url_to_fs", "missing_protocol_error"]
 
 #: options of the backend itself; every other keyword option is a storage option
-_STORE_OPTIONS = ("block_size", "cache_type", "rdcc_nbytes", "storage_options", "cache_options", "direct_reads")
+_STORE_OPTIONS = ("block_size", "cache_type", "rdcc_nbytes", "storage_options", "cache_options", "direct_reads",
+                  "stage")
 
 #: Largest byte range one request asks for: a long run is cut into pieces requested concurrently.
 RANGE_BYTES = 8 << 20
@@ -51,6 +54,10 @@ class FsspecBackend(HDF5Backend):
         block_size: bytes per fetched block for HDF5 files (default 1 MiB).
         cache_type: fsspec cache for HDF5 files (default ``"blockcache"``, an LRU of blocks).
         cache_options: extra cache arguments, e.g. ``{"maxblocks": 64}``.
+        stage: a directory on node-local disk: an HDF5 file whose rows are read by byte range is
+            copied there in large pieces while it is read, and its rows are read from the copy
+            (NOTE [ Staging a remote file ] in fsspec_stage.py). Unset: rows are read by byte
+            range from the URL every time.
     """
 
     name = "fsspec"
@@ -61,14 +68,14 @@ class FsspecBackend(HDF5Backend):
         super().__init__(url, storage_options=storage, **options)
 
     def _handle_attrs(self):
-        return (*super()._handle_attrs(), "_fs", "_fobj", "_npy", "_range_fs", "_range_spans")
+        return (*super()._handle_attrs(), "_fs", "_fobj", "_npy", "_range_fs", "_range_spans", "_stage")
 
     def _open(self) -> None:
         self._keep_parent_handles()
         with url_errors(self.url, "opening it"):
             self._fs, path = url_to_fs(self.url, **self.options["storage_options"])
         self._owner_pid = os.getpid()
-        self._fobj = self._npy = None
+        self._fobj = self._npy = self._stage = None
         self._file = None
         self._dsets, self._keys = {}, None
         with url_errors(self.url, "opening it"):
@@ -82,6 +89,9 @@ class FsspecBackend(HDF5Backend):
             self._etag = info.get("ETag") if "s3" in _protocols(self._fs) else None
         self._file = open_h5(self._fobj, self.url, self.options)
         self._range_spans = {}
+        if self.options.get("stage") and self.options.get("direct_reads", True) and "::" not in self.url:
+            self._stage = StagedFile(self.url, int(info["size"]), self._fetch_ranges, os.fspath(self.options["stage"]))
+            self._stage_counted = 0
 
     def _check_same_version(self, info: dict) -> None:
         """Pin the file's version on the first open; a later open of this backend or of a copy of
@@ -125,7 +135,8 @@ class FsspecBackend(HDF5Backend):
         stale = self.__dict__.get("_fs")
         if stale is None or self.__dict__.get("_owner_pid") == os.getpid():
             return
-        INHERITED.append((stale, self.__dict__.pop("_fobj", None), self.__dict__.pop("_file", None)))
+        INHERITED.append((stale, self.__dict__.pop("_fobj", None), self.__dict__.pop("_file", None),
+                          self.__dict__.pop("_stage", None)))  # (its thread is the parent's: left as it is)
         INHERITED.extend(getattr(type(stale), "_cache", {}).values())
         self.__dict__.pop("_dsets", None)
 
@@ -134,6 +145,9 @@ class FsspecBackend(HDF5Backend):
             self._keep_parent_handles()
             return
         super()._close()
+        stage = self.__dict__.pop("_stage", None)
+        if stage is not None:
+            stage.close()
         self.__dict__.pop("_range_fs", None)
         self.__dict__.pop("_range_spans", None)
         fobj = self.__dict__.pop("_fobj", None)
@@ -190,13 +204,19 @@ class FsspecBackend(HDF5Backend):
         still goes through h5py and its block cache (one request at most, and its neighbours
         cached); ``backend_options={"direct_reads": False}`` reads every call through h5py.
 
-        A remote URL does not spill to node-local disk unless ``spill=`` says where and how much:
-        what is node-local (and how large, and whether it is memory in disguise, as a tmpfs
-        ``/tmp`` is) differs between machines, and a library that fills a disk it was not given
-        fails someone else's job. The buffer keeps what the plan keeps, read once; the misses
-        are read again each epoch, at link speed by these ranges. With ``spill=(dir, size)`` the
-        buffer keeps more on that disk and the hit-rate bound rises with it (LitData and
-        Streaming cache whole chunks on local disk by default; SOLAR does when asked)."""
+        A remote URL neither spills nor stages to node-local disk unless told where: what is
+        node-local (and how large, and whether it is memory in disguise, as a tmpfs ``/tmp``
+        is) differs between machines, and a library that fills a disk it was not given fails
+        someone else's job. By default the buffer keeps what the plan keeps, read once, and the
+        misses are read again each epoch by these ranges: one request per row of a shuffled
+        pass, far below the link's throughput for rows of a few hundred KiB (a pass wants a few
+        rows in every region of the file: no coalescing makes large requests of them). Two ways
+        to put disk to use, both opt-in: ``backend_options={"stage": dir}`` copies the whole
+        file there in large concurrent pieces while it is read (NOTE [ Staging a remote file ]
+        in fsspec_stage.py: the first epoch at about the link's throughput, later ones read
+        local disk; what LitData and Streaming do with their chunks by default), and
+        ``spill=(dir, size)`` lets the buffer keep more samples on that disk, raising the
+        hit-rate bound."""
         spans = self.__dict__.get("_range_spans")
         if spans is None or self._file is None:
             return None
@@ -210,10 +230,14 @@ class FsspecBackend(HDF5Backend):
         if self._npy is not None:
             self.stats.read_calls += self._npy.read_into(key, ranges, out)
             return
-        span = self._range_span(key) if out.nbytes >= self.options.get("block_size", 1 << 20) else None
+        big = out.nbytes >= self.options.get("block_size", 1 << 20) or self._stage is not None
+        span = self._range_span(key) if big else None
         if span is not None and out.flags.c_contiguous and out.flags.writeable:
             with h5_errors(self.url, f"reading the layout of {key!r}"):
                 allocated = span.allocated(ranges)
+            if allocated and self._stage is not None:
+                self._read_staged(span, ranges, out)
+                return
             if allocated:
                 self._read_bytes(key, span, ranges, out)
                 return
@@ -231,6 +255,23 @@ class FsspecBackend(HDF5Backend):
             self.stats.extra["block_misses"] = (self.stats.extra.get("block_misses", 0)
                                                 + getattr(cache, "miss_count", 0) - before)
 
+    def _fetch_ranges(self, starts: list[int], ends: list[int]) -> list:
+        """Bytes ``[starts[i], ends[i])`` of the file, requested concurrently, each pinned to the
+        version opened."""
+        if self._etag is not None:  # s3: every range pinned to the version opened (412 otherwise)
+            return s3_ranges(self._range_fs, self._path, starts, ends, self._etag)
+        # (http: the filesystem's If-Match header pins them)
+        return self._range_fs.cat_ranges([self._path] * len(starts), starts, ends, on_error="raise")
+
+    def _read_staged(self, span, ranges: np.ndarray, out: np.ndarray) -> None:
+        """Rows of ``ranges`` from the staged copy (NOTE [ Staging a remote file ])."""
+        runs = [piece for start, stop in ranges.tolist() for piece in span.pieces(start, stop)]
+        self._stage.read_into(runs, memoryview(out.reshape(-1).view(np.uint8)))
+        self.stats.read_calls += int((ranges[:, 1] > ranges[:, 0]).sum())
+        made = self._stage.requests  # the copy's requests since the last read counted them
+        self.stats.extra["stage_requests"] = self.stats.extra.get("stage_requests", 0) + made - self._stage_counted
+        self._stage_counted = made
+
     def _read_bytes(self, key: str, span, ranges: np.ndarray, out: np.ndarray) -> None:
         """Rows of ``ranges`` by byte ranges (NOTE [ Remote rows by byte ranges ]), pieces of at
         most ``RANGE_BYTES`` requested together, each copied once into its place in ``out``."""
@@ -247,10 +288,7 @@ class FsspecBackend(HDF5Backend):
         if not starts:
             return
         with url_errors(self.url, f"reading rows of {key!r}"):
-            if self._etag is not None:  # s3: every range pinned to the version opened (412 otherwise)
-                got = s3_ranges(self._range_fs, self._path, starts, ends, self._etag)
-            else:  # (http: the filesystem's If-Match header pins them)
-                got = self._range_fs.cat_ranges([self._path] * len(starts), starts, ends, on_error="raise")
+            got = self._fetch_ranges(starts, ends)
         flat = out.reshape(-1).view(np.uint8)
         for b, a, s_, e in zip(got, at, starts, ends):
             if isinstance(b, BaseException):

@@ -42,6 +42,8 @@ if hasattr(os, "register_at_fork"):
 #     check, the original exception chained; FileNotFoundError and SOLAR's own errors pass
 #     through unchanged.
 _NO_RANGES = "support range requests"  # fsspec's HTTPFile message for a 200 to a Range request
+#: s3fs's OSError for S3's PreconditionFailed (a GET with IfMatch=ETag of an object replaced since)
+_S3_PRECONDITION = "pre-conditions you specified did not hold"
 
 
 CHANGED = ("the file changed since it was opened (its ETag or modification time no longer matches); "
@@ -82,7 +84,7 @@ def transport_error(url: str, exc: BaseException, doing: str, hdf5: bool = False
             todo = "check the URL"
         return StorageError(f"{url}: the server answered HTTP {status} {getattr(exc, 'message', '')} while {doing}; "
                             f"{todo}")
-    if name == "FileExpired":  # s3fs: the object's ETag changed since the open
+    if name == "FileExpired" or _S3_PRECONDITION in str(exc):  # s3fs: the ETag changed since the open
         return StorageError(f"{url}: {doing} failed: {CHANGED}")
     if mod.startswith(("botocore", "aiobotocore")) and ("Endpoint" in name or "Connect" in name):
         return StorageError(f"{url}: cannot connect to the S3 endpoint while {doing} ({exc}); check "

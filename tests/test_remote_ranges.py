@@ -28,10 +28,9 @@ def _write(path: str, layout: str) -> dict[str, np.ndarray]:
     return data
 
 
-@pytest.fixture(params=["http", "s3"])
-def remote(request, tmp_path):
-    """``put(local_path) -> (url, storage_options)``."""
-    if request.param == "http":
+def putter(request, protocol: str):
+    """``put(local_path) -> (url, storage_options)`` on the ``protocol`` server of the session."""
+    if protocol == "http":
         root, base = request.getfixturevalue("http_root")
 
         def put(local: str):
@@ -50,6 +49,12 @@ def remote(request, tmp_path):
             fs.put_file(local, url)
             return url, opts
     return put
+
+
+@pytest.fixture(params=["http", "s3"])
+def remote(request, tmp_path):
+    """``put(local_path) -> (url, storage_options)``."""
+    return putter(request, request.param)
 
 
 def test_reads_under_a_block_use_the_block_cache(remote, tmp_path):
@@ -94,12 +99,18 @@ def test_direct_reads_false_reads_through_h5py(remote, tmp_path):
         be.close()
 
 
-def test_a_loader_over_a_remote_file_gives_the_local_files_batches(remote, tmp_path):
+@pytest.mark.parametrize("stage", [False, True], ids=["ranges", "staged"])
+def test_a_loader_over_a_remote_file_gives_the_local_files_batches(remote, tmp_path, stage):
+    """By byte ranges, and from a staged copy (NOTE [ Staging a remote file ])."""
     local = str(tmp_path / "l.h5")
     _write(local, "chunked")
     url, opts = remote(local)
     batches = []
-    for path, bo in ((local, None), (url, {"storage_options": opts, "block_size": 256})):
+    remote_options = {"storage_options": opts, "block_size": 256}
+    if stage:
+        os.makedirs(tmp_path / "stage")
+        remote_options["stage"] = str(tmp_path / "stage")
+    for path, bo in ((local, None), (url, remote_options)):
         ds = solar.H5Dataset(path, ("x", "y"), backend_options=bo)
         loader = solar.DataLoader(ds, batch_size=6, shuffle=True, distributed=True, buffer=10)
         try:

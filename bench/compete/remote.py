@@ -1,22 +1,33 @@
-"""SOLAR over HTTP (nginx on 127.0.0.1) against the link: NOTE [ Remote rows by byte ranges ].
+"""SOLAR reading remote HDF5 against the link: NOTE [ Remote rows by byte ranges ] and NOTE
+[ Staging a remote file ].
 
-Run: ``.venv/bin/python bench/compete/remote.py [--data /tmp/solar-compete/ptycho.h5] [--epochs 3]
+Run: ``.venv/bin/python bench/compete/remote.py [--where http|s3] [--rounds 2]
 [--out bench/compete/remote-http.json]``
 
-Serves the data file's directory with nginx (the tests' server, tests/servers.py), then, alternated
-in one run: ``link_s``, a plain parallel ranged download of the whole file (``--threads``
-concurrent 8 MiB GETs); SOLAR reading rows as byte ranges (the default); SOLAR reading through
-h5py's block-cached file object (``direct_reads=False``, how it read before). Each SOLAR run is
-``--epochs`` epochs of ``solar.DataLoader(batch_size=32, shuffle, buffer=--buffer)`` summing both
-tensors; ``first_vs_link`` is the first epoch's throughput over the link's (goal: >= 0.7).
+Serves the data file with nginx (``--where http``, the tests' server, tests/servers.py) or
+uploads it to npm's s3rver (``--where s3``, bench/compete/s3rver.py), then, alternated round by
+round in one run: ``link_s``, a plain parallel ranged download of the whole file (``--threads``
+concurrent 8 MiB GETs, nothing kept); and each of ``--contenders``, ``--epochs`` epochs of
+``solar.DataLoader(batch_size=32, shuffle, buffer=--buffer)`` summing both tensors:
+
+* ``solar-ranges``: rows read as byte ranges from the URL (the default);
+* ``solar-staged``: ``backend_options={"stage": DIR}``, the file copied to node-local disk in
+  large pieces while it is read (a fresh ``--stage-dir`` subdirectory per run);
+* ``solar-h5py-blocks``: through h5py's block-cached file object (``direct_reads=False``);
+* ``solar-local``: the local file (the steady epoch staging should reach).
+
+``first_vs_link`` is the link's throughput over the first epoch's (goal: >= 0.7); the load
+average is recorded at the start and the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -31,9 +42,11 @@ from solar.fileio import write_text_atomic  # noqa: E402
 from run import link_download  # noqa: E402
 from servers import nginx_server  # noqa: E402
 
+CONTENDERS = ("solar-ranges", "solar-staged", "solar-h5py-blocks", "solar-local")
 
-def solar_epochs(url: str, epochs: int, buffer: str, direct: bool) -> list[float]:
-    ds = solar.H5Dataset(url, ("x", "y"), backend_options={"direct_reads": direct})
+
+def solar_epochs(url: str, epochs: int, buffer: str, options: dict) -> list[float]:
+    ds = solar.H5Dataset(url, ("x", "y"), backend_options=options or None)
     loader = solar.DataLoader(ds, batch_size=32, shuffle=True, distributed=True, buffer=buffer)
     times = []
     try:
@@ -48,32 +61,67 @@ def solar_epochs(url: str, epochs: int, buffer: str, direct: bool) -> list[float
     return times
 
 
+@contextlib.contextmanager
+def served(where: str, data: str, bucket: str):
+    """``(url, storage_options)`` of ``data`` on a server started here."""
+    if where == "http":
+        root = os.path.dirname(data)
+        os.chmod(root, 0o755)
+        with nginx_server(root) as base:
+            yield f"{base}/{os.path.basename(data)}", {}
+        return
+    import s3fs
+
+    from s3rver import s3rver
+
+    with s3rver(bucket) as so:
+        url = f"s3://{bucket}/{os.path.basename(data)}"
+        s3fs.S3FileSystem(skip_instance_cache=True, **so).put(data, url)
+        yield url, so
+
+
+def run_one(name: str, url: str, so: dict, args) -> list[float]:
+    if name == "solar-local":
+        return solar_epochs(os.path.realpath(args.data), args.epochs, args.buffer, {})
+    if name == "solar-staged":
+        with tempfile.TemporaryDirectory(dir=args.stage_dir, prefix="solar-bench-stage-") as d:
+            return solar_epochs(url, args.epochs, args.buffer, {**so, "stage": d})
+    return solar_epochs(url, args.epochs, args.buffer, {**so, "direct_reads": name != "solar-h5py-blocks"})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default="/tmp/solar-compete/ptycho.h5")
+    ap.add_argument("--where", choices=("http", "s3"), default="http")
+    ap.add_argument("--bucket", default="solar-compete")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--buffer", default="192MiB")
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--stage-dir", default=tempfile.gettempdir(), help="node-local directory for solar-staged")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if not os.path.exists(args.data):
+        from solar.synthetic import write_ptycho_h5
+
+        os.makedirs(os.path.dirname(args.data), exist_ok=True)
+        write_ptycho_h5(args.data, 2048, size=128, progress=False)
     data = os.path.realpath(args.data)
-    root = os.path.dirname(data)
-    os.chmod(root, 0o755)
+    names = [n for n in args.contenders.split(",") if n]
     load_start = os.getloadavg()
     size = os.path.getsize(data)
-    out: dict[str, list] = {"link_s": [], "solar-ranges": [], "solar-h5py-blocks": []}
-    with nginx_server(root) as base:
-        url = f"{base}/{os.path.basename(data)}"
+    out: dict[str, list] = {"link_s": [], **{n: [] for n in names}}
+    with served(args.where, data, args.bucket) as (url, so):
         for r in range(args.rounds):
-            out["link_s"].append(link_download(url, size, {}, args.threads))
+            out["link_s"].append(link_download(url, size, so, args.threads))
             print(f"round {r} link download {out['link_s'][-1]:.3f} s ({size / out['link_s'][-1] / 1e6:.0f} MB/s)")
-            for name, direct in (("solar-ranges", True), ("solar-h5py-blocks", False)):
-                out[name].append(solar_epochs(url, args.epochs, args.buffer, direct))
+            for name in names:
+                out[name].append(run_one(name, url, so, args))
                 print(f"round {r} {name:18s} " + " ".join(f"{t:7.3f}" for t in out[name][-1]), flush=True)
     link = float(np.mean(out["link_s"]))
     results = {}
-    for name in ("solar-ranges", "solar-h5py-blocks"):
+    for name in names:
         first = float(np.mean([t[0] for t in out[name]]))
         steady = float(np.mean([np.mean(t[1:]) for t in out[name]]))
         results[name] = {"epochs_s": out[name], "first_s": first, "steady_s": steady, "first_vs_link": link / first}

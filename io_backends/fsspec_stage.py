@@ -1,0 +1,209 @@
+"""A node-local copy of a remote file, made at link speed while its rows are read.
+
+NOTE [ Staging a remote file ]
+    Rows of a shuffled epoch lie all over the file: read one by one as byte ranges, each row is
+    a request of its own (64-128 KiB for PtychoNN-shaped data), and a request costs far more
+    than its bytes (a few thousand per epoch against the 48 large ones of a plain parallel
+    download). No grouping of one pass's rows helps: a pass wants a few rows in every region of
+    the file. What reaches the link's throughput is what LitData and Streaming do with their
+    chunks: copy the bytes to node-local disk once, in large pieces, and read rows from there.
+
+    With ``backend_options={"stage": DIR}`` the fsspec backend does that for an HDF5 file whose
+    rows it reads by byte range (NOTE [ Remote rows by byte ranges ] in fsspec.py): a background
+    thread downloads the whole file in ``PIECE``-byte pieces, ``INFLIGHT`` at a time, into an
+    unnamed file under ``DIR`` (created and unlinked at once: nothing is left behind, even when
+    the job is killed); a read waits only for the pieces holding its rows, fetching those itself
+    ahead of the background order when they are not on their way yet, then reads the rows from
+    the local copy with ``preadv``. So the first epoch runs at the link's throughput and later
+    epochs read local disk (its page cache). Every piece is requested pinned to the version
+    opened (``If-Match`` / ``IfMatch=ETag``), so a file replaced meanwhile is refused, as for
+    range reads; the dataset's checksums are still verified once per row the backend returns.
+    Costs: disk space for the whole file per process that opens it (checked up front), and the
+    whole file crosses the link even when a rank reads only part of it.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import tempfile
+import threading
+from typing import Callable
+
+import numpy as np
+
+from solar.errors import ConfigError, StorageError
+
+from .fsspec_common import CHANGED, url_errors
+
+__all__ = ["StagedFile", "PIECE", "INFLIGHT"]
+
+#: Bytes per request of the copy.
+PIECE = 8 << 20
+#: Requests of the background copy in flight at once.
+INFLIGHT = 16
+
+#: ``fetch(starts, ends) -> [bytes]``: the file's bytes ``[starts[i], ends[i])``, requested together.
+Fetch = Callable[[list, list], list]
+
+
+class StagedFile:
+    """The file at ``url`` (``size`` bytes), copied under ``directory`` by ``inflight`` threads,
+    each fetching one piece at a time: the pieces reads wait for first, then the rest in file
+    order.
+
+    :meth:`read_into` is safe from several threads; :meth:`close` stops the copy and frees the
+    disk space once no read uses it."""
+
+    def __init__(self, url: str, size: int, fetch: Fetch, directory: str, piece: int = PIECE,
+                 inflight: int = INFLIGHT) -> None:
+        if not os.path.isdir(directory):
+            raise ConfigError(f"{url}: stage={directory!r} is not a directory; pass an existing directory on "
+                              "node-local disk to copy the file into, or leave stage unset to read byte ranges")
+        free = shutil.disk_usage(directory).free
+        if free < size:
+            raise ConfigError(f"{url}: stage={directory!r} has {free} bytes free and the file takes {size}; "
+                              "pass a directory with room for it, or leave stage unset to read byte ranges")
+        self.url, self.size, self.piece, self.inflight = url, int(size), int(piece), int(inflight)
+        self._fetch = fetch
+        fd, name = tempfile.mkstemp(prefix="solar-stage-", dir=directory)
+        os.unlink(name)  # nameless: the space returns when the last descriptor closes
+        os.ftruncate(fd, self.size)
+        self._fd: int | None = fd
+        n = -(-self.size // self.piece)
+        self._done = np.zeros(n, bool)
+        self._claimed = np.zeros(n, bool)  # done, or being fetched
+        self._urgent: collections.deque = collections.deque()  # pieces a read waits for
+        self._next = 0  # the next piece in file order not claimed yet
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._running = 0  # copying threads alive
+        self.requests = 0  # pieces fetched so far
+        self._start()
+
+    def _start(self) -> None:
+        """Start the copying threads (again, after a failure)."""
+        with self._cond:
+            need, self._running = self.inflight - self._running, self.inflight
+        for _ in range(need):
+            threading.Thread(target=self._copy, name="solar-stage", daemon=True).start()
+
+    @property
+    def complete(self) -> bool:
+        return bool(self._done.all())
+
+    def _claim(self) -> int | None:
+        """The next piece to fetch (under the lock): one a read waits for, else the next in file
+        order; None when there is none."""
+        while self._urgent:
+            k = self._urgent.popleft()
+            if not self._claimed[k]:
+                self._claimed[k] = True
+                return k
+        while self._next < len(self._claimed) and self._claimed[self._next]:
+            self._next += 1
+        if self._next == len(self._claimed):
+            return None
+        self._claimed[self._next] = True
+        return self._next
+
+    def _copy(self) -> None:
+        """One copying thread: fetch and write pieces until none is left, the copy is closed or
+        a fetch fails (the failure goes to the reads that wait; the next read starts over)."""
+        k = None
+        try:
+            while True:
+                with self._cond:
+                    k = None if self._closed or self._error is not None else self._claim()
+                    if k is None:
+                        return
+                self._get(k)
+        except BaseException as exc:
+            with self._cond:
+                if k is not None and not self._done[k]:
+                    self._claimed[k] = False
+                    self._next = min(self._next, k)
+                self._error = self._error or exc
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    def _get(self, k: int) -> None:
+        """Fetch piece ``k``, write it to the copy, mark it done."""
+        a, b = k * self.piece, min(self.size, (k + 1) * self.piece)
+        with url_errors(self.url, "copying it to the stage directory"):
+            (data,) = self._fetch([a], [b])
+        if isinstance(data, BaseException):
+            raise data
+        if len(data) != b - a:
+            raise StorageError(f"{self.url}: got {len(data)} of {b - a} bytes at offset {a}; {CHANGED}")
+        with self._cond:
+            fd = None if self._closed else os.dup(self._fd)
+        if fd is None:
+            return
+        try:
+            view = memoryview(data)
+            while view.nbytes:
+                n = os.pwrite(fd, view, a)
+                view, a = view[n:], a + n
+        finally:
+            os.close(fd)
+        with self._cond:
+            self._done[k] = True
+            self.requests += 1
+            self._cond.notify_all()
+
+    def _ensure(self, ks: np.ndarray) -> None:
+        """Wait until pieces ``ks`` are in the copy, asking for them ahead of the file order."""
+        with self._cond:
+            self._urgent.extend(ks[~self._claimed[ks]].tolist())
+            self._cond.notify_all()
+            while not self._done[ks].all():
+                if self._closed:
+                    raise StorageError(f"{self.url}: closed by another thread while reading; close a "
+                                       "dataset only when no loader or thread reads it any more")
+                if self._error is not None:
+                    error, self._error = self._error, None
+                    break
+                self._cond.wait()
+            else:
+                return
+        self._start()  # (the next read tries again)
+        raise error
+
+    def read_into(self, runs: list[tuple[int, int]], out: memoryview) -> None:
+        """Bytes of ``runs`` (``(file offset, length)``, in order) into consecutive bytes of ``out``."""
+        ks = [np.arange(at // self.piece, (at + n - 1) // self.piece + 1) for at, n in runs if n]
+        if ks:
+            self._ensure(np.unique(np.concatenate(ks)))
+        with self._cond:
+            if self._closed:
+                raise StorageError(f"{self.url}: closed by another thread while reading; close a dataset only "
+                                   "when no loader or thread reads it any more")
+            fd = os.dup(self._fd)
+        try:
+            pos = 0
+            for at, n in runs:
+                got = 0
+                while got < n:
+                    k = os.preadv(fd, [out[pos + got:pos + n]], at + got)
+                    if k == 0:
+                        raise StorageError(f"{self.url}: the staged copy ends at {at + got} bytes, inside the "
+                                           f"{self.size}-byte file; {CHANGED}")
+                    got += k
+                pos += n
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Stop the copy and close the local file (its space is freed when the last read ends)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            fd, self._fd = self._fd, None
+            self._cond.notify_all()
+        os.close(fd)

@@ -1,0 +1,115 @@
+"""NOTE [ Staging a remote file ] in io_backends/fsspec_stage.py: with ``stage=DIR`` an HDF5 file
+over http or s3 (real nginx and moto servers on 127.0.0.1) is copied to DIR in pieces while its
+rows are read from the copy: the same rows as h5py reads, nothing left in DIR, the version pinned,
+and bad settings refused by name."""
+
+from __future__ import annotations
+
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+import solar
+from solar.io_backends import open_backend
+from solar.io_backends.fsspec_stage import StagedFile
+from test_remote_ranges import RANGES, _write, putter
+
+
+@pytest.fixture(params=["http", "s3"])
+def remote(request):
+    """``put(local_path) -> (url, storage_options)``."""
+    return putter(request, request.param)
+
+
+def _stage_dir(tmp_path) -> str:
+    d = tmp_path / "stage"
+    d.mkdir(exist_ok=True)
+    return str(d)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "chunked"])
+def test_staged_rows_are_h5pys_rows_and_leave_nothing_behind(remote, tmp_path, layout):
+    local = str(tmp_path / f"{layout}.h5")
+    data = _write(local, layout)
+    url, opts = remote(local)
+    d = _stage_dir(tmp_path)
+    be = open_backend(url, "fsspec", storage_options=opts, stage=d)
+    try:
+        for key in ("x", "y"):
+            got = be.read_ranges(key, RANGES)
+            np.testing.assert_array_equal(got, np.concatenate([data[key][a:b] for a, b in RANGES.tolist()]))
+            assert got.dtype == data[key].dtype
+        assert be.stats.extra["stage_requests"] >= 1 and "range_requests" not in be.stats.extra
+        assert os.listdir(d) == []  # the copy has no name: nothing to clean up, even after a kill
+    finally:
+        be.close()
+    assert os.listdir(d) == []
+
+
+def test_a_copy_in_small_pieces_is_the_file(remote, tmp_path):
+    """Many pieces, fetched by the copying threads and ahead of them for the reads that wait."""
+    local = str(tmp_path / "p.h5")
+    _write(local, "contiguous")
+    url, opts = remote(local)
+    be = open_backend(url, "fsspec", storage_options=opts)
+    be.ensure_open()
+    size = os.path.getsize(local)
+    st = StagedFile(url, size, be._fetch_ranges, _stage_dir(tmp_path), piece=1000, inflight=3)
+    try:
+        want = open(local, "rb").read()
+        tail = bytearray(300)
+        st.read_into([(size - 300, 300)], memoryview(tail))  # the last piece first
+        assert bytes(tail) == want[-300:]
+        out = bytearray(size)
+        st.read_into([(0, size)], memoryview(out))
+        assert bytes(out) == want and st.complete
+        assert st.requests == -(-size // 1000)  # each piece fetched once
+    finally:
+        st.close()
+        be.close()
+
+
+def test_a_file_replaced_before_it_is_copied_is_refused(remote, tmp_path):
+    local = str(tmp_path / "r.h5")
+    _write(local, "contiguous")
+    url, opts = remote(local)
+    be = open_backend(url, "fsspec", storage_options=opts)
+    be.ensure_open()  # pinned to this version
+    try:
+        size = os.path.getsize(local)
+        with h5py.File(local, "r+") as f:
+            f.attrs["changed"] = np.arange(100)  # another version, of another size
+        assert remote(local)[0] == url
+        st = StagedFile(url, size, be._fetch_ranges, _stage_dir(tmp_path), piece=4096, inflight=2)
+        try:
+            with pytest.raises(solar.StorageError, match="changed since it was opened") as err:
+                st.read_into([(0, 100)], memoryview(bytearray(100)))
+            assert url.split("://")[1].split("/")[0] in str(err.value)
+            with pytest.raises(solar.StorageError, match="changed since it was opened"):  # and again
+                st.read_into([(size - 10, 10)], memoryview(bytearray(10)))
+        finally:
+            st.close()
+    finally:
+        be.close()
+
+
+def test_a_stage_directory_that_cannot_hold_the_file_is_refused(remote, tmp_path):
+    local = str(tmp_path / "s.h5")
+    _write(local, "contiguous")
+    url, opts = remote(local)
+    with pytest.raises(solar.ConfigError, match="is not a directory"):
+        open_backend(url, "fsspec", storage_options=opts, stage=str(tmp_path / "nowhere")).ensure_open()
+    d = _stage_dir(tmp_path)
+    with pytest.raises(solar.ConfigError, match="bytes free and the file takes"):
+        StagedFile(url, 1 << 62, lambda a, b: [], d)
+    assert os.listdir(d) == []
+
+
+def test_a_missing_object_is_still_not_found(remote, tmp_path):
+    local = str(tmp_path / "m.h5")
+    _write(local, "contiguous")
+    url, opts = remote(local)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        open_backend(url + ".gone", "fsspec", storage_options=opts, stage=_stage_dir(tmp_path)).ensure_open()
