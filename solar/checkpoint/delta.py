@@ -29,6 +29,7 @@ Change detection runs in torch on whatever device the bytes are (:func:`changed_
 from __future__ import annotations
 
 import struct
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -51,6 +52,15 @@ KEEP_BELOW = 0.9
 _LEVEL = 1
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+_local = threading.local()  # one zstd context of each kind per thread: making one allocates ~1 MiB
+
+
+def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+    if not hasattr(_local, "cz"):
+        _local.cz, _local.dz = zstandard.ZstdCompressor(level=_LEVEL), zstandard.ZstdDecompressor()
+    return _local.cz, _local.dz
 
 
 class DeltaFormatError(ValueError):
@@ -120,7 +130,12 @@ def _planes(words: np.ndarray, elem: int) -> bytes:
 
 
 def _unplanes(raw: bytes, elem: int, dtype) -> np.ndarray:
-    return np.ascontiguousarray(np.frombuffer(raw, np.uint8).reshape(elem, -1).T).view(dtype).reshape(-1)
+    """The words whose byte planes are ``raw`` (shifts and ORs: a strided transpose copy is slower)."""
+    planes = np.frombuffer(raw, np.uint8).reshape(elem, -1)
+    out = planes[0].astype(dtype)
+    for b in range(1, elem):
+        out |= planes[b].astype(dtype) << dtype(8 * b)
+    return out
 
 
 def header(obj) -> Header:
@@ -147,7 +162,7 @@ def encode(new: memoryview, old: memoryview, base: bytes, elem: int) -> Encoded:
     a = np.frombuffer(new, dt)
     b = np.frombuffer(old, dt)
     head = _HEAD.pack(DELTA_MAGIC, SPARSE, elem, base, n)
-    cz = zstandard.ZstdCompressor(level=_LEVEL)
+    cz = _zstd()[0]
     gaps = np.diff(pos, prepend=-1).astype(np.uint32) - np.uint32(1)
     best = head + _COUNT.pack(k) + cz.compress(_planes(gaps, 4) + _planes(a[pos] ^ b[pos], elem))
     if k >= _TRY_XOR * nelem:
@@ -173,7 +188,7 @@ def apply(obj, out: memoryview, base: bytes) -> None:
     dt = _NP[h.elem]
     nelem = h.length // h.elem
     mine = np.frombuffer(out, dt)
-    dz = zstandard.ZstdDecompressor()
+    dz = _zstd()[1]
     body = memoryview(obj)[_HEAD.size:]
     try:
         if h.kind == XOR:
@@ -191,8 +206,8 @@ def apply(obj, out: memoryview, base: bytes) -> None:
         raise DeltaFormatError(f"its compressed stream is damaged ({exc})") from None
     if len(raw) != want:
         raise DeltaFormatError(f"its sparse stream has {len(raw)} B, not {want} B")
-    gaps = _unplanes(raw[:4 * k], 4, np.uint32).astype(np.int64)
-    pos = np.cumsum(gaps + 1) - 1
+    pos = np.cumsum(_unplanes(raw[:4 * k], 4, np.uint32), dtype=np.uint64)  # position i: gaps up to i, plus i
+    pos += np.arange(k, dtype=np.uint64)
     if pos[-1] >= nelem:
         raise DeltaFormatError(f"it changes element {pos[-1]} of a chunk of {nelem}")
     mine[pos] ^= _unplanes(raw[4 * k:], h.elem, dt)

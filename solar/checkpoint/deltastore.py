@@ -17,19 +17,24 @@ reported naming the chunk and the base.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+import os
+from typing import Callable, Iterator, NamedTuple
 
 from solar.cache.base import TierFullError
+from solar.cache.disk import open_regular
 from solar.errors import CheckpointError, CorruptDataError
 
+from .chunking import MAX_CHUNK_SIZE
 from .delta import DeltaFormatError, apply
-from .manifest import Manifest
+from .manifest import DeltaRef, Manifest
 from .pack import read_packed
 from .store import CheckpointStore
 
 __all__ = ["delta_key", "put_delta", "get_delta", "delete_delta", "delta_keys", "rebuild", "ChunkReadError"]
 
 _DELTAS = "deltas/"
+#: no delta object is larger than the largest chunk (a bigger file is not one: reported as missing)
+_MAX_DELTA = MAX_CHUNK_SIZE
 
 
 class ChunkReadError(Exception):
@@ -63,7 +68,19 @@ def put_delta(store: CheckpointStore, target: bytes, base: bytes, data: bytes) -
 
 
 def get_delta(store: CheckpointStore, target: bytes, base: bytes) -> bytes | None:
-    return store.tier.get(delta_key(target, base))
+    """The delta object, or ``None`` if it is missing (a local root's file is read directly, as packs are)."""
+    key = delta_key(target, base)
+    if store.local_dir is None:
+        return store.tier.get(key)
+    try:
+        fd = open_regular(store.tier.path(key))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        return os.pread(fd, size, 0) if size <= _MAX_DELTA else None
+    finally:
+        os.close(fd)
 
 
 def delete_delta(store: CheckpointStore, target: bytes, base: bytes) -> bool:
@@ -95,32 +112,68 @@ def _whole(store: CheckpointStore, m: Manifest, d: bytes, out: memoryview,
     return n
 
 
+class _Link(NamedTuple):
+    target: bytes
+    ref: DeltaRef
+
+
 def rebuild(store: CheckpointStore, m: Manifest, d: bytes, out: memoryview,
             digest: Callable[[memoryview], bytes]) -> int:
     """Read chunk ``d`` of version ``m`` into ``out`` (exactly its size), checked; return the bytes read.
 
+    A delta chunk: the whole chunk its chain ends in is read and checked against its digest, every
+    delta of the chain is applied (each checks it is a delta against the base the manifest names),
+    and the result is checked against ``d``. The chunks between are not hashed (the last check
+    covers them); only if that check fails is the chain replayed, hashing each step, to name the
+    delta that is wrong.
+
     Raises:
         ChunkReadError: the chunk, its delta or a base of it is missing or damaged (says which).
     """
-    ref = m.deltas.get(d) if m.deltas else None
-    if ref is None:
+    chain: list[_Link] = []
+    x = d
+    while m.deltas and x in m.deltas:  # ends: decode checked the depths step down to a whole chunk
+        chain.append(_Link(x, m.deltas[x]))
+        x = m.deltas[x].base
+    if not chain:
         return _whole(store, m, d, out, digest)
     try:
-        n = rebuild(store, m, ref.base, out, digest)
+        n = _whole(store, m, x, out, digest)
     except ChunkReadError as exc:
-        raise ChunkReadError(f"is a delta against base chunk {ref.base.hex()}, which {exc.what}") from None
-    data = get_delta(store, d, ref.base)
+        via = "" if x == chain[0].ref.base else f" (its chain of {len(chain)} deltas starts at whole chunk {x.hex()})"
+        raise ChunkReadError(f"is a delta against base chunk {chain[0].ref.base.hex()}{via}, and base chunk "
+                             f"{x.hex()} {exc.what}") from None
+    for link in reversed(chain):
+        n += _apply(store, link, out, d)
+    if digest(out) != d:
+        _name_bad_delta(store, m, x, chain, out, digest, d)
+    return n
+
+
+def _apply(store: CheckpointStore, link: _Link, out: memoryview, d: bytes) -> int:
+    target, ref = link
+    what = "" if target == d else f"; on its chain, the delta of chunk {target.hex()}"
+    data = get_delta(store, target, ref.base)
     if data is None:
-        raise ChunkReadError(f"is a delta against base chunk {ref.base.hex()} whose delta object is missing")
+        raise ChunkReadError(f"is a delta against base chunk {ref.base.hex()}{what} whose delta object is missing")
     if len(data) != ref.nbytes:
-        raise ChunkReadError(f"is a delta against base chunk {ref.base.hex()} whose delta object has {len(data)} B "
-                             f"instead of {ref.nbytes} B")
+        raise ChunkReadError(f"is a delta against base chunk {ref.base.hex()}{what} whose delta object has "
+                             f"{len(data)} B instead of {ref.nbytes} B")
     try:
         apply(data, out, ref.base)
     except DeltaFormatError as exc:
-        raise ChunkReadError(f"is a delta against base chunk {ref.base.hex()} whose delta object is damaged: "
+        raise ChunkReadError(f"is a delta against base chunk {ref.base.hex()}{what} whose delta object is damaged: "
                              f"{exc}") from None
-    if digest(out) != d:
-        raise ChunkReadError(f"rebuilt from its delta against base chunk {ref.base.hex()} fails its hash (the delta "
-                             "object changed)")
-    return n + len(data)
+    return len(data)
+
+
+def _name_bad_delta(store, m, x: bytes, chain: list[_Link], out: memoryview, digest, d: bytes) -> None:
+    """The rebuilt chunk failed its hash: replay the chain hashing each step, and raise naming the first wrong one."""
+    _whole(store, m, x, out, digest)
+    for link in reversed(chain):
+        _apply(store, link, out, d)
+        if digest(out) != link.target:
+            what = "" if link.target == d else f" (on its chain, the delta of chunk {link.target.hex()})"
+            raise ChunkReadError(f"rebuilt from its delta against base chunk {chain[0].ref.base.hex()} fails its "
+                                 f"hash{what}: the delta object against {link.ref.base.hex()} changed")
+    raise ChunkReadError("fails its hash after its chain was rebuilt twice (the stored bytes changed while read)")

@@ -1,0 +1,263 @@
+"""Fine-grained increments (issue 23): SOLAR's ``deltas=True`` writer beside torch.save, DCP and safetensors.
+
+Run: ``.venv/bin/python bench/checkpoint/delta.py [--gib 1] [--rounds 3] [--dir /tmp] [--out bench/checkpoint/delta.json]``
+
+One process, one run, contenders alternated (the machine may be shared: ratios from one run are what
+counts, and the load average is recorded before and after each phase):
+
+* **full saves** of a bf16 state of ``--gib`` GiB (8 tensors): ``torch.save``, ``dcp.save``
+  (single process), ``safetensors.torch.save_file`` and SOLAR (``CheckpointWriter(deltas=True)``,
+  durable: every chunk fsynced, the others are not), each into a fresh directory: seconds and bytes;
+* **sparse increments**: 1% and 0.1% of the bf16 elements changed at random positions (each changed
+  by 1-7 units in the last place, as visible fine-tuning updates are): SOLAR's increment in bytes
+  against its full save (the others rewrite everything: their increment is a full save);
+* **dense increments**: an fp32 state of the same size with Adam-like changes (every element moves by
+  ~1e-3 relative) and the bf16 state with every element changed: SOLAR's increment in bytes and
+  seconds against its own full save, and against a writer without deltas;
+* **restore** of the 10th version after 9 sparse increments (``max_chain=9``: every chunk read
+  through 9 deltas) against restoring the full first version, alternated ``--rounds`` times;
+* **hashing**: XXH3-128 chunk hashing of the state on one thread, GB/s;
+* **blocking**: the time ``save`` blocks the caller (the host copy) against ``torch.save``'s time.
+
+Peak memory (ru_maxrss) is recorded; the state, SOLAR's staging copy and its mirror are three copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from solar.checkpoint import CheckpointWriter, load
+from solar.checkpoint.chunking import hash_chunks, hasher
+
+GiB = 1 << 30
+NTENSORS = 8
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def dir_bytes(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(path) for f in fs)
+
+
+def make_state(gib: float, dtype: torch.dtype, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    n = int(gib * GiB) // torch.tensor([], dtype=dtype).element_size() // NTENSORS
+    return {f"layer{i}.weight": (torch.randn(n, generator=g) * 0.02).to(dtype) for i in range(NTENSORS)}
+
+
+def touch_sparse(state: dict, frac: float, seed: int) -> int:
+    """Change about ``frac`` of each bf16 tensor's elements (1-7 ulps) at random positions, in place."""
+    g = torch.Generator().manual_seed(seed)
+    total = 0
+    for t in state.values():
+        words = t.view(torch.int16)
+        k = max(1, int(frac * t.numel()))
+        pos = torch.randint(0, t.numel(), (k,), generator=g)
+        words[pos] ^= torch.randint(1, 8, (k,), generator=g, dtype=torch.int16)
+        total += k
+    return total
+
+
+def touch_dense(state: dict, seed: int) -> None:
+    """Every element moves, as an Adam step moves fp32 master weights: ~1e-3 relative."""
+    g = torch.Generator().manual_seed(seed)
+    for t in state.values():
+        step = torch.randn(t.shape, generator=g).mul_(1e-3)
+        t.add_((t.float() * step).to(t.dtype))
+        del step
+
+
+def timed(fn) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def fresh(base: str, name: str) -> str:
+    path = os.path.join(base, name)
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.isfile(path):
+        os.unlink(path)
+    return path
+
+
+def full_saves(state: dict, base: str, rounds: int) -> dict:
+    import safetensors.torch
+    import torch.distributed.checkpoint as dcp
+
+    contenders = {
+        "torch_save": lambda p: torch.save(state, p),
+        "dcp_save": lambda p: dcp.save(state, checkpoint_id=p, no_dist=True),
+        "safetensors": lambda p: safetensors.torch.save_file(state, p),
+        "solar": lambda p: _solar_full(state, p),
+    }
+    out: dict = {k: {"seconds": [], "bytes": 0} for k in contenders}
+    for _r in range(rounds):
+        for name, fn in contenders.items():
+            path = fresh(base, name)
+            gc.collect()
+            s, _ = timed(lambda: fn(path))
+            out[name]["seconds"].append(round(s, 3))
+            out[name]["bytes"] = dir_bytes(path)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+    for v in out.values():
+        v["median_s"] = statistics.median(v["seconds"])
+    return out
+
+
+def _solar_full(state: dict, path: str) -> None:
+    with CheckpointWriter(path, deltas=True) as w:
+        w.save(state, 0, blocking=True)
+
+
+def solar_series(state: dict, base: str, name: str, touches: list, **kw) -> list[dict]:
+    """Save the state, then after each ``touch(state)``; one record per save."""
+    path = fresh(base, name)
+    recs = []
+    with CheckpointWriter(path, **kw) as w:
+        for step, touch in enumerate([None, *touches]):
+            changed = touch(state) if touch is not None else None
+            t0 = time.perf_counter()
+            fut = w.save(state, step)
+            blocking = time.perf_counter() - t0
+            res = fut.result()
+            recs.append({"step": step, "seconds": round(time.perf_counter() - t0, 3), "blocking_s": round(blocking, 4),
+                         "bytes_written": res.bytes_written, "touched_elements": changed})
+    return recs
+
+
+def sparse_phase(args, base: str) -> dict:
+    state = make_state(args.gib, torch.bfloat16)
+    numel = sum(t.numel() for t in state.values())
+    out: dict = {"numel": numel, "load_before": load_average()}
+    for frac in (0.01, 0.001):
+        recs = solar_series(state, base, "sparse", [lambda s, f=frac, i=i: touch_sparse(s, f, 10 + i) for i in range(2)],
+                            deltas=True)
+        full = recs[0]["bytes_written"]
+        out[f"{frac:g}"] = {"saves": recs, "increment_ratio": [r["bytes_written"] / full for r in recs[1:]]}
+        print(f"bf16 {frac:.1%} changed: increments {[f'{r:.4%}' for r in out[f'{frac:g}']['increment_ratio']]} "
+              f"of a full save ({full} B)", flush=True)
+    shutil.rmtree(os.path.join(base, "sparse"), ignore_errors=True)
+    out["load_after"] = load_average()
+    return out
+
+
+def dense_phase(args, base: str, dtype: torch.dtype) -> dict:
+    out: dict = {"load_before": load_average()}
+    for deltas in (True, False):
+        state = make_state(args.gib, dtype, seed=1)
+        touch = (lambda s: touch_dense(s, 5)) if dtype == torch.float32 else (lambda s: touch_sparse(s, 1.0, 5))
+        recs = solar_series(state, base, "dense", [touch, touch], deltas=deltas)
+        out["deltas" if deltas else "plain"] = recs
+        del state
+        gc.collect()
+    d, p = out["deltas"], out["plain"]
+    out["bytes_ratio_vs_full"] = max(r["bytes_written"] for r in d[1:]) / d[0]["bytes_written"]
+    out["time_ratio_vs_full"] = max(r["seconds"] for r in d[1:]) / d[0]["seconds"]
+    out["time_ratio_vs_plain_increment"] = max(r["seconds"] for r in d[1:]) / max(r["seconds"] for r in p[1:])
+    out["load_after"] = load_average()
+    shutil.rmtree(os.path.join(base, "dense"), ignore_errors=True)
+    print(f"{dtype} dense: increment {out['bytes_ratio_vs_full']:.4f}x a full save in bytes, "
+          f"{out['time_ratio_vs_full']:.2f}x in time ({out['time_ratio_vs_plain_increment']:.2f}x a writer "
+          "without deltas)", flush=True)
+    return out
+
+
+def restore_phase(args, base: str) -> dict:
+    state = make_state(args.gib, torch.bfloat16, seed=2)
+    recs = solar_series(state, base, "chain", [lambda s, i=i: touch_sparse(s, 0.01, 30 + i) for i in range(9)],
+                        deltas=True, max_chain=9)
+    del state
+    gc.collect()
+    path = os.path.join(base, "chain")
+    full, tenth = [], []
+    for _r in range(args.rounds):
+        for step, sink in ((0, full), (9, tenth)):
+            gc.collect()
+            s, st = timed(lambda: load(path, step))
+            sink.append(round(s, 3))
+            del st
+    out = {"saves": recs, "full_s": full, "tenth_s": tenth, "ratio": statistics.median(tenth) / statistics.median(full),
+           "load": load_average()}
+    shutil.rmtree(path, ignore_errors=True)
+    print(f"restore of the 10th version (9 deltas per chunk): {out['ratio']:.2f}x a full version "
+          f"({statistics.median(tenth):.2f} s vs {statistics.median(full):.2f} s)", flush=True)
+    return out
+
+
+def hashing_phase(args) -> dict:
+    torch.set_num_threads(1)
+    state = make_state(min(args.gib, 1.0), torch.bfloat16, seed=3)
+    digest = hasher("xxh3_128")
+    nbytes = sum(t.numel() * 2 for t in state.values())
+    best = float("inf")
+    for _r in range(args.rounds):
+        s, _ = timed(lambda: [hash_chunks(t.view(torch.uint8).numpy(), 1 << 20, digest) for t in state.values()])
+        best = min(best, s)
+    print(f"hashing: {nbytes / best / 1e9:.1f} GB/s on one thread", flush=True)
+    return {"bytes": nbytes, "best_s": best, "gb_per_s": nbytes / best / 1e9, "load": load_average()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "delta.json"))
+    args = ap.parse_args()
+    base = tempfile.mkdtemp(prefix="solar-delta-bench-", dir=args.dir)
+    result: dict = {"gib": args.gib, "rounds": args.rounds, "cpus": os.cpu_count(), "load_start": load_average()}
+    try:
+        state = make_state(args.gib, torch.bfloat16)
+        result["full"] = full_saves(state, base, args.rounds)
+        f = result["full"]
+        print("full saves (median s, bytes): " + ", ".join(f"{k} {v['median_s']:.2f} s {v['bytes']}"
+                                                           for k, v in f.items()), flush=True)
+        blocking = solar_series(state, base, "blocking", [], deltas=True)[0]["blocking_s"]
+        result["blocking"] = {"solar_s": blocking, "torch_save_s": f["torch_save"]["median_s"],
+                              "ratio": blocking / f["torch_save"]["median_s"]}
+        del state
+        gc.collect()
+        result["sparse_bf16"] = sparse_phase(args, base)
+        result["dense_fp32"] = dense_phase(args, base, torch.float32)
+        result["dense_bf16"] = dense_phase(args, base, torch.bfloat16)
+        result["restore"] = restore_phase(args, base)
+        result["hashing"] = hashing_phase(args)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+    result["load_end"] = load_average()
+    s = result["sparse_bf16"]
+    result["bars"] = {
+        "sparse_1pct_increment_le_3pct": max(s["0.01"]["increment_ratio"]) <= 0.03,
+        "sparse_0.1pct_increment_le_0.5pct": max(s["0.001"]["increment_ratio"]) <= 0.005,
+        "dense_fp32_bytes_le_1.02x": result["dense_fp32"]["bytes_ratio_vs_full"] <= 1.02,
+        "dense_fp32_time_le_1.2x": result["dense_fp32"]["time_ratio_vs_full"] <= 1.2,
+        "dense_bf16_bytes_le_1.02x": result["dense_bf16"]["bytes_ratio_vs_full"] <= 1.02,
+        "dense_bf16_time_le_1.2x": result["dense_bf16"]["time_ratio_vs_full"] <= 1.2,
+        "restore_10th_le_1.5x": result["restore"]["ratio"] <= 1.5,
+        "hashing_ge_5_gb_s": result["hashing"]["gb_per_s"] >= 5,
+        "blocking_le_10pct_torch_save": result["blocking"]["ratio"] <= 0.10,
+    }
+    print(json.dumps(result["bars"], indent=1))
+    print(f"peak RSS {result['peak_rss_gib']:.2f} GiB; load average {result['load_end']}")
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
