@@ -134,22 +134,36 @@ def test_sparse_increments_write_deltas_and_every_version_restores_bit_exact(tmp
     assert {r.depth for r in m.deltas.values()} == {1, 2, 3, 4, 5}
 
 
-def test_max_chain_rebases_chunks_and_bounds_reads(tmp_path):
+def test_max_chain_rebases_chunks_against_their_anchor_and_bounds_reads(tmp_path):
+    from solar.checkpoint.reader import Reader
+
     saved, results = _series(tmp_path, 7, max_chain=2)
     full = results[0].bytes_written
-    # depth 1, 2, then whole again (re-based), 1, 2, whole
-    big = [r.step for r in results if r.bytes_written > 0.5 * full]
-    assert big == [0, 3, 6]
+    # depth 1, 2, then a skip-delta against the first save's chunks (depth 1 again), 2, 1 ...:
+    # never a whole chunk again while the changes since the anchor stay sparse
+    assert all(r.bytes_written < 0.1 * full for r in results[1:])
     store = CheckpointStore(tmp_path)
+    depths = [sorted({r.depth for d, r in store.read_manifest(s).deltas.items()
+                      if d in {bytes(x) for x in store.read_manifest(s).blob_digests(0)}}) for s in range(1, 7)]
+    assert depths == [[1], [2], [1], [2], [1], [2]], depths
+    assert results[3].bytes_written > results[2].bytes_written  # the skip-delta holds three saves' changes
     for step in range(7):
         m = store.read_manifest(step)
         assert all(r.depth <= 2 for r in m.deltas.values())
-        from solar.checkpoint.reader import Reader
-
         rd = Reader(tmp_path, step)
         got = rd.state_dict()
         assert _equal(got["w"], saved[step])
         assert rd.bytes_read <= 2 * m.logical_bytes
+
+
+def test_chunks_are_written_whole_again_once_the_changes_since_the_anchor_are_dense(tmp_path):
+    saved, results = _series(tmp_path, 6, frac=0.12, max_chain=1)
+    full = results[0].bytes_written
+    big = [r.step for r in results if r.bytes_written > 0.5 * full]
+    assert big and big[0] == 0 and len(big) >= 2, [r.bytes_written for r in results]
+    for step, want in enumerate(saved):
+        assert _equal(load(tmp_path, step)["w"], want)
+    assert verify(tmp_path).ok
 
 
 def test_dense_changes_are_written_whole(tmp_path):

@@ -9,8 +9,10 @@ tagged per chunk with the digest it holds), refreshed only where chunks changed.
 A delta is written against a base only if the base is a chunk the store is known to hold (so a
 mirror holding bytes of a save that failed is never a base), and only while the chain stays
 bounded: at most ``max_chain`` deltas deep and at most one chunk's worth of delta bytes on top of
-the whole base, so a restore reads at most about twice a version's size. Otherwise the chunk is
-re-based: written whole, and the next deltas start from it.
+the whole chunk the chain starts from (its *anchor*), so a restore reads at most about twice a
+version's size. Otherwise the chunk is re-based: stored as a delta against the anchor itself
+(read back from the store; depth 1, all the changes since the anchor: skip-deltas, as Subversion
+stores revisions), or, once that is no longer clearly smaller, written whole: the new anchor.
 
 A writer opened on an existing root starts without a mirror: its first save writes changed chunks
 whole (reading the old bytes back would cost a full read of the previous version).
@@ -19,11 +21,11 @@ whole (reading the old bytes back would cost a full read of the previous version
 from __future__ import annotations
 
 import threading
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
 
-from solar.errors import ConfigError
+from solar.errors import ConfigError, CorruptDataError
 
 from .chunking import chunk_spans
 from .delta import element_size, encode
@@ -56,8 +58,10 @@ class DeltaSaver:
     """Per-writer state of delta saves; ``put`` runs in the writer's I/O threads, the rest in its
     save thread (one save at a time)."""
 
-    def __init__(self, chunk_size: int, max_chain: int, manifests: Iterable[Manifest]) -> None:
+    def __init__(self, chunk_size: int, max_chain: int, manifests: Iterable[Manifest],
+                 digest: Callable[[memoryview], bytes]) -> None:
         self.chunk_size = chunk_size
+        self._digest = digest
         self.max_chain = check_max_chain(max_chain)
         self.chains: dict[bytes, DeltaRef] = {}  # committed chunks stored as deltas
         for m in manifests:
@@ -79,14 +83,36 @@ class DeltaSaver:
             itemsize = flat.tensors[blob.tensors[0]].itemsize if blob.tensors else 1
             self._blobs[name] = _Blob(element_size(self.chunk_size, itemsize), blob.nbytes)
 
-    def _chain_bytes(self, d: bytes) -> int:
-        """The delta bytes read on top of the whole chunk to rebuild ``d``."""
+    def _chain(self, d: bytes) -> tuple[int, bytes]:
+        """The delta bytes read on top of the whole chunk to rebuild ``d``, and that chunk (the anchor)."""
         total = 0
         ref = self.chains.get(d)
         while ref is not None:
             total += ref.nbytes
-            ref = self.chains.get(ref.base)
-        return total
+            d = ref.base
+            ref = self.chains.get(d)
+        return total, d
+
+    def _against(self, sink, d: bytes, view: memoryview, old: memoryview, base: bytes, depth: int,
+                 elem: int) -> tuple[int | None, int]:
+        """Store ``d`` as a delta against ``base`` (bytes ``old``) if it is clearly smaller: ``(bytes
+        written or None, elements changed or -1)``."""
+        enc = encode(view, old, base, elem)
+        if enc.data is None:
+            return None, enc.changed
+        written = put_delta(sink.store, d, base, enc.data)
+        with self._lock:
+            self._fresh[d] = DeltaRef(base, depth, written)
+        return written, enc.changed
+
+    def _anchor_bytes(self, sink, anchor: bytes, n: int) -> memoryview | None:
+        """The anchor chunk read back (checked), or ``None`` if it cannot be."""
+        buf = memoryview(bytearray(n))
+        try:
+            got = sink.store.read_chunk_into(anchor, buf)
+        except (CorruptDataError, ValueError, OSError):
+            return None
+        return buf if got == n and self._digest(buf) == anchor else None
 
     def _base(self, known: set[bytes], name: str, j: int) -> bytes | None:
         mirror, blob = self._mirror.get(name), self._blobs.get(name)
@@ -106,13 +132,23 @@ class DeltaSaver:
             a = j * self.chunk_size
             prev = self.chains.get(base)
             depth = (prev.depth if prev is not None else 0) + 1
-            enc = encode(view, memoryview(self._mirror[name].data[a:a + n]), base, elem)
-            changed = enc.changed if enc.changed >= 0 else changed
-            if (enc.data is not None and depth <= self.max_chain
-                    and self._chain_bytes(base) + len(enc.data) <= n):
-                written = put_delta(sink.store, d, base, enc.data)
+            chain_bytes, anchor = self._chain(base)
+            written, got = None, -1
+            if depth <= self.max_chain:
+                written, got = self._against(sink, d, view, memoryview(self._mirror[name].data[a:a + n]), base,
+                                             depth, elem)
+                if written is not None and chain_bytes + written > n:  # too long a read: re-base instead
+                    with self._lock:
+                        del self._fresh[d]
+                    delete_delta(sink.store, d, base)
+                    written = None
+            if written is None and anchor != base and anchor in sink.known:
+                old = self._anchor_bytes(sink, anchor, n)
+                if old is not None:
+                    written, _ = self._against(sink, d, view, old, anchor, 1, elem)
+            changed = got if got >= 0 else changed
+            if written is not None:
                 with self._lock:
-                    self._fresh[d] = DeltaRef(base, depth, written)
                     self._changed += changed
                 return written
         written = sink.store.put_chunk(d, view)

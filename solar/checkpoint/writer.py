@@ -182,8 +182,8 @@ class CheckpointWriter:
             self._main.lock.release()
             raise
         self.root = self._main.store.root
-        self._deltas = (DeltaSaver(self.chunk_size, max_chain, self._main.store.valid_manifests(warn=False))
-                        if deltas else None)
+        self._deltas = (DeltaSaver(self.chunk_size, max_chain, self._main.store.valid_manifests(warn=False),
+                                   self._digest) if deltas else None)
         first = self._stage or self._main
         latest = first.store.latest()
         self._prev_step = latest.step if latest else None
