@@ -13,6 +13,8 @@ concurrent 8 MiB GETs, nothing kept); and each of ``--contenders``, ``--epochs``
 * ``solar-ranges``: rows read as byte ranges from the URL (the default);
 * ``solar-staged``: ``backend_options={"stage": DIR}``, the file copied to node-local disk in
   large pieces while it is read (a fresh ``--stage-dir`` subdirectory per run);
+* ``solar-spill``: by byte ranges, with ``spill=(DIR, "1GiB")``: the buffer's spill tier on
+  node-local disk keeps what does not fit in memory;
 * ``solar-h5py-blocks``: through h5py's block-cached file object (``direct_reads=False``);
 * ``solar-local``: the local file (the steady epoch staging should reach).
 
@@ -42,12 +44,12 @@ from solar.fileio import write_text_atomic  # noqa: E402
 from run import link_download  # noqa: E402
 from servers import nginx_server  # noqa: E402
 
-CONTENDERS = ("solar-ranges", "solar-staged", "solar-h5py-blocks", "solar-local")
+CONTENDERS = ("solar-ranges", "solar-staged", "solar-spill", "solar-h5py-blocks", "solar-local")
 
 
-def solar_epochs(url: str, epochs: int, buffer: str, options: dict) -> list[float]:
+def solar_epochs(url: str, epochs: int, buffer: str, options: dict, spill=None) -> list[float]:
     ds = solar.H5Dataset(url, ("x", "y"), backend_options=options or None)
-    loader = solar.DataLoader(ds, batch_size=32, shuffle=True, distributed=True, buffer=buffer)
+    loader = solar.DataLoader(ds, batch_size=32, shuffle=True, distributed=True, buffer=buffer, spill=spill)
     times = []
     try:
         for e in range(epochs):
@@ -83,8 +85,10 @@ def served(where: str, data: str, bucket: str):
 def run_one(name: str, url: str, so: dict, args) -> list[float]:
     if name == "solar-local":
         return solar_epochs(os.path.realpath(args.data), args.epochs, args.buffer, {})
-    if name == "solar-staged":
+    if name in ("solar-staged", "solar-spill"):
         with tempfile.TemporaryDirectory(dir=args.stage_dir, prefix="solar-bench-stage-") as d:
+            if name == "solar-spill":
+                return solar_epochs(url, args.epochs, args.buffer, so, spill=(d, "1GiB"))
             return solar_epochs(url, args.epochs, args.buffer, {**so, "stage": d})
     return solar_epochs(url, args.epochs, args.buffer, {**so, "direct_reads": name != "solar-h5py-blocks"})
 
@@ -99,7 +103,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
-    ap.add_argument("--stage-dir", default=tempfile.gettempdir(), help="node-local directory for solar-staged")
+    ap.add_argument("--stage-dir", default=tempfile.gettempdir(),
+                    help="node-local directory for solar-staged and solar-spill")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not os.path.exists(args.data):

@@ -22,7 +22,7 @@ batches already in memory (what the consumer's own work costs). A loader cannot 
 ``loop_s``; one that moves each byte once more costs about ``one_copy_s`` on top of it.
 
 ``--where s3``: the HDF5 file (and LitData's chunks) are uploaded to an S3 server on 127.0.0.1
-(``--endpoint``; ``bench/compete/README.md`` says how to start one) and every contender reads
+(npm's s3rver, started here: bench/compete/s3rver.py; or ``--endpoint`` of one running) and every contender reads
 from there; ``link_s``: a plain parallel ranged download of the whole file (``--link-threads``
 concurrent 8 MiB GETs) in the same run, so the first epoch can be compared with the link.
 """
@@ -48,7 +48,9 @@ import solar  # noqa: E402
 from solar.fileio import write_text_atomic  # noqa: E402
 from solar.synthetic import write_ptycho_h5  # noqa: E402
 
-from contenders import CONTENDERS, Setup, upload  # noqa: E402
+from contenders import CONTENDERS, VENVS, Setup, upload  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 
 def memcpy_bandwidth(nbytes: int = 256 << 20, repeat: int = 5) -> float:
@@ -136,7 +138,10 @@ def run_one(setup: Setup, name: str, epochs: int, step: Callable, cold: bool) ->
     except ImportError as exc:
         return {"skipped": str(exc)}
     try:
-        return {"epochs_s": run_epochs(c, epochs, step, c.drop_cache if cold else None), "version": c.version}
+        out = {"epochs_s": run_epochs(c, epochs, step, c.drop_cache if cold else None), "version": c.version}
+        if hasattr(c, "prepare_s"):
+            out["prepare_s"] = c.prepare_s
+        return out
     finally:
         c.close()
 
@@ -145,12 +150,19 @@ def alternate(args, names: list[str]) -> dict[str, list]:
     """Every contender's epochs, round by round, each in its own process (``--one``)."""
     times: dict[str, list] = {n: [] for n in names}
     skipped = {}
-    base = [sys.executable, os.path.abspath(__file__)] + [a for a in sys.argv[1:]]
+    for name in names:
+        py = os.path.join(ROOT, VENVS[name], "bin", "python") if name in VENVS else sys.executable
+        if not os.path.exists(py):
+            skipped[name] = f"{py} is missing: run `bash bench/compete/venvs.sh {name}`"
+            print(f"{name}: skipped ({skipped[name]})")
     for r in range(args.rounds):
         for name in names:
             if name in skipped:
                 continue
-            got = subprocess.run([*base, "--one", name], capture_output=True, text=True)
+            py = os.path.join(ROOT, VENVS[name], "bin", "python") if name in VENVS else sys.executable
+            where = ["--endpoint", args.endpoint] if args.endpoint else []
+            got = subprocess.run([py, os.path.abspath(__file__), *sys.argv[1:], *where, "--one", name],
+                                 capture_output=True, text=True)
             lines = [ln for ln in got.stdout.splitlines() if ln.startswith("{")]
             res = json.loads(lines[-1]) if lines and not got.returncode else \
                 {"skipped": f"failed: {(got.stderr.strip().splitlines() or ['?'])[-1]}"}
@@ -172,9 +184,9 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--buffer", default="192MiB", help="SOLAR's buffer= (the issue's setting)")
-    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--contenders", default=None, help="default: every contender (solar-staged-w0 for s3 only)")
     ap.add_argument("--where", choices=("local", "s3"), default="local")
-    ap.add_argument("--endpoint", default="http://127.0.0.1:9000")
+    ap.add_argument("--endpoint", default=None, help="an S3 server already running (default: start s3rver)")
     ap.add_argument("--bucket", default="solar-compete")
     ap.add_argument("--link-threads", type=int, default=16)
     ap.add_argument("--cold", action="store_true")
@@ -190,11 +202,24 @@ def main() -> None:
         write_ptycho_h5(args.data, args.samples, size=args.size, progress=False)
     setup = Setup(args.data, args.samples, args.size, args.batch, args.buffer, args.where, args.endpoint,
                   args.bucket)
-    names = [n for n in args.contenders.split(",") if n]
+    names = [n for n in (args.contenders or "").split(",") if n] or \
+        [n for n in CONTENDERS if args.where == "s3" or "staged" not in n]
     step = make_step(args.touch, args.cnn)
     if args.one:
         print(json.dumps(run_one(setup, args.one, args.epochs, step, args.cold)))
         return
+    if args.where == "s3" and args.endpoint is None:
+        from s3rver import s3rver
+
+        with s3rver(args.bucket) as so:
+            args.endpoint = so["client_kwargs"]["endpoint_url"]
+            compare(args, setup._replace(endpoint=args.endpoint), names, step)
+    else:
+        compare(args, setup, names, step)
+
+
+def compare(args, setup: Setup, names: list[str], step: Callable) -> None:
+    """Every contender alternated, the limits measured, the table printed and written."""
     load_start = os.getloadavg()
     epoch_bytes = args.samples * 3 * args.size * args.size * 4
     bw = memcpy_bandwidth()
@@ -210,6 +235,8 @@ def main() -> None:
         steady = float(np.mean([np.mean(t[1:]) if len(t) > 1 else t[0] for t in ts]))
         results[name] = {"epochs_s": ts, "steady_s": steady, "first_s": float(np.mean([t[0] for t in ts])),
                          "version": got[0]["version"]}
+        if "prepare_s" in got[0]:
+            results[name]["prepare_s"] = [g["prepare_s"] for g in got]
     one_copy = epoch_bytes / bw
     fastest_other = min((r["steady_s"] for n, r in results.items() if not n.startswith("solar")), default=None)
     best_solar = min((r["steady_s"] for n, r in results.items() if n.startswith("solar")), default=None)
