@@ -239,9 +239,11 @@ def test_solar_ckpt_sees_one_version_across_ranks_and_one_rank_with_rank(comm, s
         part = JobStore(CheckpointStore(root)).part(JobStore(CheckpointStore(root)).read_global(1), 1)
         ref = next(t for t in part.tensors if t.name == "model.own")
         digest = part.blob_digests(ref.blob)[0].tobytes().hex()
-        path = os.path.join(root, "chunks", digest[:2], digest)
+        loc = part.locations.get(bytes.fromhex(digest))  # packed (the job writer's default) or a file
+        path = os.path.join(root, "packs", loc.pack[:2], loc.pack) if loc else os.path.join(root, "chunks",
+                                                                                          digest[:2], digest)
         data = bytearray(open(path, "rb").read())
-        data[0] ^= 1
+        data[loc.offset if loc else 0] ^= 1
         open(path, "wb").write(bytes(data))
         code, rep = run("verify", root, "--json")
         assert code == 1 and rep["problems"][0]["tensors"] == ["rank 1/model.own"]

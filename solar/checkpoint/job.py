@@ -47,7 +47,7 @@ from .flatten import Flat
 from .host import HostPool
 from .jobstore import JobManifest, JobStore, PartEntry, part_digest
 from .manifest import encode
-from .pack import delete_pack, locate, located, split_small, write_pack
+from .pack import PACK_BYTES, Packer, delete_pack, locate, located, pack_policy
 from .store import CheckpointStore
 from .writer import JOB_WRITER, CheckpointWriter, SaveResult
 
@@ -113,9 +113,11 @@ class JobWriter(CheckpointWriter):
     calls ``save`` with the same steps in the same order. ``comm`` is an mpi4py communicator or a
     torch.distributed process group (``"torch"``: the default group); the writer talks over private
     duplicates of it. The other arguments are :class:`CheckpointWriter`'s, except ``staging``
-    (not supported with ``comm=``) and ``pack``, on by default here: each rank writes a save's small
-    chunks into one pack file (:mod:`.pack`). ``on_commit_point(point, step)`` is called at each of
-    :data:`COMMIT_POINTS` (instrumentation; crash tests kill a rank there).
+    (not supported with ``comm=``) and ``pack``, :data:`.pack.PACK_BYTES` here: each rank writes a
+    save's chunks into a few rolling pack files (:mod:`.pack`), because a job root lives on a
+    parallel file system, where every file is a metadata operation on servers all ranks share.
+    ``on_commit_point(point, step)`` is called at each of :data:`COMMIT_POINTS` (instrumentation;
+    crash tests kill a rank there).
 
     Raises:
         CheckpointLockedError: another writer (or job) holds ``root`` (raised on every rank).
@@ -126,7 +128,7 @@ class JobWriter(CheckpointWriter):
                  keep_last: int | None = None, hash: str = "xxh3_128", max_in_flight: int = 1,
                  staging: "str | os.PathLike | None" = None, io_threads: int = 4,
                  storage_options: dict | None = None, durable: bool = True,
-                 on_commit_point: Callable[[str, int], None] | None = None, pack: bool = True) -> None:
+                 on_commit_point: Callable[[str, int], None] | None = None, pack: "bool | int" = PACK_BYTES) -> None:
         if staging is not None:
             raise ConfigError("staging= is not supported with comm= (a job root is committed by all ranks at once); "
                               "leave staging out")
@@ -136,7 +138,7 @@ class JobWriter(CheckpointWriter):
         self._sync, self._bg = job_comm(comm, 2)
         self.rank, self.world_size = self._sync.rank, self._sync.size
         self._hook = on_commit_point
-        self.pack = pack
+        self.pack, self._packing = pack, pack_policy(pack, int(chunk_size))
         store = CheckpointStore(root, create=True, durable=durable, **(storage_options or {}))
         self.jobs = JobStore(store)
         self.root = store.root
@@ -307,22 +309,28 @@ class JobWriter(CheckpointWriter):
         return sorted(d for d in here if holders[d][int.from_bytes(d[:8], "little") % len(holders[d])] == self.rank)
 
     def _write_owned(self, plan, mine: list[bytes], step: int, release: Callable[[], None], pack: list[str]) -> _Owned:
-        """Write this rank's chunks: the small ones into one pack (``pack=True``), the rest as files."""
-        store = self._main.store
-        small, full = split_small({d: plan.new[d] for d in mine}, self.chunk_size if self.pack else 0)
+        """Write this rank's chunks: into rolling packs as ``pack=`` says (:mod:`.pack`), the rest as files."""
+        store, owned = self._main.store, set(mine)
+        packer = Packer(store, self._io.submit, self._packing.limit)
+        futs = []
         try:
-            packed = self._io.submit(write_pack, store, small)
-            futs = [self._io.submit(store.put_chunk, d, v) for d, v in full]
-            wait_futures([packed, *futs])
+            for d, v in plan.new.items():  # the order they were found in: a pack holds neighbours
+                if d not in owned:
+                    continue
+                if v.nbytes < self._packing.below:
+                    packer.add(d, v)
+                else:
+                    futs.append(self._io.submit(store.put_chunk, d, v))
+            wait_futures(futs)
+            packed = packer.finish()  # deletes its packs and raises on a failure
         finally:
             release()  # the chunks' bytes were read from the staging copy
-        for f in [packed, *futs]:
+        pack.extend(packed.names)
+        for f in futs:
             if f.exception() is not None:
                 raise f.exception()
-        locs, pack_bytes = packed.result()
-        pack.extend({loc.pack for loc in locs.values()})
         self._point("after-chunks", step)
-        return _Owned(sum(f.result() for f in futs) + pack_bytes, len(mine), locs)
+        return _Owned(sum(f.result() for f in futs) + packed.nbytes, len(mine), packed.locations)
 
     def _write_part(self, flat: Flat, plan, wrote: _Owned, new_locs: dict, step: int, meta: dict):
         m = self._manifest(flat, plan, step, meta, wrote.bytes, wrote.chunks,

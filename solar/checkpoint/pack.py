@@ -1,8 +1,18 @@
 """Pack files: all the chunks one save (one rank of a job) writes, in one object.
 
 Git's pack files are the model. One file per chunk makes a save of a model with hundreds of
-tensors (each small tensor is a chunk of its own) a metadata storm on a parallel file system;
-with ``pack=True`` a save writes one pack plus its manifest, whatever the tensor count::
+tensors (each small tensor is a chunk of its own, each 1 MiB of a large one another) a metadata
+storm on a parallel file system. ``pack=`` says what goes into packs (:func:`pack_policy`):
+
+- ``pack=N`` (bytes; the job writer's default is :data:`PACK_BYTES`): every new chunk, into rolling
+  packs of at most ``N`` bytes, so a save makes ``ceil(new bytes / N)`` packs plus its manifest,
+  whatever the tensor count. Each pack is assembled in memory while the next fills, and at most
+  two are in flight, so the writer's extra memory is bounded by ``2 N``;
+- ``pack=True``: only the chunks smaller than ``chunk_size`` (small tensors, blob tails), into one
+  pack per save; full chunks stay files of their own;
+- ``pack=False``: a file per chunk (the default of a single-process writer: a root on a local disk).
+
+::
 
     packs/<2 hex>/<32 hex>    the new chunks' bytes back to back, named by the xxh3-128 of its bytes
 
@@ -10,26 +20,117 @@ A pack is immutable and published atomically, like a chunk. Which pack holds a c
 is in the manifest of every version that uses the chunk (``Manifest.locations``: digest ->
 ``[pack, offset, length]``), so a reader needs no index and a de-duplicated chunk of an older
 version is found through the new version's manifest too. A pack lives while a kept version
-locates any chunk in it; ``gc`` deletes packs no kept version uses (a pack some of whose chunks
-are dead stays whole).
+locates any chunk in it; ``gc`` deletes packs no kept version uses, and ``solar-ckpt gc`` repacks
+the ones that are partly dead (:mod:`.repack`).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from concurrent.futures import Future, wait as wait_futures
+from typing import Callable, Iterator, NamedTuple
 
 import xxhash
 
 from solar.cache.disk import open_regular
-from solar.errors import CheckpointError, CorruptDataError
+from solar.errors import CheckpointError, ConfigError, CorruptDataError
 
 from .manifest import Location, Manifest
 from .store import CheckpointStore
 
-__all__ = ["Location", "pack_key", "write_pack", "read_packed", "pack_names", "delete_pack", "located", "packs_of"]
+__all__ = ["Location", "pack_key", "write_pack", "read_packed", "pack_names", "delete_pack", "located", "packs_of",
+           "PACK_BYTES", "PackPolicy", "pack_policy", "Packer"]
 
 _PACKS = "packs/"
+#: the most bytes of a rolling pack by default: a few packs per rank per save of a large model, and
+#: a bounded buffer (two packs) in memory while they are written
+PACK_BYTES = 256 << 20
+
+
+class PackPolicy(NamedTuple):
+    """What ``pack=`` asks for: chunks shorter than ``below`` bytes are packed, into packs of at most
+    ``limit`` bytes (a chunk longer than ``limit`` makes a pack of its own)."""
+
+    below: float
+    limit: float
+
+
+def pack_policy(pack: "bool | int", chunk_size: int) -> PackPolicy:
+    """The :class:`PackPolicy` of a writer's ``pack=`` (see the module doc).
+
+    Raises:
+        ConfigError: ``pack`` is neither a bool nor a positive number of bytes.
+    """
+    if pack is True:
+        return PackPolicy(chunk_size, float("inf"))
+    if pack is False or pack is None:
+        return PackPolicy(0, 0)
+    if not isinstance(pack, int) or pack < 1:
+        raise ConfigError(f"pack= takes True, False or the most bytes of a pack (an int >= 1), got {pack!r}")
+    return PackPolicy(float("inf"), pack)
+
+
+class PackResult(NamedTuple):
+    locations: dict  # digest -> Location of every chunk packed
+    nbytes: int  # bytes written
+    names: list  # the packs written
+
+
+class Packer:
+    """Rolling packs: chunks added in order fill a pack until the next would pass ``limit`` bytes;
+    a full pack is written by ``submit(write_pack, store, chunks)`` (a thread pool's) while the
+    next fills. At most ``in_flight`` packs are written at once (:meth:`add` waits), so memory stays
+    bounded by that many packs. Chunks are views of the staging copy, which must live until
+    :meth:`finish` returns."""
+
+    def __init__(self, store: CheckpointStore, submit: Callable[..., Future], limit: float, in_flight: int = 2) -> None:
+        self.store, self.submit, self.limit, self.in_flight = store, submit, limit, in_flight
+        self._cur: list[tuple[bytes, memoryview]] = []
+        self._cur_bytes = 0
+        self._futs: list[Future] = []
+
+    def add(self, digest: bytes, view: memoryview) -> None:
+        if self._cur and self._cur_bytes + view.nbytes > self.limit:
+            self._flush()
+        self._cur.append((digest, view))
+        self._cur_bytes += view.nbytes
+
+    def _flush(self) -> None:
+        if not self._cur:
+            return
+        running = [f for f in self._futs if not f.done()]
+        if len(running) >= self.in_flight:
+            running[0].exception()  # waits for the oldest (a failure is raised by finish)
+        self._futs.append(self.submit(write_pack, self.store, self._cur))
+        self._cur, self._cur_bytes = [], 0
+
+    def finish(self) -> PackResult:
+        """Write the last pack, wait for every one; on a failure delete the packs written and raise it."""
+        self._flush()
+        wait_futures(self._futs)
+        failed = [f.exception() for f in self._futs if f.exception() is not None]
+        if failed:
+            self.discard()
+            raise failed[0]
+        out = PackResult({}, 0, [])
+        for f in self._futs:
+            locs, n = f.result()
+            out.locations.update(locs)
+            out = out._replace(nbytes=out.nbytes + n)
+            out.names.extend({loc.pack for loc in locs.values()})
+        return out
+
+    def discard(self) -> None:
+        """Delete the packs written so far (best effort: a full ``gc`` removes what is left)."""
+        wait_futures(self._futs)
+        for f in self._futs:
+            if f.exception() is None:
+                locs, _n = f.result()
+                for name in {loc.pack for loc in locs.values()}:
+                    try:
+                        delete_pack(self.store, name)
+                    except OSError:
+                        pass
 
 
 def pack_key(name: str) -> str:
@@ -126,11 +227,3 @@ def locate(digests: list, *maps: dict[bytes, Location]) -> dict[bytes, Location]
                 if d in m:
                     out[d] = m[d]
     return out
-
-
-def split_small(chunks: dict[bytes, memoryview], chunk_size: int) -> tuple[list, list]:
-    """``(small, full)``: chunks shorter than ``chunk_size`` (small tensors, blob tails) go to a pack,
-    full ones stay files of their own (a pack holds no full chunk, so writing it copies only small ones)."""
-    small = sorted((d, v) for d, v in chunks.items() if v.nbytes < chunk_size)
-    full = sorted((d, v) for d, v in chunks.items() if v.nbytes >= chunk_size)
-    return small, full
