@@ -250,19 +250,23 @@ try:
 except (OSError, ET.ParseError):
     pass
 
-# bench/codec: CPU and GPU decode figures of solar ebq (zstd)
+# bench/codec: CPU and GPU decode figures of solar ebq (zstd, the CPU default) and ebq/7's bitpack
+# (decoded whole on the device: the GPU figure that counts the lossless stage)
 codec = load("codec.json")
 if codec:
     rows = codec["rows"]
-    fields = [{k: r.get(k) for k in ("field", "rel", "ratio", "max_err_over_bound", "dec_MBps", "gpu_dec_GBps",
-                                      "gpu_dec_GBps_reference", "bound_ok")}
-              for r in rows if r.get("compressor") == "solar ebq (zstd)" and "batch" not in r]
-    fig = {"device": codec.get("device"), "solar_ebq_zstd": fields,
+    keys = ("field", "rel", "ratio", "max_err_over_bound", "dec_MBps", "gpu_dec_GBps", "gpu_dec_GBps_reference",
+            "bound_ok")
+    per = {name: [{k: r.get(k) for k in keys} for r in rows if r.get("compressor") == f"solar ebq ({name})"
+                  and "batch" not in r] for name in ("zstd", "bitpack")}
+    fields = per["zstd"]
+    fig = {"device": codec.get("device"), "solar_ebq_zstd": fields, "solar_ebq_bitpack": per["bitpack"],
            "all_within_bound": all(r["bound_ok"] for r in rows)}
-    gpu = [f["gpu_dec_GBps"] for f in fields if f.get("gpu_dec_GBps")]
-    if gpu:
-        fig["gpu_decode_GBps_geomean"] = math.exp(sum(map(math.log, gpu)) / len(gpu))
-        fig["gpu_decode_GBps_max"] = max(gpu)
+    for name, sfx in (("zstd", ""), ("bitpack", "_bitpack")):
+        gpu = [f["gpu_dec_GBps"] for f in per[name] if f.get("gpu_dec_GBps")]
+        if gpu:
+            fig["gpu_decode_GBps_geomean" + sfx] = math.exp(sum(map(math.log, gpu)) / len(gpu))
+            fig["gpu_decode_GBps_max" + sfx] = max(gpu)
     cpu = [f["dec_MBps"] for f in fields if f.get("dec_MBps")]
     if cpu:
         fig["cpu_decode_MBps_geomean"] = math.exp(sum(map(math.log, cpu)) / len(cpu))
@@ -298,9 +302,10 @@ for name, s in steps.items():
     print(f"  {name:11s} {s['status']:18s} {s['seconds']:7.1f} s")
 if "codec" in steps and "figures" in steps["codec"]:
     f = steps["codec"]["figures"]
-    for r in f["solar_ebq_zstd"]:
-        g = f"  GPU {r['gpu_dec_GBps']:.2f} GB/s" if r.get("gpu_dec_GBps") else ""
-        print(f"  codec {r['field']:22s} ratio {r['ratio']:6.2f}  CPU decode {r['dec_MBps']:7.0f} MB/s{g}")
+    for name in ("zstd", "bitpack"):
+        for r in f[f"solar_ebq_{name}"]:
+            g = f"  GPU {r['gpu_dec_GBps']:.2f} GB/s" if r.get("gpu_dec_GBps") else ""
+            print(f"  codec {name:7s} {r['field']:22s} ratio {r['ratio']:6.2f}  CPU decode {r['dec_MBps']:7.0f} MB/s{g}")
     for r in f["batch"]:
         print(f"  codec batch {r['field']:18s} {r['compressor']:36s} {r['dec_MBps']:9.0f} MB/s")
 if "loader" in steps and "figures" in steps["loader"]:

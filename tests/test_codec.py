@@ -21,7 +21,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "codec"
 # every registered codec runs the shipped conformance suite, with each of its main configurations
 CONFIGS = [{"id": "ebq", "predictor": p, "lossless": ls}
            for p, ls in [("auto", "zstd"), ("fine", "lz4"), ("interp", "zstd"), ("cubic", "lz4"),
-                        ("linear", "zstd"), ("lorenzo", "none")]]
+                        ("linear", "zstd"), ("lorenzo", "none"), ("auto", "bitpack"), ("lorenzo", "bitpack")]]
 CONFIGS += [{"id": name} for name in sc.registry.names() if name != "ebq"]
 
 

@@ -46,6 +46,8 @@ def _corpus():
         (smooth[:3], {"rel_error": 0.0}, None),
         (rng.standard_normal((2, 3, 4, 5)).astype(np.float32), {"abs_error": 1e-5}, None),
         (np.stack([smooth, smooth.T]), {"rel_error": 1e-3}, {"id": "ebq", "predictor": "cubic"}),
+        (specials, {"rel_error": 1e-3}, {"id": "ebq", "predictor": "fine", "lossless": "bitpack"}),
+        (spiky.astype(np.float64), {"abs_error": 1e-9}, {"id": "ebq", "predictor": "lorenzo", "lossless": "bitpack"}),
     ]
     return [(x, sc.encode(x, codec=c, **b)) for x, b, c in cases]
 

@@ -98,7 +98,7 @@ def test_golden_fixtures_decode_to_the_reference_bits(decoder):
         got = sc.decode(blob, decoder=decoder)
         assert same(got, want), entry["blob"]
         assert got.numpy().tobytes().hex()[:64] == entry["decoded_prefix"]
-    assert versions >= {1, 2, 3, 4, 5, 6}
+    assert versions >= {1, 2, 3, 4, 5, 6, 7}
     blobs = [(FIXTURES / e["blob"]).read_bytes() for e in index]  # one mixed batch, every group kind
     assert same(decode_all(blobs, decoder, threads=3), decode_all(blobs, "reference"))
 
@@ -135,7 +135,7 @@ def fields(draw, shape=None, dtype=None):
 _CODECS = st.fixed_dictionaries({
     "id": st.just("ebq"),
     "predictor": st.sampled_from(["auto", "fine", "interp", "cubic", "linear", "lorenzo"]),
-    "lossless": st.sampled_from(["zstd", "lz4", "none"]),
+    "lossless": st.sampled_from(["zstd", "lz4", "none", "bitpack"]),
 })
 _BOUNDS = st.one_of(st.fixed_dictionaries({"rel_error": st.sampled_from([0.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-6])}),
                     st.fixed_dictionaries({"abs_error": st.sampled_from([1e-3, 0.25, 0.5, 1e-30, 1e30])}))
@@ -244,3 +244,30 @@ def test_a_forked_child_decodes_with_threads_after_its_parent_did():
 
 def _decode_in_child(blobs):
     return decode_all(blobs, "cpu-kernel", threads=2).numpy()
+
+
+@needs_kernel
+def test_a_cold_compile_of_the_decoder_says_it_is_compiling(caplog):
+    """numba compiling a kernel of the decoder (its cache cold) logs one line; a kernel that is
+    already compiled (or cached) says nothing, and neither does numba compiling other code."""
+    import logging
+
+    import numba
+
+    paths.kernel_available()  # the notice is installed with the kernels
+
+    def fresh(x):
+        return x * 2 + 1
+
+    fresh.__module__ = paths._kernels().__name__  # one more kernel of the decoder's module, never compiled
+    kernel = numba.njit(fresh)
+    blob = sc.encode(np.linspace(0, 1, 100, dtype=np.float32), rel_error=1e-3)
+    sc.decode(blob, decoder="cpu-kernel")  # compiled (or loaded from the cache) before listening
+    with caplog.at_level(logging.WARNING, logger="solar.codec"):
+        assert kernel(3) == 7
+        assert kernel(4) == 9  # compiled now: quiet
+        numba.njit(lambda x: x - 1)(5)  # not the decoder's
+        sc.decode(blob, decoder="cpu-kernel")  # already compiled: quiet
+    notices = [r.getMessage() for r in caplog.records if r.name == "solar.codec"]
+    assert len(notices) == 1 and "compiling the cpu-kernel decoder fresh" in notices[0], notices
+    assert "cache is cold" in notices[0]

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 PER_LEVEL = st.fixed_dictionaries({"id": st.just("ebq"), "predictor": st.sampled_from(["fine", "interp", "cubic",
                                                                                          "linear"]),
-                                   "lossless": st.sampled_from(["zstd", "lz4", "none"])})
+                                   "lossless": st.sampled_from(["zstd", "lz4", "none", "bitpack"])})
 
 
 @pytest.fixture(scope="module")

@@ -233,12 +233,13 @@ def measure(comps: list, x: np.ndarray, eb: float, reps: int) -> list[dict]:
     return rows
 
 
-def gpu_decode(x: np.ndarray, eb: float, batch: int = 16, reps: int = 10, decoder=None) -> float | None:
-    """GB/s of decode_batch on CUDA (original bytes), or None without a GPU; ``decoder`` None is
-    the default path (``triton`` where Triton imports)."""
+def gpu_decode(x: np.ndarray, eb: float, batch: int = 16, reps: int = 10, decoder=None, codec=None) -> float | None:
+    """GB/s of decode_batch on CUDA (original bytes, blobs from host memory: the whole decode,
+    lossless stage included), or None without a GPU; ``decoder`` None is the default path
+    (``triton`` where Triton imports)."""
     if not torch.cuda.is_available():
         return None
-    blobs = [sc.encode(x, abs_error=eb)] * batch
+    blobs = [sc.encode(x, abs_error=eb, codec=codec)] * batch
     sc.decode_batch(blobs, device="cuda", decoder=decoder)
     torch.cuda.synchronize()
 
@@ -344,6 +345,8 @@ def batch_rows(reps: int, rel: float, sizes=(64, 128), batch: int = 64, gpu: boo
                       + (f"   (first call, compiling: {first:.1f} s)" if "compiled" in name else ""))
             if gpu:
                 rows += gpu_batch_rows(fname, arr, blobs, eb, y, rel, reps)
+                bps = [sc.encode(a, abs_error=eb, codec={"id": "ebq", "lossless": "bitpack"}) for a in arr]
+                rows += gpu_batch_rows(f"{fname} (bitpack)", arr, bps, eb, sc.decode_batch(bps), rel, reps)
     return rows
 
 
@@ -360,6 +363,8 @@ def overhead_rows(reps: int, calls: int = 300) -> list[dict]:
         eb = 1e-3 * (float(x.max()) - float(x.min())) or 1e-3
         blob = sc.encode(x, abs_error=eb)
         fns = {f"solar decode ({d})": (lambda d=d: sc.decode(blob, decoder=d)) for d in decoders}
+        bp = sc.encode(x, abs_error=eb, codec={"id": "ebq", "lossless": "bitpack"})
+        fns["solar decode (auto, bitpack)"] = lambda: sc.decode(bp)
         if PySZ().available():
             zb = PySZ().compress(x, eb)
             fns["SZ3 (pysz)"] = lambda: PySZ().decompress(zb, x)
@@ -391,7 +396,7 @@ def main(argv=None) -> int:
     solars = [Solar("zstd"), Solar("zstd", decoder="reference")]
     if paths.kernel_available():
         solars.append(Solar("zstd", decoder="cpu-kernel"))
-    comps = [c for c in [*solars, Solar("zstd", compile=True), Solar("lz4"), PySZ(), H5SZ3(), ZFP(),
+    comps = [c for c in [*solars, Solar("zstd", compile=True), Solar("bitpack"), Solar("lz4"), PySZ(), H5SZ3(), ZFP(),
                          RawLossless("lz4"), RawLossless("zstd")] if c.available()]
     fields = all_fields(args.n)
     if args.fields:
@@ -405,9 +410,9 @@ def main(argv=None) -> int:
             here = [c for c in comps if not (c.lossless and rel != args.rel[0])]
             for comp, r in zip(here, measure(here, x, eb, args.reps)):
                 r.update(field=fname, shape=list(x.shape), rel=rel, compressor=comp.name)
-                if comp.name == "solar ebq (zstd)" and use_gpu:  # 16 blobs: 134 MB at 128^3
-                    r["gpu_dec_GBps"] = gpu_decode(x, eb)
-                    r["gpu_dec_GBps_reference"] = gpu_decode(x, eb, decoder="reference")
+                if comp.name in (SOLAR, SOLAR_BP) and use_gpu:  # 16 blobs: 134 MB at 128^3
+                    r["gpu_dec_GBps"] = gpu_decode(x, eb, codec=comp.cfg)
+                    r["gpu_dec_GBps_reference"] = gpu_decode(x, eb, decoder="reference", codec=comp.cfg)
                 rows.append(r)
                 gpu = f"  GPU {r['gpu_dec_GBps']:.1f} GB/s" if r.get("gpu_dec_GBps") else ""
                 first = f"  (first decode, compiling: {r['compile_s']:.1f} s)" if r["compile_s"] else ""
@@ -436,8 +441,9 @@ def main(argv=None) -> int:
 
 
 SOLAR, SOLAR_C, SZ3 = "solar ebq (zstd)", "solar ebq (zstd, compiled)", "SZ3 (pysz)"
+SOLAR_BP = "solar ebq (bitpack)"
 SOLAR_REF, SOLAR_K = "solar ebq (zstd, reference)", "solar ebq (zstd, cpu-kernel)"
-SOLARS = (SOLAR, SOLAR_REF, SOLAR_K, SOLAR_C)
+SOLARS = (SOLAR, SOLAR_REF, SOLAR_K, SOLAR_C, SOLAR_BP)
 
 
 def summarize(rows: list[dict], rels) -> dict:
@@ -458,6 +464,8 @@ def summarize(rows: list[dict], rels) -> dict:
             return math.exp(sum(map(math.log, vals)) / len(vals)) if vals else float("nan")
 
         out[str(rel)] = {"ratio_vs_sz3": gm("ratio"), "cpu_decode_speed_vs_pysz": gm("dec_MBps"),
+                         "bitpack": {"ratio_vs_sz3": gm("ratio", SOLAR_BP), "cpu_decode_speed_vs_pysz":
+                                     gm("dec_MBps", SOLAR_BP)},
                          "cpu_decode_speed_vs_pysz_compiled": gm("dec_MBps", SOLAR_C),
                          "cpu_decode_speed_vs_pysz_by_path": {k: gm("dec_MBps", k) for k in SOLARS},
                          "per_field_decode_vs_pysz": {f: {k: p[k]["dec_MBps"] / p[SZ3]["dec_MBps"]
@@ -465,10 +473,11 @@ def summarize(rows: list[dict], rels) -> dict:
                                                       for f, p in pairs.items()},
                          "bound_held": all(r["bound_ok"] for r in rows if r["rel"] == rel)}
         s = out[str(rel)]
-        by = ", ".join(f"{k[len('solar ebq (zstd'):].strip(', )') or 'auto'} {v:.2f}x"
+        by = ", ".join(f"{k.removeprefix('solar ebq (').rstrip(')')} {v:.2f}x"
                        for k, v in s["cpu_decode_speed_vs_pysz_by_path"].items() if v == v)
         print(f"rel {rel:g}: ratio {s['ratio_vs_sz3']:.3f}x SZ3 (target >= 1.0), single-thread decode vs pysz "
-              f"(target >= 3): {by}; bound held: {s['bound_held']}")
+              f"(target >= 3): {by}; bound held: {s['bound_held']}; bitpack: ratio "
+              f"{s['bitpack']['ratio_vs_sz3']:.3f}x SZ3")
     return out
 
 

@@ -159,11 +159,29 @@ def decode(blob, *, device="cpu", out=None, compile: bool | None = None, decoder
     ``threads``: the ``cpu-kernel`` path's threads (0: every core); None follows ``SOLAR_CODEC_THREADS``.
     Raises :class:`CorruptDataError` for truncated, corrupted or foreign blobs.
     """
+    if out is None and compile is None and device == "cpu" and type(blob) is bytes:
+        decoders.check(decoder, threads)
+        x = _fast().decode_one(blob, decoder)  # one blob on the CPU: no grouping, no option contexts
+        if x is not None:
+            return x
     p = _parse(blob, "codec blob")
     _check_out(out, p.header, device)
     with fused.use(compile), decoders.use(decoder, threads):
         x = _codec_for(p).decode_group([p], device, None if out is None else out.view((1,) + p.header.shape))[0]
     return x if out is None else out
+
+
+_FAST = None
+
+
+def _fast():
+    """:mod:`solar.codec.fast` (it imports torch: imported on the first decode, then kept)."""
+    global _FAST
+    if _FAST is None:
+        from . import fast  # decode only: `import solar.codec` stays numpy-only
+
+        _FAST = fast
+    return _FAST
 
 
 def _check_out(out, h: Header, device) -> None:

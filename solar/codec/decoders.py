@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from solar.errors import ConfigError
 
-__all__ = ["DECODERS", "use", "current"]
+__all__ = ["DECODERS", "use", "current", "check"]
 
 DECODERS = ("auto", "reference", "cpu-kernel", "triton")
 
@@ -28,7 +28,8 @@ class _Choice(NamedTuple):
 _CHOICE: contextvars.ContextVar[_Choice] = contextvars.ContextVar("solar_codec_decoder", default=_Choice(None, None))
 
 
-def _check(decoder, threads) -> None:
+def check(decoder, threads) -> None:
+    """ConfigError for a ``decoder=`` or ``threads=`` no decode takes."""
     if decoder is not None and decoder not in DECODERS:
         raise ConfigError(f"decoder= must be one of {', '.join(map(repr, DECODERS))}, got {decoder!r}")
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
@@ -38,7 +39,7 @@ def _check(decoder, threads) -> None:
 @contextlib.contextmanager
 def use(decoder: str | None = None, threads: int | None = None):
     """Within the block, decode with ``decoder`` on ``threads`` threads (None: the environment)."""
-    _check(decoder, threads)
+    check(decoder, threads)
     token = _CHOICE.set(_Choice(decoder, threads))
     try:
         yield

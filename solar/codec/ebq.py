@@ -35,6 +35,9 @@ Format versions (all still decode; golden fixtures in ``tests/fixtures/codec``):
   pre-quantization leaves on smooth fields at loose bounds.
 * ``ebq/6``: interpolation passes refine the innermost axis first within each level
   (:func:`solar.codec.predict.interp_plan`, ``reverse``): fewer strided decoder passes.
+* ``ebq/7``: adds code width ``BITPACK`` (``lossless="bitpack"``): the residuals in
+  :mod:`solar.codec.bitpack`'s fixed-length blocks, no byte-oriented lossless stage, so every
+  decoder path (a GPU's included) unpacks them itself.
 """
 
 from __future__ import annotations
@@ -47,12 +50,12 @@ import torch
 
 from solar.errors import ConfigError
 
-from . import fused
+from . import bitpack, fused
 from . import lossless as ll
 from . import paths
 from . import predict as pr
 from .base import Codec, Parsed
-from .ebq_meta import NIBBLES, WIDTHS, EbqMeta, fold_axes
+from .ebq_meta import BITPACK, NIBBLES, WIDTHS, EbqMeta, fold_axes
 from .header import pack_header
 from .predict import Predictor
 from .quantize import QMAX, Quantized, quantize, verify
@@ -170,21 +173,24 @@ class EBQCodec(Codec):
             smaller blob), ``"fine"`` (SZ-style interpolation from reconstructed values),
             ``"interp"`` (interpolation on pre-quantized integers, cubic/linear per level),
             ``"cubic"``, ``"linear"`` (the same, one kind everywhere), ``"lorenzo"``.
-        lossless: ``"zstd"`` (default when installed: best ratio), ``"lz4"`` (fastest), ``"none"``.
+        lossless: ``"zstd"`` (default when installed: best ratio), ``"lz4"``, ``"none"``, or
+            ``"bitpack"`` (fixed-length blocks every decoder path unpacks itself, a GPU's included:
+            the fastest decode, a lower ratio); ``SOLAR_CODEC_LOSSLESS`` sets the default.
         level: lossless compression level (zstd 1..22, default 9; decode speed barely changes).
     """
 
     codec_id = "ebq"
-    version = 6
-    decodes = frozenset({1, 2, 3, 4, 5, 6})
+    version = 7
+    decodes = frozenset({1, 2, 3, 4, 5, 6, 7})
 
     def __init__(self, predictor: str = "auto", lossless: str | None = None, level: int | None = None):
         if predictor != "auto" and predictor not in pr.PREDICTOR_IDS or predictor == "raw":
             raise ConfigError("ebq predictor must be 'auto', 'fine', 'interp', 'cubic', 'linear' or 'lorenzo', "
                               f"got {predictor!r}")
         lossless = lossless or ll.default_lossless()
-        if lossless not in ll.LOSSLESS_IDS:
-            raise ConfigError(f"ebq lossless must be one of {sorted(ll.LOSSLESS_IDS)}, got {lossless!r}")
+        if lossless not in ll.LOSSLESS_IDS and lossless != "bitpack":
+            raise ConfigError(f"ebq lossless must be one of {sorted(ll.LOSSLESS_IDS) + ['bitpack']}, got "
+                              f"{lossless!r}")
         if level is not None and not isinstance(level, int):
             raise ConfigError(f"ebq level must be an int, got {level!r}")
         self.predictor, self.lossless, self.level = predictor, lossless, level
@@ -214,9 +220,14 @@ class EBQCodec(Codec):
         payload = b"".join(sections)
         return pack_header(self.descriptor, array.dtype, tuple(array.shape), abs_error, meta, payload) + payload
 
+    @property
+    def _bytes_stage(self) -> str:
+        """The byte-oriented stage of the sections that are not bit-packed codes."""
+        return "none" if self.lossless == "bitpack" else self.lossless
+
     def _pack_raw(self, array: np.ndarray, abs_error: float) -> bytes:
-        data = ll.compress(np.ascontiguousarray(array).tobytes(), self.lossless, self.level)
-        meta = EbqMeta(Predictor.RAW, ll.LOSSLESS_IDS[self.lossless], array.dtype.itemsize, 0, 0.0, 0.0, 0,
+        data = ll.compress(np.ascontiguousarray(array).tobytes(), self._bytes_stage, self.level)
+        meta = EbqMeta(Predictor.RAW, ll.LOSSLESS_IDS[self._bytes_stage], array.dtype.itemsize, 0, 0.0, 0.0, 0,
                        codes_len=len(data), n_esc=0, esc_len=0, n_out=0, out_len=0, n_side=0, fold=0, kshift=0)
         return self._blob(array, abs_error, meta.pack(), [data])
 
@@ -238,22 +249,26 @@ class EBQCodec(Codec):
                 mask = _best_levels(q, reverse=True)
             mask &= (1 << 64) - 1
             r = pr.interp_stream(q, mask, reverse=True).reshape(-1)
-        lvl = self.level
-        w, codes, esc_pos, n_side = _codes(r)
-        s_codes = ll.compress(codes, self.lossless, lvl)
+        lvl, stage = self.level, self._bytes_stage
+        qint = 4 if qmax <= (1 << 26) else 8
+        if self.lossless == "bitpack":
+            w, s_codes, esc_pos, n_side = BITPACK, bitpack.pack(r), np.empty(0, np.int64), 0
+            if qint == 4 and r.size and not (-(1 << 31) <= r.min() and r.max() < (1 << 31)):
+                qint = 8  # int32 codes decode into int32 exactly: wider residuals need int64
+        else:
+            w, codes, esc_pos, n_side = _codes(r)
+            s_codes = ll.compress(codes, stage, lvl)
         if w == 1 and np.count_nonzero((r < -7) | (r > 7)) <= r.size * _NIBBLE_FRACTION:
             alt = _codes(r, nibble=True)
-            s_alt = ll.compress(alt[1], self.lossless, lvl)
+            s_alt = ll.compress(alt[1], stage, lvl)
             if len(s_alt) < len(s_codes):
                 (w, codes, esc_pos, n_side), s_codes = alt, s_alt
         esc_val = r[esc_pos].astype(np.int64)
-        s_esc = ll.compress(_deltas(esc_pos).tobytes() + esc_val.tobytes(), self.lossless, lvl) if esc_pos.size else b""
+        s_esc = ll.compress(_deltas(esc_pos).tobytes() + esc_val.tobytes(), stage, lvl) if esc_pos.size else b""
         out_vals = array.reshape(-1)[outliers]
-        s_out = ll.compress(_deltas(outliers).tobytes() + out_vals.tobytes(), self.lossless, lvl) \
-            if outliers.size else b""
-        qint = 4 if qmax <= (1 << 26) else 8
+        s_out = ll.compress(_deltas(outliers).tobytes() + out_vals.tobytes(), stage, lvl) if outliers.size else b""
         pid = pr.PREDICTOR_IDS[name if name in ("lorenzo", "fine") else "interp"]
-        meta = EbqMeta(pid, ll.LOSSLESS_IDS[self.lossless], w, qint, step, qz.offset, cubic_levels=mask,
+        meta = EbqMeta(pid, ll.LOSSLESS_IDS[stage], w, qint, step, qz.offset, cubic_levels=mask,
                        codes_len=len(s_codes), n_esc=esc_pos.size, esc_len=len(s_esc), n_out=outliers.size,
                        out_len=len(s_out), n_side=n_side, fold=fold, kshift=kshift)
         return self._blob(array, abs_error, meta.pack(), [s_codes, s_esc, s_out])
@@ -412,7 +427,7 @@ def _eager_integers(g: Gathered, m0: EbqMeta, int8_stream: bool, version: int, l
     """The group's quantized integers, ``(B * lead, *inner_shape)``, by eager tensor ops."""
     B, n = len(g.kinds), math.prod(lay.shape)
     rows = (B * lay.lead, n // lay.lead)
-    t = _code_stream(g.planes, g.rows, g.kinds, g.marks, g.side, n, dev)
+    t = None if m0.width == BITPACK else _code_stream(g.planes, g.rows, g.kinds, g.marks, g.side, n, dev)
     if int8_stream and m0.predictor.per_level:
         # int8 codes go straight into the predictor (widened inside its adds); escapes are
         # corrections (true residual - marker) applied pass by pass
@@ -426,6 +441,8 @@ def _eager_integers(g: Gathered, m0: EbqMeta, int8_stream: bool, version: int, l
         return pr.interp_decode(codes.view(rows), lay.inner_shape, lay.masks, lay.t_int, escapes, lay.K, lay.reverse)
     if int8_stream:
         r = t.view(torch.int8).reshape(B, n).to(lay.t_int)
+    elif m0.width == BITPACK:
+        r = bitpack.unpack_torch(g.planes[BITPACK], n, lay.t_int, dev)
     else:
         r = unzigzag_(join_planes(t.view(B, m0.width, n), lay.t_int))
     patch_(r.view(-1), *_cat(g.esc_idx, g.esc_val, dev))
@@ -441,6 +458,10 @@ def _triton_integers(g: Gathered, m0: EbqMeta, int8_stream: bool, lay: _Layout, 
     corrections added to it (int8 codes: true residual - marker) or put in place (wider codes);
     the passes then choose cubic/linear per row, so mixed groups need no sorting."""
     B, n = len(g.kinds), math.prod(lay.shape)
+    kt = paths.triton_kernels(dev)
+    if m0.width == BITPACK:  # unpacked on the device: no CPU stage in front of the passes
+        r = kt.unpack(g.planes[BITPACK], B, n, lay.t_int, dev)
+        return kt.interp_decode(r.view(B * lay.lead, n // lay.lead), lay.inner_shape, lay.masks, lay.K, lay.reverse)
     t = _code_stream(g.planes, g.rows, g.kinds, g.marks, g.side, n, dev)
     if int8_stream:
         r = t.view(torch.int8).reshape(B, n).to(lay.t_int)
@@ -450,7 +471,6 @@ def _triton_integers(g: Gathered, m0: EbqMeta, int8_stream: bool, lay: _Layout, 
     else:
         r = unzigzag_(join_planes(t.view(B, m0.width, n), lay.t_int))
         patch_(r.view(-1), *_cat(g.esc_idx, g.esc_val, dev))
-    kt = paths.triton_kernels(dev)
     return kt.interp_decode(r.view(B * lay.lead, n // lay.lead), lay.inner_shape, lay.masks, lay.K, lay.reverse)
 
 

@@ -17,20 +17,24 @@ import numpy as np
 from solar.errors import CorruptDataError
 
 from . import lossless as ll
+from .bitpack import blocks, head
 from .header import Header
 from .predict import Predictor
 
-__all__ = ["EbqMeta", "NIBBLES", "WIDTHS", "fold_axes", "code_len"]
+__all__ = ["EbqMeta", "NIBBLES", "BITPACK", "WIDTHS", "fold_axes", "code_len"]
 
 # Metadata layout per format version, in EbqMeta's field order. v1 lacks ``cubic_levels`` (its
 # predictor id says linear or cubic for every level), ``n_side``, ``fold`` and ``kshift``; v2 adds
 # ``cubic_levels``, v3 ``n_side``, v4 ``fold``, v5 ``kshift``. v6 has v5's layout (only the
-# interpolation pass order differs: innermost axis first).
+# interpolation pass order differs: innermost axis first); v7 too (it adds code width BITPACK).
 _METAS = {1: struct.Struct("<BBBBddQQQQQ"), 2: struct.Struct("<BBBBddQQQQQQ"), 3: struct.Struct("<BBBBddQQQQQQQ"),
           4: struct.Struct("<BBBBddQQQQQQQB"), 5: struct.Struct("<BBBBddQQQQQQQBB"),
-          6: struct.Struct("<BBBBddQQQQQQQBB")}
+          6: struct.Struct("<BBBBddQQQQQQQBB"), 7: struct.Struct("<BBBBddQQQQQQQBB")}
 #: Code width 0: 4-bit pairs with an int8 side stream (ebq/3+); other widths are bytes per code.
 NIBBLES = 0
+#: Code width 255 (ebq/7+): the codes section is :mod:`solar.codec.bitpack`'s fixed-length blocks,
+#: stored without a byte-oriented lossless stage (``lossless`` none), with no escapes or side stream.
+BITPACK = 255
 WIDTHS = (1, 2, 4, 8)
 #: Leading axes of at most this size (channels: amplitude/phase, velocity components) are folded
 #: into the batch: each channel is predicted on its own instead of from its neighbour channel.
@@ -90,7 +94,8 @@ class EbqMeta(NamedTuple):
             raise CorruptDataError(f"{what}: corrupted ebq header metadata ({bad})")
         name = ll.LOSSLESS[m.lossless]  # sizes must be reachable before anything is allocated
         raw = m.predictor == _RAW
-        ll.check_expansion(m.codes_len, h.nbytes if raw else code_len(m.width, h.size) + m.n_side, name, what)
+        if m.width != BITPACK:  # a bitpack section's length is checked against its block widths
+            ll.check_expansion(m.codes_len, h.nbytes if raw else code_len(m.width, h.size) + m.n_side, name, what)
         ll.check_expansion(m.esc_len, m.n_esc * 16, name, what)
         ll.check_expansion(m.out_len, m.n_out * (8 + h.dtype.itemsize), name, what)
         return m
@@ -108,8 +113,12 @@ class EbqMeta(NamedTuple):
             if w != h.dtype.itemsize or n_esc or n_out or e_len or o_len:
                 return "inconsistent lossless-mode metadata"
             return None
-        if (w not in WIDTHS and not (w == NIBBLES and v >= 3)) or qint not in (4, 8) or (qint == 4 and w == 8):
+        if (w not in WIDTHS and not (w == NIBBLES and v >= 3) and not (w == BITPACK and v >= 7)) \
+                or qint not in (4, 8) or (qint == 4 and w == 8):
             return f"invalid code width {w} / integer width {qint}"
+        if w == BITPACK and (lossless != ll.Lossless.NONE or n_esc or n_side
+                             or not head(n) <= c_len <= head(n) + blocks(n) * 32 * qint):
+            return "inconsistent bitpack metadata"
         if (pred == _FINE) != (kshift > 0) or kshift > 16 or (pred == _FINE and v < 5):
             return f"invalid fine-predictor resolution {kshift} for predictor {int(pred)}"
         if fold > max(len(h.shape) - 1, 0) or fold > fold_axes(h.shape):

@@ -56,9 +56,43 @@ def _wrap(x, is32):
 
 
 @numba.njit(nogil=True, cache=True)
-def _residuals(b, R, n, kinds, slots, nib, i8, wide, marks, side, esc_pos, esc_val, esc_add, is32):
+def _unpack(R, W, w0, n):
+    """A bitpack section (:mod:`solar.codec.bitpack`) from word ``w0`` of ``W`` -> ``R``'s ``n``
+    residuals: each block's codes from its own words, ``(u >>> 1) ^ -(u & 1)`` in 64 bits. A code
+    is read from the two words that hold its first bit (the section is followed by padding)."""
+    nb = (n + 31) >> 5
+    data = w0 + ((nb + 3) >> 2)  # past the width table
+    one = np.uint64(1)
+    for blk in range(nb):
+        w = np.int64((W[w0 + (blk >> 2)] >> np.uint32(8 * (blk & 3))) & np.uint32(255))
+        i0 = blk * 32
+        cnt = min(32, n - i0)
+        Rb = R[i0:i0 + cnt]
+        if w == 0:
+            Rb[:] = 0
+            continue
+        Wb = W[data:data + w + 2]
+        mask = (one << np.uint64(min(w, 32))) - one
+        for j in range(cnt):
+            bit = j * w
+            k = bit >> 5
+            u = ((np.uint64(Wb[k]) | (np.uint64(Wb[k + 1]) << np.uint64(32))) >> np.uint64(bit & 31)) & mask
+            if w > 32:  # the high part: w - 32 bits from bit + 32 on
+                b2 = bit + 32
+                k2 = b2 >> 5
+                hi = (np.uint64(Wb[k2]) | (np.uint64(Wb[k2 + 1]) << np.uint64(32))) >> np.uint64(b2 & 31)
+                u |= (hi & ((one << np.uint64(w - 32)) - one)) << np.uint64(32)
+            Rb[j] = np.int64(u >> one) ^ -np.int64(u & one)
+        data += w
+
+
+@numba.njit(nogil=True, cache=True)
+def _residuals(b, R, n, kinds, slots, nib, i8, wide, bpw, bp_at, marks, side, esc_pos, esc_val, esc_add, is32):
     """Blob ``b``'s residual stream into ``R`` (length ``n``), as the reference widens it."""
     kind, j = kinds[b], slots[b]
+    if kind == 3:  # bitpack: no escapes
+        _unpack(R, bpw, bp_at[j], n)
+        return
     if kind == 0:  # nibbles: 4-bit two's complement pairs, low nibble first; markers take side values
         for i in range(n):
             v = np.int64(nib[j, i >> 1])
@@ -276,14 +310,15 @@ def _lorenzo(G, R, dims):
 
 
 @numba.njit(nogil=True, cache=True)
-def decode_rows(b0, b1, n, lead, dims, lorenzo, plan, masks, K, proto, kinds, slots, nib, i8, wide, marks, side,
-                esc_pos, esc_val, esc_add, out_pos, out_val, steps, offs, add_off, out):
+def decode_rows(b0, b1, n, lead, dims, lorenzo, plan, masks, K, proto, kinds, slots, nib, i8, wide, bpw, bp_at, marks,
+                side, esc_pos, esc_val, esc_add, out_pos, out_val, steps, offs, add_off, out):
     """Decode blobs ``b0 .. b1 - 1`` of a group into ``out`` (``(B, n)`` floats).
 
     ``n`` values per blob, ``lead`` predictor rows per blob (folded channels), ``dims`` one
     predictor row's padded shape; ``proto``: an empty array of the reference's integer type.
-    Codes: per blob ``kinds`` (0 nibbles, 1 int8, 2 byte planes) and its row ``slots`` in
-    ``nib`` / ``i8`` / ``wide``; nibble ``marks`` (flat positions in the unpacked nibble rows)
+    Codes: per blob ``kinds`` (0 nibbles, 1 int8, 2 byte planes, 3 bitpack) and its row ``slots``
+    in ``nib`` / ``i8`` / ``wide`` (bitpack: ``bp_at[slot]``, its section's first word in the
+    uint32 ``bpw``); nibble ``marks`` (flat positions in the unpacked nibble rows)
     take the ``side`` values; ``esc_pos``/``esc_val`` and ``out_pos``/``out_val`` are flat
     positions in ``(B, n)``, sorted, and their values.
     """
@@ -293,7 +328,7 @@ def decode_rows(b0, b1, n, lead, dims, lorenzo, plan, masks, K, proto, kinds, sl
     W = np.empty_like(G)
     nr = n // lead if lead else 0
     for b in range(b0, b1):
-        _residuals(b, R, n, kinds, slots, nib, i8, wide, marks, side, esc_pos, esc_val, esc_add, is32)
+        _residuals(b, R, n, kinds, slots, nib, i8, wide, bpw, bp_at, marks, side, esc_pos, esc_val, esc_add, is32)
         for r in range(lead):
             if lorenzo:
                 _lorenzo(G, R[r * nr:(r + 1) * nr], dims)

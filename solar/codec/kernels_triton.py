@@ -25,9 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .bitpack import Packed, blocks, head
 from .passes import C_AXIS, C_CNT, C_DIST, C_EVEN, C_LEVEL, C_NE, C_START, C_STEP, interp_passes
 
-__all__ = ["interp_decode"]
+__all__ = ["interp_decode", "unpack"]
 
 _BLOCK = 256
 
@@ -64,6 +65,51 @@ def _pass(G, R, cub, total, cnt, n_row, pos, d, copy_k, cubic_hi, c1, c2, c3, s0
         kr = K * res
         v = tl.where(copy, b + kr, tl.where(cubic, ((9 * (b + c) - fa - fd + 8) >> 4) + kr, lin + kr))
     tl.store(G + q, v, mask=m)
+
+
+@triton.jit
+def _unpack(W, boff, bw, R, total, n, nb, BLOCK: tl.constexpr):
+    """Residual ``idx`` of the ``(rows, n)`` output: its block's width ``bw`` and first word
+    ``boff``, its code from the two words that hold its first bit (and the next two for widths
+    over 32), un-zigzagged in 64 bits as :mod:`solar.codec.bitpack` defines."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = idx < total
+    row = idx // n
+    i = idx % n
+    blk = row * nb + i // 32
+    w = tl.load(bw + blk, mask=m, other=0).to(tl.int64)
+    bit = tl.load(boff + blk, mask=m, other=0) * 32 + (i % 32) * w
+    lo = _word_bits(W, bit, tl.minimum(w, 32), m)
+    hi = _word_bits(W, bit + 32, tl.maximum(w - 32, 0), m & (w > 32))
+    u = lo | (hi << 32)
+    r = ((u >> 1) & 0x7FFFFFFFFFFFFFFF) ^ -(u & 1)
+    tl.store(R + idx, r.to(R.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _word_bits(W, bit, nbits, m):
+    k = bit >> 5
+    a = tl.load(W + k, mask=m, other=0).to(tl.int64) & 0xFFFFFFFF
+    b = tl.load(W + k + 1, mask=m, other=0).to(tl.int64) & 0xFFFFFFFF
+    return ((a | (b << 32)) >> (bit & 31)) & ((tl.full(bit.shape, 1, tl.int64) << nbits) - 1)
+
+
+def unpack(packed: Packed, rows: int, n: int, itype: torch.dtype, dev) -> torch.Tensor:
+    """A group's bitpack sections -> ``(rows, n)`` residuals of ``itype`` on ``dev``: the bytes go
+    to the device once; the block offsets (a prefix sum of the widths) and the codes are computed
+    there."""
+    nb = blocks(n)
+    W = torch.from_numpy(packed.buf.view(np.int32)).to(dev)
+    at = torch.from_numpy(packed.starts // 4).to(dev)
+    tw = at[:, None] + torch.arange(nb, device=dev) // 4  # the word of each block's width
+    bw = (W[tw].to(torch.int64) >> (8 * (torch.arange(nb, device=dev) % 4))) & 255
+    boff = at[:, None] + head(n) // 4 + torch.cumsum(bw, 1) - bw
+    R = torch.empty((rows, n), dtype=itype, device=dev)
+    total = rows * n
+    if total:
+        _unpack[(triton.cdiv(total, _BLOCK),)](W, boff.contiguous(), bw.contiguous(), R, total, n, nb,
+                                                BLOCK=_BLOCK)
+    return R
 
 
 def interp_decode(R: torch.Tensor, shape: tuple[int, ...], masks: np.ndarray, K: int, reverse: bool) -> torch.Tensor:

@@ -7,6 +7,7 @@ compressed length could produce, so a forged header cannot make it allocate tera
 
 from __future__ import annotations
 
+import os
 import threading
 from enum import IntEnum
 
@@ -52,7 +53,12 @@ def _zstd():
 
 
 def default_lossless() -> str:
-    """zstd when installed (SZ3-level ratios need an entropy coder), else lz4 (a core dependency)."""
+    """``SOLAR_CODEC_LOSSLESS`` when set (e.g. ``bitpack`` for blobs a GPU decodes whole, chosen
+    for ``solar ingest`` without an option of its own), else zstd when installed (SZ3-level ratios
+    need an entropy coder), else lz4 (a core dependency)."""
+    env = os.environ.get("SOLAR_CODEC_LOSSLESS", "").strip().lower()
+    if env:
+        return env
     try:
         import zstandard  # noqa: F401  (whether it is installed decides the default)
     except ImportError:  # pragma: no cover

@@ -21,6 +21,7 @@ the ``decoder=`` argument of :func:`solar.codec.decode` / :func:`~solar.codec.de
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -33,7 +34,7 @@ import torch
 from . import fused
 from .. import codec as api  # the package's API (it imports this module only when decoding)
 from .decoders import current
-from .ebq_meta import NIBBLES
+from .ebq_meta import BITPACK, NIBBLES
 from .passes import NDIM, interp_passes
 from .predict import Predictor
 from .sections import gather
@@ -43,6 +44,7 @@ __all__ = ["choose", "decode_cpu", "kernel_available", "triton_kernels", "warm"]
 
 _KERNELS = None
 _LOCK = threading.Lock()
+log = logging.getLogger("solar.codec")
 
 
 def _kernels():
@@ -55,8 +57,40 @@ def _kernels():
                 from . import kernels_cpu  # optional dependency (numba), heavy import: see above
             except ImportError:
                 kernels_cpu = False
+            else:
+                _notice_compiles(kernels_cpu.__name__)
             _KERNELS = kernels_cpu
     return _KERNELS or None
+
+
+class _Compiling(threading.local):
+    depth = 0
+
+
+def _notice_compiles(module: str) -> None:
+    """Log one line when numba starts compiling a kernel of ``module`` (its on-disk cache is cold:
+    the first decode on a machine, or after an upgrade, waits tens of seconds; no line when the
+    cache has it). One line per outermost compile: the kernels it compiles on the way are quiet."""
+    from numba.core import event  # numba imports: kernels_cpu just imported it
+
+    class Notice(event.Listener):
+        def __init__(self) -> None:
+            self.local = _Compiling()
+
+        def on_start(self, ev) -> None:
+            if ev.data["dispatcher"].py_func.__module__ != module:
+                return
+            self.local.depth += 1
+            if self.local.depth == 1:
+                log.warning("solar.codec: compiling the cpu-kernel decoder %s for %s (numba's cache is cold; "
+                            "once per machine and solar version, tens of seconds; `make setup` does it ahead)",
+                            ev.data["dispatcher"].py_func.__name__, ", ".join(map(str, ev.data["args"]))[:160])
+
+        def on_end(self, ev) -> None:
+            if ev.data["dispatcher"].py_func.__module__ == module:
+                self.local.depth -= 1
+
+    event.register("numba:compile", Notice())
 
 
 _TRITON = None
@@ -91,7 +125,9 @@ def warm() -> bool:
         return False
     ramp = np.linspace(0.0, 1.0, 64)
     for dtype in (np.float32, np.float64):
-        api.decode(api.encode(ramp.astype(dtype), rel_error=1e-3), decoder="cpu-kernel")
+        blob = api.encode(ramp.astype(dtype), rel_error=1e-3)
+        api.decode(blob, decoder="cpu-kernel")  # the one-blob fast path (solar.codec.fast)
+        api.decode_batch([blob, blob], decoder="cpu-kernel")  # the group driver
     return True
 
 
@@ -148,19 +184,22 @@ _I8 = np.empty((0, 1), np.uint8)
 _WIDE = np.empty((0, 1, 1), np.uint8)
 _I64 = np.empty(0, np.int64)
 _U8 = np.empty(0, np.uint8)
+_U32 = np.zeros(2, np.uint32)
 _PROTO = {4: np.empty(0, np.int32), 8: np.empty(0, np.int64)}
 _EMPTY = {np.dtype("<f4"): np.empty(0, "<f4"), np.dtype("<f8"): np.empty(0, "<f8")}
-for _e in _EMPTY.values():
-    _e.setflags(write=False)
+for _e in (_I8, _WIDE, _I64, _U8, _U32, *_PROTO.values(), *_EMPTY.values()):
+    _e.setflags(write=False)  # every array the kernel reads goes in read-only (see _readonly)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
-    """``a`` as a read-only view: outlier values come read-only from one blob's section and
-    writable from a group's, and numba compiles a kernel per flag (tens of seconds each)."""
+    """``a`` as a read-only view: arrays come read-only from one blob's section and writable from
+    a group's, and numba compiles a kernel per combination of flags (tens of seconds each)."""
     v = a.view()
     v.setflags(write=False)
     return v
-_KIND = {NIBBLES: 0, 1: 1}  # the kernel's code kinds: 0 nibbles, 1 int8, 2 byte planes
+
+
+_KIND = {NIBBLES: 0, 1: 1, BITPACK: 3}  # the kernel's code kinds: 0 nibbles, 1 int8, 2 byte planes, 3 bitpack
 
 
 @lru_cache(maxsize=256)
@@ -178,7 +217,7 @@ def _codes(g, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if len(g.planes) == 1:  # one kind, rows in blob order
         w, p = next(iter(g.planes.items()))
         kinds = np.full(len(g.kinds), _KIND.get(w, 2), np.int8)
-        wide = p.reshape(p.shape[0], w, n) if w not in _KIND else _WIDE
+        wide = p.reshape(p.shape[0], w, n) if w not in _KIND else _WIDE  # (a bitpack group: no planes)
         return kinds, np.arange(len(g.kinds), dtype=np.int64), wide
     kinds = np.array([_KIND.get(w, 2) for w in g.kinds], np.int8)
     slots = np.empty(len(g.kinds), np.int64)
@@ -188,17 +227,21 @@ def _codes(g, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _share(blobs, metas, lay, int8_stream: bool, b0: int, b1: int, out: np.ndarray) -> None:
-    """Blobs ``b0 .. b1 - 1`` into ``out`` (their rows of the group's result)."""
+    """Blobs ``b0 .. b1 - 1`` into ``out`` (their rows of the group's result). Every array but
+    ``out`` goes in read-only, as :mod:`solar.codec.fast`'s do: one compiled kernel serves both."""
     bl, ms = blobs[b0:b1], metas[b0:b1]
     m0, n = ms[0], out.shape[1]
     g = gather(bl, ms, n, None, int8_stream)
     kinds, slots, wide = _codes(g, n)
+    bp = g.planes.get(BITPACK)
+    bpw, bp_at = (bp.buf.view(np.uint32), bp.starts // 4) if bp is not None else (_U32, _I64)
     dims, plan = _geometry(tuple(lay.inner_shape), lay.reverse)
     esc_pos, esc_val = (g.esc_idx[0], g.esc_val[0].astype(np.int64)) if g.esc_idx else (_I64, _I64)
-    out_pos, out_val = (g.out_idx[0], _readonly(g.out_val[0])) if g.out_idx else (_I64, _EMPTY[out.dtype])
+    out_pos, out_val = (g.out_idx[0], g.out_val[0]) if g.out_idx else (_I64, _EMPTY[out.dtype])
+    ro = _readonly
     _KERNELS.decode_rows(0, b1 - b0, n, lay.lead, dims, m0.predictor == Predictor.LORENZO, plan,
-                         lay.masks[b0 * lay.lead:b1 * lay.lead], lay.K, _PROTO[m0.qint], kinds, slots,
-                         g.planes.get(NIBBLES, _I8), g.planes.get(1, _I8), wide,
-                         _I64 if g.marks is None else g.marks, _U8 if g.side is None else g.side, esc_pos, esc_val,
-                         int8_stream and m0.predictor.per_level, out_pos, out_val, g.steps, g.offs,
-                         bool(g.offs.any()), out)
+                         ro(lay.masks[b0 * lay.lead:b1 * lay.lead]), lay.K, _PROTO[m0.qint], ro(kinds), ro(slots),
+                         ro(g.planes.get(NIBBLES, _I8)), ro(g.planes.get(1, _I8)), ro(wide), ro(bpw), ro(bp_at),
+                         ro(_I64 if g.marks is None else g.marks), ro(_U8 if g.side is None else g.side), ro(esc_pos),
+                         ro(esc_val), int8_stream and m0.predictor.per_level, ro(out_pos), ro(out_val),
+                         ro(g.steps), ro(g.offs), bool(g.offs.any()), out)

@@ -8,23 +8,25 @@ the same damaged blobs with the same :class:`~solar.errors.CorruptDataError`.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from solar.errors import CorruptDataError
 
+from . import bitpack
 from . import lossless as ll
 from .base import Parsed
-from .ebq_meta import NIBBLES, EbqMeta, code_len
+from .ebq_meta import BITPACK, NIBBLES, EbqMeta, code_len
 
-__all__ = ["Gathered", "gather"]
+__all__ = ["Gathered", "gather", "check_side"]
 
 
 class Gathered(NamedTuple):
     """A group's sections after the CPU lossless stage, before any tensor op."""
 
-    planes: dict  # code width -> (rows of that width, code bytes) uint8 array
+    planes: dict  # code width -> (rows of that width, code bytes) uint8 array; BITPACK: a Packed
     rows: dict  # code width -> the group rows with that width
     kinds: list  # per row: its code width
     marks: np.ndarray | None  # nibble codes: flat positions of the side markers in the unpacked stream
@@ -42,6 +44,8 @@ def gather(blobs: Sequence[Parsed], metas: list[EbqMeta], n: int, order, int8_st
     h0, m0, B = blobs[0].header, metas[0], len(blobs)
     kinds = [m.width for m in metas] if int8_stream else [m0.width] * B
     rows = {k: [i for i, kk in enumerate(kinds) if kk == k] for k in sorted(set(kinds))}
+    if m0.width == BITPACK:  # a group never mixes bitpack and other codes (ebq's group_key)
+        rows = {}
     planes = {k: np.empty((len(r), code_len(k, n)), np.uint8) for k, r in rows.items()}
     slot = {i: j for r in rows.values() for j, i in enumerate(r)}
     esc_idx, esc_val, out_idx, out_val, sides, esc, outl = [], [], [], [], [], [], []
@@ -50,9 +54,12 @@ def gather(blobs: Sequence[Parsed], metas: list[EbqMeta], n: int, order, int8_st
     for i, (b, m) in enumerate(zip(blobs, metas)):
         steps[i], offs[i] = m.step, m.offset
         name, p, c_len, e_len = ll.LOSSLESS[m.lossless], b.payload, m.codes_len, m.esc_len
-        nb = code_len(m.width, n)
-        raw = np.frombuffer(ll.decompress(p[:c_len], name, nb + m.n_side, b.what), np.uint8)
-        planes[m.width][slot[i]] = raw[:nb]
+        if m.width == BITPACK:
+            bitpack.check(p[:c_len], n, m.qint, b.what)
+        else:
+            nb = code_len(m.width, n)
+            raw = np.frombuffer(ll.decompress(p[:c_len], name, nb + m.n_side, b.what), np.uint8)
+            planes[m.width][slot[i]] = raw[:nb]
         if m.n_side:
             sides.append(raw[nb:])
         if m.n_esc:
@@ -65,15 +72,23 @@ def gather(blobs: Sequence[Parsed], metas: list[EbqMeta], n: int, order, int8_st
     if outl:
         pos, val = _sparse_group(outl, h0.dtype, n)
         out_idx, out_val = [pos], [val]
+    if m0.width == BITPACK:
+        planes[BITPACK] = bitpack.concat([b.payload[:m.codes_len] for b, m in zip(blobs, metas)])
+        rows = {BITPACK: list(range(B))}
     marks = side = None
     if NIBBLES in planes:  # where the side values go: found on the packed bytes, before they leave the CPU
-        marks = _nibble_markers(planes[NIBBLES])
-        side = np.concatenate(sides) if sides else np.empty(0, np.uint8)
-        if marks.size != side.size:
-            raise CorruptDataError(
-                f"{blobs[0].what}: nibble stream has {marks.size} side markers for {side.size} "
-                "side values; corrupted payload")
+        marks, side = check_side(planes[NIBBLES], np.concatenate(sides) if sides else np.empty(0, np.uint8),
+                                 blobs[0].what)
     return Gathered(planes, rows, kinds, marks, side, esc_idx, esc_val, out_idx, out_val, steps, offs)
+
+
+def check_side(packed: np.ndarray, side: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """The side markers' positions in nibble codes and the side values, which must be as many."""
+    marks = _nibble_markers(packed)
+    if marks.size != side.size:
+        raise CorruptDataError(f"{what}: nibble stream has {marks.size} side markers for {side.size} side values; "
+                               "corrupted payload")
+    return marks, side
 
 
 def _nibble_markers(packed: np.ndarray) -> np.ndarray:
@@ -143,17 +158,36 @@ def _sparse_one(item: tuple, vdtype: np.dtype, n: int, limit: int | None) -> tup
     raw = ll.decompress(sec, name, cnt * (8 + vdtype.itemsize), what)
     d = np.frombuffer(raw, "<i8", cnt)
     vals = np.frombuffer(raw, vdtype, cnt, offset=8 * cnt)
-    why = None
-    if d[0] < 0 or d.max() >= n or (cnt > 1 and d[1:].min() < 1):
-        why = _UNORDERED
+    if cnt <= _FEW:  # a few entries: Python ints beat numpy's per-call cost, same checks
+        why, pos = _few_problem(d.tolist(), vals.tolist() if limit is not None else (), n, limit)
     else:
-        pos = np.cumsum(d)
-        if pos.max() >= n:
-            why = f"sparse position out of range for {n} values"
-        elif limit is not None and (vals.min() < -limit or vals.max() >= limit):
-            why = _ESCAPE_RANGE
+        why = None
+        if d[0] < 0 or d.max() >= n or (cnt > 1 and d[1:].min() < 1):
+            why = _UNORDERED
+        else:
+            pos = np.cumsum(d)
+            if pos.max() >= n:
+                why = f"sparse position out of range for {n} values"
+            elif limit is not None and (vals.min() < -limit or vals.max() >= limit):
+                why = _ESCAPE_RANGE
     if why:
         raise CorruptDataError(f"{what}: {why}; corrupted payload")
     if row:
         pos += row * n
     return pos, vals
+
+
+_FEW = 32
+
+
+def _few_problem(d: list, vals: list, n: int, limit: int | None):
+    """:func:`_sparse_one`'s checks on a few deltas and values as Python ints -> (what is wrong or
+    None, the positions)."""
+    if d[0] < 0 or max(d) >= n or min(d[1:], default=1) < 1:
+        return _UNORDERED, None
+    pos = list(accumulate(d))
+    if pos[-1] >= n:
+        return f"sparse position out of range for {n} values", None
+    if limit is not None and (min(vals) < -limit or max(vals) >= limit):
+        return _ESCAPE_RANGE, None
+    return None, np.array(pos, np.int64)

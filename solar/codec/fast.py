@@ -1,0 +1,144 @@
+"""The one-blob fast path of :func:`solar.codec.decode`: an ``ebq`` blob decoded on the CPU by the
+``cpu-kernel`` decoder with nothing between the header and the kernel but the checks.
+
+Why: a small blob's decode was mostly the general path's bookkeeping (codec lookup and
+instantiation, option contexts, grouping, the path choice twice, layouts built per call), tens
+of microseconds before any work. Here the header is read once (its static part cached by
+:func:`~solar.codec.header.read_header`), the metadata is parsed and checked once per distinct
+metadata (cached, bounded: a dataset's blobs of one shape and bound share it when their section
+lengths agree), the per-shape plan is cached, and the group driver's share runs directly. The
+checks are the general path's own (:func:`~solar.codec.sections.gather`, the metadata's and
+payload's), so a damaged blob fails here with the same :class:`~solar.errors.CorruptDataError`.
+
+Anything else (other devices, ``out=``, compiled decoding, a named other path, blobs the kernel
+does not cover) returns None and takes the general path.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from . import bitpack, fused, paths
+from . import lossless as ll
+from .decoders import current
+from .ebq import EBQCodec, _Layout
+from .ebq_meta import BITPACK, NIBBLES, EbqMeta, code_len
+from .header import Header, payload_of, read_header
+from .predict import Predictor
+from .sections import _sparse_one, check_side
+from .torch_ops import TORCH_DTYPES
+
+__all__ = ["decode_one"]
+
+_COVERED = frozenset({Predictor.INTERP, Predictor.FINE, Predictor.LORENZO})
+_INT = {4: torch.int32, 8: torch.int64}
+#: checked metadata by (descriptor, dtype, shape, metadata bytes, payload length)
+_METAS: dict[tuple, EbqMeta] = {}
+_METAS_MAX = 4096
+
+
+def _meta(h: Header, what: str) -> EbqMeta:
+    key = (h.descriptor, h.dtype, h.shape, h.meta, h.payload_len)
+    m = _METAS.get(key)
+    if m is None:
+        m = EbqMeta.parse(h, what)  # raises for anything no encoder writes
+        if len(_METAS) >= _METAS_MAX:
+            _METAS.clear()
+        _METAS[key] = m
+    return m
+
+
+@lru_cache(maxsize=1024)
+def _layout(shape: tuple[int, ...], fold: int, cubic_levels: int, kshift: int, version: int, qint: int) -> _Layout:
+    """The group layout of one blob (the general path builds it per call)."""
+    shape = shape or (1,)
+    lead = math.prod(shape[:fold])
+    masks = np.full(lead, cubic_levels, np.uint64)
+    masks.setflags(write=False)
+    return _Layout(shape, lead, shape[fold:], masks, 1 << kshift, version >= 6, _INT[qint])
+
+
+@lru_cache(maxsize=1024)
+def _scale(dtype: np.dtype, step: float, offset: float) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's one-row step and offset arrays (read-only: cached, never written)."""
+    steps, offs = np.full(1, step, dtype), np.full(1, offset, dtype)
+    steps.setflags(write=False)
+    offs.setflags(write=False)
+    return steps, offs
+
+
+def decode_one(blob, decoder: str | None, what: str = "codec blob") -> torch.Tensor | None:
+    """``blob`` (bytes) decoded on the CPU by the ``cpu-kernel`` decoder, or None when the general
+    path must decode it (numba missing, another path or compiling asked for by the arguments or
+    the environment, a blob the kernel does not cover). Raises :class:`CorruptDataError` as the
+    general path does."""
+    if (decoder or current().decoder) not in ("auto", "cpu-kernel") or fused.enabled() or not paths.kernel_available():
+        return None
+    h = read_header(blob, what)
+    if h.codec != "ebq" or h.version not in EBQCodec.decodes or h.version < 2 or not h.size:
+        return None  # the general path reports a foreign codec or version as such
+    m = _meta(h, what)
+    if m.predictor not in _COVERED:
+        return None
+    payload = payload_of(blob, h, what)
+    lay = _layout(h.shape, m.fold, m.cubic_levels, m.kshift, h.version, m.qint)
+    x = torch.empty(h.shape, dtype=TORCH_DTYPES[h.dtype.itemsize])
+    _kernel(h, m, payload, lay, x.numpy().reshape(1, h.size), what)
+    return x
+
+
+def _kernel(h: Header, m: EbqMeta, payload, lay: _Layout, out: np.ndarray, what: str) -> None:
+    """One blob's sections, checked as :func:`~solar.codec.sections.gather` checks them, straight
+    into the kernel (:func:`solar.codec.kernels_cpu.decode_rows` with a group of one)."""
+    n, w, c_end = h.size, m.width, m.codes_len
+    nib, i8, wide, bpw, marks, side = paths._I8, paths._I8, paths._WIDE, paths._U32, paths._I64, paths._U8
+    if w == BITPACK:
+        bitpack.check(payload[:c_end], n, m.qint, what)
+        buf = np.zeros(c_end + bitpack.PAD, np.uint8)  # word-aligned, padded: as a group's buffer
+        buf[:c_end] = payload[:c_end]
+        bpw, kind = _ro(buf.view(np.uint32)), 3
+    else:
+        nb = code_len(w, n)
+        raw = np.frombuffer(ll.decompress(payload[:c_end], ll.LOSSLESS[m.lossless], nb + m.n_side, what), np.uint8)
+        kind = 0 if w == NIBBLES else 1 if w == 1 else 2
+        if kind == 0:
+            nib = raw[:nb].reshape(1, nb)
+            marks, side = check_side(nib, raw[nb:], what)
+            marks = _ro(marks)
+        elif kind == 1:
+            i8 = raw.reshape(1, n)
+        else:
+            wide = raw.reshape(1, w, n)
+    esc_pos = esc_val = out_pos = paths._I64
+    out_val = paths._EMPTY[h.dtype]
+    name, e_end = ll.LOSSLESS[m.lossless], c_end + m.esc_len
+    if m.n_esc:
+        esc_pos, esc_val = _sparse_one((payload[c_end:e_end], name, m.n_esc, what, 0), np.dtype("<i8"), n,
+                                       1 << 31 if m.qint == 4 else None)
+        esc_pos = _ro(esc_pos)
+    if m.n_out:
+        out_pos, out_val = _sparse_one((payload[e_end:], name, m.n_out, what, 0), h.dtype, n, None)
+        out_pos = _ro(out_pos)
+    dims, plan = paths._geometry(tuple(lay.inner_shape), lay.reverse)
+    steps, offs = _scale(h.dtype, m.step, m.offset)
+    paths._KERNELS.decode_rows(0, 1, n, lay.lead, dims, m.predictor == Predictor.LORENZO, plan, lay.masks, lay.K,
+                               paths._PROTO[m.qint], _KINDS[kind], _SLOT, nib, i8, wide, bpw, _SLOT, marks, side,
+                               esc_pos, esc_val, kind < 2 and m.predictor.per_level, out_pos, out_val, steps, offs,
+                               m.offset != 0.0, out)
+
+
+def _ro(a: np.ndarray) -> np.ndarray:
+    """``a`` read-only: every array the kernel reads here is (payload views are), so numba
+    compiles one specialization per dtype pair, not one per combination of flags."""
+    a.setflags(write=False)
+    return a
+
+
+_SLOT = np.zeros(1, np.int64)
+_KINDS = [np.full(1, k, np.int8) for k in range(4)]
+for _a in (_SLOT, *_KINDS):
+    _a.setflags(write=False)
