@@ -11,6 +11,9 @@ collective replaced by its result). Neither imports mpi4py: ``run_mpi`` takes th
 
 from __future__ import annotations
 
+import itertools
+import os
+import tempfile
 import time
 import tracemalloc
 from typing import Callable, Generator, NamedTuple
@@ -81,18 +84,23 @@ class RankCost(NamedTuple):
     peak_bytes: int
 
 
-def run_together(gens: list[Generator], measure: Callable[[int], bool] | None = None) -> tuple[list, dict]:
+def run_together(gens: list[Generator], measure: Callable[[int], bool] | None = None,
+                 spill: str | None = None) -> tuple[list, dict]:
     """Run every rank's generator in lockstep, each post delivered as the ``Alltoallv`` would.
 
     Returns the generators' results, and for each rank ``measure(rank)`` selects, its
     :class:`RankCost` (tracemalloc must be tracing for ``peak_bytes``; 0 otherwise).
+
+    ``spill``: a directory. Each round's posts are then written to a file there as the ranks
+    make them, and delivered a few destinations at a time (about ``SPILL_CHUNK`` bytes of
+    records): this process holds the ranks' own state but never a whole round of records, which
+    at N = 1e8 is several GiB. The ranks' code is the same and gets the same records.
     """
     P = len(gens)
     results: list = [None] * P
-    pending: list[Post | None] = [None] * P
     costs = {q: [0.0, 0] for q in range(P) if measure is not None and measure(q)}
 
-    def advance(q: int, value) -> None:
+    def advance(q: int, value) -> Post | None:
         cost = costs.get(q)
         if cost is not None:
             tracing = tracemalloc.is_tracing()
@@ -100,27 +108,108 @@ def run_together(gens: list[Generator], measure: Callable[[int], bool] | None = 
                 tracemalloc.reset_peak()
                 base = tracemalloc.get_traced_memory()[0]
             t0 = time.process_time()
+        out = None
         try:
-            pending[q] = gens[q].send(value)
+            out = gens[q].send(value)
         except StopIteration as stop:
-            pending[q], results[q] = None, stop.value
+            results[q] = stop.value
         if cost is not None:
             cost[0] += time.process_time() - t0
             if tracing:
                 got = value.rows.nbytes if value is not None else 0
                 cost[1] = max(cost[1], tracemalloc.get_traced_memory()[1] - base + got)
+        return out
 
-    for q in range(P):
-        advance(q, None)
-    while any(p is not None for p in pending):
-        if any(p is None for p in pending):
-            raise RuntimeError("ranks out of step: some rank's plan ended while others still exchange records")
-        delivered = _transpose(pending)  # type: ignore[arg-type]
-        pending = [None] * P  # the posts' records are in ``delivered`` now
-        for q in range(P):
-            advance(q, delivered[q])
-            delivered[q] = None
+    if spill is None:
+        pending = [advance(q, None) for q in range(P)]
+        while _in_step(sum(p is not None for p in pending), P):
+            delivered = _transpose(pending)  # type: ignore[arg-type]
+            pending = [None] * P  # the posts' records are in ``delivered`` now
+            for q in range(P):
+                pending[q] = advance(q, delivered[q])
+                delivered[q] = None
+    else:
+        with tempfile.TemporaryDirectory(prefix="solar-exchange-", dir=spill) as where:
+            box = _Round(os.path.join(where, "0"), P)
+            for q in range(P):
+                box.put(q, advance(q, None))
+            for r in itertools.count(1):
+                if not _in_step(box.posted, P):
+                    break
+                sent, box = box, _Round(os.path.join(where, str(r)), P)
+                for lo, delivered in sent.deliveries():
+                    for i, got in enumerate(delivered):
+                        box.put(lo + i, advance(lo + i, got))
+                        delivered[i] = None
+                sent.close()
+            box.close()
     return results, {q: RankCost(*c) for q, c in costs.items()}
+
+
+def _in_step(posted: int, P: int) -> bool:
+    """Whether all ``P`` ranks posted (True) or all finished (False): nothing else is in step."""
+    if posted and posted < P:
+        raise RuntimeError("ranks out of step: some rank's plan ended while others still exchange records")
+    return posted > 0
+
+
+#: bytes of records :func:`run_together` with ``spill=`` reads back at a time
+SPILL_CHUNK = 128 << 20
+
+
+class _Round:
+    """One round's posts in a file, source after source (each grouped by destination), with
+    every source's counts per destination (an int32 P x P matrix) and where its records start."""
+
+    def __init__(self, path: str, P: int) -> None:
+        self.fh = open(path, "w+b")
+        self.counts = np.zeros((P, P), np.int32)
+        self.start = np.zeros(P, np.int64)  # in records
+        self.written = 0
+        self.posted = 0
+        self.row: tuple | None = None  # (k, dtype) of the round's records
+
+    def put(self, q: int, out: Post | None) -> None:
+        if out is None:
+            return
+        rows = np.ascontiguousarray(out.rows)
+        if self.row is None:
+            self.row = (rows.shape[1], rows.dtype)
+        self.start[q] = self.written
+        self.counts[q] = out.counts
+        rows.tofile(self.fh)
+        self.written += len(rows)
+        self.posted += 1
+
+    def deliveries(self):
+        """Yields ``(first destination, [Post per destination])`` over every destination in turn."""
+        self.fh.flush()
+        k, dtype = self.row  # type: ignore[misc]
+        width = k * dtype.itemsize
+        per_dest = self.counts.sum(axis=0, dtype=np.int64)
+        read = np.zeros(len(self.start), np.int64)  # records of each source delivered so far
+        lo, P = 0, len(per_dest)
+        while lo < P:
+            hi = lo + 1 + int(np.searchsorted(np.cumsum(per_dest[lo + 1:]) * width, SPILL_CHUNK))
+            hi = min(hi, P)
+            block = self.counts[:, lo:hi]
+            seg = block.sum(axis=1, dtype=np.int64)
+            big = np.empty((int(seg.sum()), k), dtype)
+            at = 0
+            for q in np.flatnonzero(seg):
+                n = int(seg[q])
+                os.preadv(self.fh.fileno(), [memoryview(big[at:at + n]).cast("B")],
+                          int(self.start[q] + read[q]) * width)
+                at += n
+            read += seg
+            src, dst = np.nonzero(block)
+            yield lo, _by_destination(big, src, dst, block[src, dst].astype(np.int64), hi - lo, P)
+            del big
+            lo = hi
+
+    def close(self) -> None:
+        self.fh.close()
+        os.unlink(self.fh.name)
 
 
 def _transpose(posts: list[Post]) -> list[Post]:
@@ -131,16 +220,22 @@ def _transpose(posts: list[Post]) -> list[Post]:
              for nz in (np.flatnonzero(p.counts),)]
     src, dst, cnt = (np.concatenate(x) for x in zip(*pairs))
     del pairs
+    return _by_destination(np.concatenate([p.rows for p in posts]), src, dst, cnt, P, P)
+
+
+def _by_destination(big: np.ndarray, src: np.ndarray, dst: np.ndarray, cnt: np.ndarray, D: int,
+                    P: int) -> list[Post]:
+    """Regroup ``big``, blocks of ``cnt`` records from source ``src`` to destination ``dst``
+    (< ``D``) in source-then-destination order, into one :class:`Post` per destination."""
     off = np.cumsum(cnt) - cnt  # each block's start in the sources' records, end to end
-    big = np.concatenate([p.rows for p in posts])
     o = np.lexsort((src, dst))  # blocks by destination, then source
     src, dst, cnt, off = src[o], dst[o], cnt[o], off[o]
     start = np.cumsum(cnt) - cnt
     moved = big[np.repeat(off - start, cnt) + np.arange(len(big), dtype=np.int64)]
     del big
-    bounds = np.searchsorted(dst, np.arange(P + 1))
+    bounds = np.searchsorted(dst, np.arange(D + 1))
     out = []
-    for t in range(P):
+    for t in range(D):
         a, b = bounds[t], bounds[t + 1]
         counts = np.zeros(P, np.int32)  # (P of them, one per rank: int32 halves P**2)
         counts[src[a:b]] = cnt[a:b]

@@ -37,6 +37,12 @@ NOTE [ Sharded planning ]
     * **Rewind** (an early stop): the homes restore what the plan changed in their range, and
       each rank re-sends the keeps, evictions and releases of its executed steps.
 
+    * **Posts are not kept.** A rank yields each post out of a one-element list it pops in the
+      ``yield`` (``yield box.pop()``), and drops the arrays it was built from before: while an
+      exchange runs, the rank's frame holds nothing it sent, so a driver may free a post once
+      it has delivered it (:func:`solar.exchange.run_together` with ``spill=`` writes every
+      rank's posts to a file and keeps only the records of the ranks it is delivering to).
+
     Five exchanges per epoch (two more per part where padding repeats a sample): questions to
     the homes, with the next epoch's positions; their answers; the assignments to their ranks,
     with every occurrence and keep to its home; the homes' answers to owners and readers; the
@@ -145,21 +151,30 @@ class RankPlan:
     def hits(self) -> int:
         return int(np.count_nonzero(self.flags & _HIT))
 
-    def _cuts(self, pos: np.ndarray) -> np.ndarray:
-        return np.searchsorted(pos, np.arange(1, self.num_steps) * self.global_batch)
-
     def rank_steps(self, rank: int) -> list[np.ndarray]:
-        self._mine(rank)
-        return np.split(self.samples, self._cuts(self.pos)) if self.num_steps else []
+        return [step for step, _ in self.iter_steps(rank)]
 
     def rank_actions(self, rank: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """As ``EpochPlan.rank_actions``: per step, (samples held after reading, samples evicted)."""
+        return [actions for _, actions in self.iter_steps(rank)]
+
+    def iter_steps(self, rank: int):
+        """Per step, as asked for: ``(samples, (held after reading, evicted))``, what
+        :meth:`rank_steps` and :meth:`rank_actions` list. The first step comes without the
+        O(steps) work of listing them all (156,250 steps at N = 2e7 on 4 ranks, seconds of
+        Python before the first batch)."""
         self._mine(rank)
-        at = np.flatnonzero(self.flags & (_HIT | _KEEP))
-        keeps = np.split(self.samples[at], self._cuts(self.pos[at])) if self.num_steps else []
+        S = self.num_steps
+        cuts = np.concatenate([[0], np.searchsorted(self.pos, np.arange(1, S) * self.global_batch), [len(self.pos)]])
         o = np.argsort(self.evict_step, kind="stable")
-        evicts = np.split(self.evict_sample[o], np.searchsorted(self.evict_step[o], np.arange(1, self.num_steps)))
-        return [(np.setdiff1d(k, e) if len(e) else k, e) for k, e in zip(keeps, evicts)]
+        e_sample = self.evict_sample[o]
+        e_cuts = np.concatenate([[0], np.searchsorted(self.evict_step[o], np.arange(1, S)), [len(o)]])
+        for k in range(S):
+            step = self.samples[cuts[k]:cuts[k + 1]]
+            keep = step[(self.flags[cuts[k]:cuts[k + 1]] & (_HIT | _KEEP)) != 0]
+            e = e_sample[e_cuts[k]:e_cuts[k + 1]]
+            # a hit may be the step's eviction (served first, then dropped): not held afterwards
+            yield step, (np.setdiff1d(keep, e) if len(e) else keep, e)
 
     def twin_steps(self) -> np.ndarray:
         return self.twins
@@ -234,6 +249,13 @@ class ShardPlanner:
                               "drive plan_steps of every rank with solar.exchange.run_together instead")
         return self.exchange(gen)
 
+    def settle(self) -> None:
+        """Forget the last plan's undo record: that plan will not be rewound (a simulation, a
+        report), and its arrays go with the last reference its holder drops."""
+        if self._undo is not None:
+            self._undo[0].undo = None
+        self._undo = None
+
     def holds(self, indices: np.ndarray, rank: int) -> np.ndarray:
         if rank != self.rank:
             raise ConfigError(f"rank {self.rank}'s planner knows its own buffer, not rank {rank}'s")
@@ -267,12 +289,17 @@ class ShardPlanner:
         units = -(-n // unit)
         return min(n, units * q // P * unit), min(n, units * (q + 1) // P * unit)
 
+    def _next_share(self, epoch: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """This rank's share of the next epoch's order (samples, positions), for their homes
+        (rebalancing); None without rebalancing."""
+        if not self._rebalancing:
+            return None
+        c = self.config
+        npos = np.arange(*self._share(c.epoch_length), dtype=self.dtype)
+        return self.order.perm_at(epoch + 1, npos % c.num_samples).astype(self.dtype, copy=False), npos
+
     def _home(self, samples: np.ndarray) -> np.ndarray:
         return samples // self.block
-
-    def _rows(self, *cols) -> np.ndarray:
-        return np.stack([np.asarray(c, self.dtype) for c in cols], axis=1) if len(cols[0]) else \
-            np.empty((0, len(cols)), self.dtype)
 
     def _rows(self, *cols) -> np.ndarray:
         """Records with one column per argument, in the plan's index dtype."""
@@ -283,27 +310,29 @@ class ShardPlanner:
         share of the next epoch's order (samples, positions), delivered to the homes with the
         questions; then each home's first next-epoch position of its samples comes back too."""
         P = self.config.world_size
+        ahead = nxt is not None
         cols = [np.full(len(samples), _ASK), samples, np.zeros(len(samples), self.dtype)]
         dest = self._home(samples)
         if nxt is not None:
             cols = [np.concatenate([a, b]) for a, b in zip(cols, (np.full(len(nxt[0]), _NEXT), *nxt))]
             dest = np.concatenate([dest, self._home(nxt[0])])
-        asked = yield post(self._rows(*cols), dest, P)
-        del cols, dest
+        box = [post(self._rows(*cols), dest, P)]
+        del cols, dest, nxt
+        asked = yield box.pop()  # (nothing posted stays in the frame: NOTE [ Sharded planning ])
         rows = asked.rows
         ask = rows[:, 0] == _ASK
         local = rows[ask, 1] - self.home_lo
         source = np.repeat(np.arange(P), asked.counts)[ask]
-        answer = Post(self._rows(self._own[local], self._res[local]), np.bincount(source, minlength=P))
+        box = [Post(self._rows(self._own[local], self._res[local]), np.bincount(source, minlength=P))]
         first_next = None
-        if nxt is not None:
+        if ahead:
             first_next = np.full(len(self._own), -1, self.dtype)
             later = rows[~ask]
             # positions arrive ascending (by source, then as sent): the first occurrence wins
             first_next[later[::-1, 1] - self.home_lo] = later[::-1, 2]
             del later
         del asked, rows, ask, local, source
-        back = yield answer
+        back = yield box.pop()
         order = by_rank(self._home(samples), P)  # as the homes answered
         own = np.empty(len(samples), self._own.dtype)
         res = np.zeros(len(samples), bool)
@@ -314,7 +343,9 @@ class ShardPlanner:
         """Apply ``kind`` (``_K_*``, per sample or one for all) at the samples' homes: one exchange."""
         kinds = np.broadcast_to(np.asarray(kind), samples.shape)
         ranks = np.broadcast_to(np.asarray(rank), samples.shape)
-        got = yield post(self._rows(samples, kinds, ranks), self._home(samples), self.config.world_size)
+        box = [post(self._rows(samples, kinds, ranks), self._home(samples), self.config.world_size)]
+        del samples, kinds, ranks
+        got = yield box.pop()
         local, kinds, ranks = got.rows[:, 0] - self.home_lo, got.rows[:, 1], got.rows[:, 2]
         for k in (_K_KEEP, _K_ADOPT, _K_DROP, _K_RELEASE):
             m = kinds == k
@@ -341,13 +372,7 @@ class ShardPlanner:
         pos = np.arange(lo, hi, dtype=self.dtype)
         samples = self.samples_at(lay, pos)
         before = (self._own.copy(), self._res.copy(), self._held)
-        nxt = None
-        if self._rebalancing:  # this rank's share of the next epoch's order, for its samples' homes
-            npos = np.arange(*self._share(c.epoch_length), dtype=self.dtype)
-            nxt = (self.order.perm_at(epoch + 1, npos % c.num_samples).astype(self.dtype, copy=False), npos)
-            del npos
-        own, res, first_next = yield from self._ask_homes(samples, nxt)
-        del nxt
+        own, res, first_next = yield from self._ask_homes(samples, self._next_share(epoch))
         rank = np.full(len(pos), -1, own.dtype)
         flags = np.zeros(len(pos), np.uint8)
         parts = lay.parts(G)
@@ -365,10 +390,9 @@ class ShardPlanner:
         n = len(pos)
         cols = (np.repeat([_RESULT, _SEEN], n), np.concatenate([pos, samples]), np.concatenate([samples, pos]),
                 np.concatenate([flags, rank]), np.concatenate([np.zeros(n, np.uint8), flags]))
-        out = post(self._rows(*cols), np.concatenate([rank, self._home(samples)]), P)
+        box = [post(self._rows(*cols), np.concatenate([rank, self._home(samples)]), P)]
         del cols, pos, samples, rank, flags
-        got = yield out
-        del out
+        got = yield box.pop()
         mine = got.rows[got.rows[:, 0] == _RESULT]
         seen = got.rows[got.rows[:, 0] == _SEEN, 1:]  # (sample, position, rank, flags)
         del got  # (a view would keep the whole receive buffer)
@@ -377,8 +401,11 @@ class ShardPlanner:
         del mine
         plan.twins = self._twin_steps(lay)
         if self._rebalancing:
-            yield from self._rebalance(plan, seen, first_next)
-        del seen
+            box = [self._home_answers(seen, first_next)]
+            del seen, first_next
+            yield from self._rebalance(plan, box)
+        else:
+            del seen
         keep = (plan.flags & _KEEP) != 0
         self._held = _held_after(before[2], plan.samples[keep], plan.evict_sample)
         changed = np.flatnonzero((before[0] != self._own) | (before[1] != self._res)).astype(self.dtype)
@@ -405,12 +432,11 @@ class ShardPlanner:
         np.maximum.at(out, at[same + 1] // G, (at[same] // G).astype(np.int64))
         return out
 
-    def _rebalance(self, plan: RankPlan, seen: np.ndarray, first_next: np.ndarray):
+    def _rebalance(self, plan: RankPlan, box: list[Post]):
         """NOTE [ Rebalancing with the next epoch's order ], for this rank's (next step, rank) cells:
-        the homes answer the owners and readers (one exchange), the swaps go back (another)."""
-        answers = self._home_answers(seen, first_next)
-        told = yield answers
-        del answers
+        the homes' answers to the owners and readers (``box``: :meth:`_home_answers`) go out (one
+        exchange), the swaps go back (another)."""
+        told = yield box.pop()
         moves = self._swap(plan, told.rows)
         del told
         yield from self._tell_homes(moves[0], moves[1], self.rank)

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from solar import exchange
 from solar.errors import ConfigError
 from solar.exchange import run_together
 from solar.nodeshare import NODE_RANKS_ENV
@@ -96,6 +97,34 @@ def test_larger_plans_match_and_reach_the_bound(n, P, b, frac):
         assert_same(want, ref, plans, planners)
         rates.append(sum(p.hits for p in plans) / want.hit.size)
     assert min(rates[1:]) >= 0.97 * c.bound
+
+
+@pytest.mark.parametrize("chunk", [1, 4096, 1 << 30])
+def test_exchanges_spilled_to_files_deliver_the_same_records(tmp_path, monkeypatch, chunk):
+    """run_together(spill=): each round's posts in a file, read back ``chunk`` bytes of records
+    at a time (at least one destination each): the Planner's plans, over a rewind too."""
+    monkeypatch.setattr(exchange, "SPILL_CHUNK", chunk)
+    c = PlanConfig(9_973, 16, 4, 9_973 // 3 // 16, seed=5)
+    ref, planners = Planner(c), shard_planners(c)
+    for e in range(3):
+        want = ref.plan(e)
+        plans, _ = run_together([p.plan_steps(e) for p in planners], spill=str(tmp_path))
+        assert_same(want, ref, plans, planners)
+    ref.rewind(want, 3)
+    run_together([p.rewind_steps(plan, 3) for p, plan in zip(planners, plans)], spill=str(tmp_path))
+    assert_same(ref.plan(3), ref, plan_all(planners, 3), planners)
+    assert list(tmp_path.iterdir()) == []  # every round's file is gone
+
+
+def test_ranks_out_of_step_are_reported(tmp_path):
+    def one(q):
+        yield exchange.Post(np.zeros((1, 1), np.int32), np.eye(2, dtype=np.int64)[q])
+        if q == 0:
+            yield exchange.Post(np.zeros((0, 1), np.int32), np.zeros(2, np.int64))
+
+    for spill in (None, str(tmp_path)):
+        with pytest.raises(RuntimeError, match="out of step"):
+            run_together([one(0), one(1)], spill=spill)
 
 
 def test_each_rank_plans_a_share_and_holds_only_its_homes():

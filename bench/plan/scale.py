@@ -3,9 +3,12 @@
 Run: ``.venv/bin/python bench/plan/scale.py [--samples 1000000 3000000 10000000] [--world-size 4096]
 [--ranks-per-node 8] [--batch-size 32] [--epochs 3] [--out bench/plan/scale.json]``
 
-The simulation holds every rank's state and every exchange in one process: its peak memory
-grows with N (about 1.8 GiB at N = 1e7, P = 4096), so N = 1e8 needs a machine with some
-20 GiB to spare (``--samples 100000000``); a rank of a real job holds only its own share.
+The simulation holds every rank's state in one process, but not every exchange: each round's
+records go to a file in ``--spill`` (default: the temporary directory) as the ranks post them,
+and come back a few destinations at a time (``run_together(spill=)``). So N = 1e8 at P = 4096
+(``--samples 100000000``) fits in about 5 GiB here and some 10 GB of disk per round written and
+read; a rank of a real job holds only its own share. ``sim_peak_rss_bytes`` is this process's
+peak (all simulated ranks together), for the record.
 
 What it simulates: a job of ``P`` ranks, ``--ranks-per-node`` per node, buffer 50% (``C = N/2P``).
 Every rank's planner runs in this process with :func:`solar.exchange.run_together`: the same
@@ -44,8 +47,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
 
@@ -64,7 +69,7 @@ def plan_bytes(plan) -> int:
                                   plan.release_sample, plan.release_step, plan.twins))
 
 
-def simulate(n: int, P: int, per_node: int, b: int, epochs: int) -> dict:
+def simulate(n: int, P: int, per_node: int, b: int, epochs: int, spill: str | None = None) -> dict:
     c = PlanConfig(n, P, b, n // 2 // P, seed=1)
     order = LocalOrder(c)
     planners = [ShardPlanner(c, q, order) for q in range(P)]
@@ -79,9 +84,12 @@ def simulate(n: int, P: int, per_node: int, b: int, epochs: int) -> dict:
                 order_s.append(time.process_time() - t)
         kept = {q: planners[q].nbytes() for q in watched}
         tracemalloc.start()
-        plans, costs = run_together([p.plan_steps(e) for p in planners], measure=lambda q: q in per_rank)
+        plans, costs = run_together([p.plan_steps(e) for p in planners], measure=lambda q: q in per_rank,
+                                    spill=spill)
         tracemalloc.stop()
         rates.append(sum(p.hits for p in plans) / c.epoch_length)
+        for p in planners:
+            p.settle()  # no rewind here: the plans of the ranks not watched go now
         for q in watched:
             per_rank[q]["seconds"].append(costs[q].seconds)
             after = planners[q].nbytes() + plan_bytes(plans[q])
@@ -104,6 +112,8 @@ def simulate(n: int, P: int, per_node: int, b: int, epochs: int) -> dict:
                  "order_seconds_per_rank_per_epoch": max(order_s) / per_node},
         "hit_rate": rates, "hit_rate_epochs_2_on": sum(later) / len(later) if later else None,
         "bound": c.bound, "hit_rate_over_bound": (min(later) / c.bound) if later and c.bound else None,
+        "sim_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "exchanges": "spilled to files" if spill else "in memory",
     }
 
 
@@ -125,6 +135,8 @@ def main() -> None:
     ap.add_argument("--torch-max", type=int, default=10_000_000, help="largest N to run DistributedSampler at")
     ap.add_argument("--planner-max", type=int, default=10_000_000, help="largest N to run the Planner at")
     ap.add_argument("--out", default=os.path.join(HERE, "scale.json"))
+    ap.add_argument("--spill", default=tempfile.gettempdir(),
+                    help="directory for each exchange round's records ('' keeps them in memory)")
     a = ap.parse_args()
     # the other sides first, for every size: a child process inherits this one's peak RSS
     # (ru_maxrss) on Linux, which the simulation raises
@@ -136,7 +148,7 @@ def main() -> None:
             sides[n]["planner"] = side("solar", n, a.world_size, a.batch_size)
     runs = []
     for n in a.samples:
-        r = simulate(n, a.world_size, a.ranks_per_node, a.batch_size, a.epochs)
+        r = simulate(n, a.world_size, a.ranks_per_node, a.batch_size, a.epochs, a.spill or None)
         r.update(sides[n])
         r["load_average"] = os.getloadavg()
         runs.append(r)
