@@ -3,11 +3,17 @@
 This copy is the only part of a save the caller waits for. The buffers are reused from save to
 save (pinned when the tensors live on a GPU), and there are ``slots`` of them, so the writer's
 memory is bounded by that many copies of the state and a save waits while all are in use.
+
+A fresh buffer costs a page fault per page on its first copy (about as long as the copy itself,
+several times longer on a loaded node): :meth:`HostPool.reserve` allocates and touches the buffers
+in a background thread ahead of the first save, as DataStates-LLM preallocates its host cache, so
+that save blocks for the copy alone.
 """
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -39,6 +45,7 @@ class HostPool:
         self._issued = 0  # tickets handed out
         self._serving = 0  # the ticket whose turn it is to take a slot
         self._cancelled: set[int] = set()  # tickets given up before their turn; the turn skips them
+        self._ready: list[Future | None] = [None] * slots  # a slot's buffer being reserved in the background
 
     def ticket(self) -> int:
         with self._cond:
@@ -77,15 +84,46 @@ class HostPool:
             self._free.append(slot)
             self._cond.notify_all()
 
+    def reserve(self, blobs: list[BlobSource]) -> Future:
+        """Make every slot's buffer large enough for ``blobs`` and touch its pages, in a background
+        thread; the returned future is done when they are. A save that takes a slot meanwhile waits
+        for that slot's buffer (:meth:`stage`)."""
+        total, _offsets = _layout(blobs)
+        on_cuda = any(b.storage.device.type == "cuda" for b in blobs)
+        done: Future = Future()
+        with self._cond:
+            # free slots only: a slot in use keeps its buffer until its save is done with it
+            slots = [s for s in self._free if self._ready[s] is None and _too_small(self._bufs[s], total, on_cuda)]
+            for s in slots:
+                self._ready[s] = done
+
+        def fill() -> None:
+            try:
+                for s in slots:
+                    self._bufs[s] = None  # the old buffer goes before its replacement is allocated
+                    buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=on_cuda)
+                    buf.zero_()  # touch every page here, not in a save's copy
+                    self._bufs[s] = buf
+                done.set_result(None)
+            except BaseException as exc:  # a save then allocates its own buffer
+                done.set_exception(exc)
+            finally:
+                with self._cond:
+                    for s in slots:
+                        self._ready[s] = None
+
+        threading.Thread(target=fill, name="solar-ckpt-reserve", daemon=True).start()
+        return done
+
     def stage(self, slot: int, blobs: list[BlobSource]) -> list[np.ndarray]:
         """Copy every blob into slot ``slot``'s buffer; return uint8 numpy views of the copies."""
-        offsets, total = [], 0
-        for b in blobs:
-            offsets.append(total)
-            total += -(-b.nbytes // _ALIGN) * _ALIGN
+        total, offsets = _layout(blobs)
         on_cuda = any(b.storage.device.type == "cuda" for b in blobs)
+        ready = self._ready[slot]
+        if ready is not None:
+            ready.exception()  # waits; a failed reservation leaves the allocation to this save
         buf = self._bufs[slot]
-        if buf is None or buf.numel() < total or (on_cuda and not buf.is_pinned()):
+        if _too_small(buf, total, on_cuda):
             self._bufs[slot] = None  # free the old buffer before allocating its replacement
             buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=on_cuda)
             self._bufs[slot] = buf
@@ -100,3 +138,16 @@ class HostPool:
         if on_cuda:
             torch.cuda.synchronize()
         return views
+
+
+def _layout(blobs: list[BlobSource]) -> tuple[int, list[int]]:
+    """The staging buffer's size for ``blobs`` and where each blob's copy starts in it."""
+    offsets, total = [], 0
+    for b in blobs:
+        offsets.append(total)
+        total += -(-b.nbytes // _ALIGN) * _ALIGN
+    return total, offsets
+
+
+def _too_small(buf: torch.Tensor | None, total: int, on_cuda: bool) -> bool:
+    return buf is None or buf.numel() < total or (on_cuda and not buf.is_pinned())

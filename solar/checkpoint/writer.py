@@ -36,7 +36,7 @@ from .host import HostPool
 from .jobstore import is_job_root
 from .loaderstate import LOADER_KEY, encode_loader, loader_state_of
 from .manifest import BlobEntry, Location, Manifest
-from .pack import locate, located, write_pack
+from .pack import Packer, locate, located, pack_policy
 from .results import SaveResult, checked_meta, SaveFuture
 from .store import CheckpointStore, chunk_key, referenced
 
@@ -121,9 +121,10 @@ class CheckpointWriter:
             to ``root`` in the background.
         io_threads: parallel chunk writes (remote stores and parallel file systems like several).
         storage_options: fsspec options for a URL ``root`` (credentials, endpoint ...).
-        pack: write each save's chunks smaller than ``chunk_size`` (small tensors, blob tails) into one
-            pack file instead of a file each (:mod:`.pack`), so a save makes a few files whatever
-            the tensor count; full chunks stay files of their own.
+        pack: ``N`` (bytes): write each save's chunks into rolling pack files of at most ``N`` bytes
+            instead of a file each (:mod:`.pack`), so a save makes a few files whatever the tensor
+            count; ``True``: only its chunks smaller than ``chunk_size`` (small tensors, blob
+            tails), into one pack, full chunks staying files of their own.
         durable: fsync every chunk and manifest of a local root before the next step of the commit
             (default). ``False`` keeps every write atomic against killed processes but not against
             power loss; it saves the fsync time.
@@ -155,7 +156,7 @@ class CheckpointWriter:
         storage_options: dict | None = None,
         durable: bool = True,
         comm: Any = None,
-        pack: bool = False,
+        pack: "bool | int" = False,
         deltas: bool = False,
         max_chain: int = DEFAULT_MAX_CHAIN,
     ) -> None:
@@ -164,7 +165,7 @@ class CheckpointWriter:
             raise ConfigError("pack=True and staging= cannot be combined yet; leave one out")
         if deltas and staging is not None:
             raise ConfigError("deltas=True and staging= cannot be combined yet; leave one out")
-        self.pack = pack
+        self.pack, self._packing = pack, pack_policy(pack, int(chunk_size))
         self.chunk_size = int(chunk_size)
         self.keep_last = keep_last
         self.hash = hash
@@ -301,6 +302,13 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         host, slot = self._stage_copy(flat, staged, ticket)
         return self._commit(flat, host, slot, step, meta, time.perf_counter() - t0)
+
+    def reserve(self, state_dict: Any) -> Future:
+        """Allocate the host staging buffers for saves of ``state_dict`` and touch their pages in the
+        background, so the first save blocks for the copy alone, not for page faults (DataStates-LLM
+        preallocates its host cache the same way). Returns a future done when they are ready; a save
+        meanwhile waits for them. Memory: ``max_in_flight`` copies of the state, from now on."""
+        return self._pool.reserve(flatten(state_dict).blobs)
 
     def wait_staged(self) -> None:
         """Wait until every lazy save has copied the state; after this it may be modified."""
@@ -460,11 +468,11 @@ class CheckpointWriter:
 
     def _write_chunks(self, sink: _Sink, flat: Flat, host: list[np.ndarray], step: int, meta: dict) -> _Written:
         pending: dict[bytes, Future] = {}
-        small: dict[bytes, memoryview] = {}
+        packer = Packer(sink.store, self._io.submit, self._packing.limit)
 
         def put(d: bytes, view: memoryview, name: str, j: int) -> None:  # written while the next blobs are hashed
-            if self.pack and view.nbytes < self.chunk_size:
-                small[d] = view  # into this save's pack, once every blob is hashed
+            if view.nbytes < self._packing.below:
+                packer.add(d, view)  # into a rolling pack (:mod:`.pack`)
             elif self._deltas is not None:
                 pending[d] = self._io.submit(self._deltas.put, sink, d, view, name, j)
             else:
@@ -473,23 +481,29 @@ class CheckpointWriter:
         if self._deltas is not None:
             self._deltas.begin(flat)
         plan = self._plan(sink, flat, host, put)
-        packed = self._io.submit(write_pack, sink.store, sorted(small.items()))
-        wait_futures([*pending.values(), packed])
-        failed = [f.exception() for f in [*pending.values(), packed] if f.exception() is not None]
+        wait_futures(pending.values())
+        failed = [f.exception() for f in pending.values() if f.exception() is not None]
+        try:
+            packed = packer.finish()  # deletes its packs and raises on a failure
+        except BaseException as exc:
+            failed.insert(0, exc)
+        else:
+            if failed:
+                packer.discard()
         if failed:
             self._drop_orphans(sink, [d for d, f in pending.items() if f.exception() is None])
             if self._deltas is not None:
                 self._deltas.abort(sink.store)
             raise failed[0]
-        locs, pack_bytes = packed.result()
-        written = sum(f.result() for f in pending.values()) + pack_bytes
-        nwritten = len(pending) + len(small)
+        locs = packed.locations
+        written = sum(f.result() for f in pending.values()) + packed.nbytes
+        nwritten = len(pending) + len(locs)
         m = self._manifest(flat, plan, step, meta, written, nwritten, locate(plan.digests, sink.locations, locs))
         if self._deltas is not None:
             self._deltas.written(flat, host, plan.digests)
             self._deltas.annotate(m, {**sink.locations, **locs})
         return _Written(m, written, nwritten, plan.unchanged, len(plan.rewritten), plan.trees,
-                        set(pending) | set(small), locs)
+                        set(pending) | set(locs), locs)
 
     @staticmethod
     def _drop_orphans(sink: _Sink, digests) -> None:

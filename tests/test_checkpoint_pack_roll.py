@@ -1,0 +1,57 @@
+"""Rolling packs (``pack=N``): every new chunk, full ones too, goes into packs of at most N bytes,
+so a save makes a few files whatever its tensor and chunk count; de-duplication, gc, verify and
+loads work through them. And ``reserve``: the host buffers a save copies into, prepared ahead."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from solar.checkpoint import CheckpointWriter, gc, load, verify
+
+CHUNK = 4096
+PACK = 64 * 1024
+
+
+def state(step: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    out = {f"layer{i}.bias": torch.randn(16, generator=g) for i in range(100)}
+    big = torch.randn(64 * CHUNK // 4, generator=g)  # 64 full chunks
+    big[step * 1024] += step  # one chunk of it changes per step
+    return {**out, "big": big, "step": torch.tensor(step)}
+
+
+def count(root, sub: str) -> int:
+    return sum(len(fs) for _d, _s, fs in os.walk(os.path.join(root, sub)))
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_every_chunk_goes_into_packs_of_at_most_n_bytes(tmp_path):
+    root = tmp_path / "ck"
+    with CheckpointWriter(root, chunk_size=CHUNK, pack=PACK) as w:
+        first = w.save(state(0), 0).result()
+        assert count(root, "chunks") == 0
+        assert count(root, "packs") == math.ceil(first.bytes_written / PACK)  # full packs but the last
+        sizes = [os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(root / "packs") for f in fs]
+        assert max(sizes) <= PACK and first.bytes_written == sum(sizes)
+        second = w.save(state(1), 1).result()
+    assert second.chunks_written == 2 and count(root, "packs") == math.ceil(first.bytes_written / PACK) + 1
+    assert same(load(root, 0), state(0)) and same(load(root, 1), state(1)) and verify(root).ok
+    rep = gc(root, keep_last=1)
+    assert rep.removed_versions == [0] and same(load(root), state(1)) and verify(root).ok
+
+
+def test_reserve_prepares_the_buffer_the_first_save_copies_into(tmp_path):
+    with CheckpointWriter(tmp_path / "ck", chunk_size=CHUNK) as w:
+        w.reserve(state(0)).result()
+        buf = w._pool._bufs[0]
+        assert buf is not None and buf.numel() >= sum(t.nbytes for t in state(0).values())
+        w.save(state(0), 0).result()
+        assert w._pool._bufs[0] is buf  # the save used it instead of allocating its own
+        w.save(state(1), 1)
+    assert same(load(tmp_path / "ck", 1), state(1))
