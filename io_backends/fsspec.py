@@ -268,7 +268,7 @@ class FsspecBackend(HDF5Backend):
         runs = [piece for start, stop in ranges.tolist() for piece in span.pieces(start, stop)]
         self._stage.read_into(runs, memoryview(out.reshape(-1).view(np.uint8)))
         self.stats.read_calls += int((ranges[:, 1] > ranges[:, 0]).sum())
-        made = self._stage.requests  # the copy's requests since the last read counted them
+        made = self._stage.requests + self._stage.direct_requests  # since the last read counted them
         self.stats.extra["stage_requests"] = self.stats.extra.get("stage_requests", 0) + made - self._stage_counted
         self._stage_counted = made
 

@@ -12,9 +12,11 @@ NOTE [ Staging a remote file ]
     rows it reads by byte range (NOTE [ Remote rows by byte ranges ] in fsspec.py): a background
     thread downloads the whole file in ``PIECE``-byte pieces, ``INFLIGHT`` at a time, into an
     unnamed file under ``DIR`` (created and unlinked at once: nothing is left behind, even when
-    the job is killed); a read waits only for the pieces holding its rows, fetching those itself
-    ahead of the background order when they are not on their way yet, then reads the rows from
-    the local copy with ``preadv``. So the first epoch runs at the link's throughput and later
+    the job is killed); a read waits only for the pieces holding its rows, which jump the file
+    order when they are not on their way yet, then reads the rows from the local copy with
+    ``preadv``; rows that are a small part of a piece not on its way yet are requested directly
+    instead (a shuffled pass over a large file wants a few rows in every piece: waiting for the
+    pieces would be waiting for the whole file). So the first epoch runs at the link's throughput and later
     epochs read local disk (its page cache). Every piece is requested pinned to the version
     opened (``If-Match`` / ``IfMatch=ETag``), so a file replaced meanwhile is refused, as for
     range reads; the dataset's checksums are still verified once per row the backend returns.
@@ -37,12 +39,17 @@ from solar.errors import ConfigError, StorageError
 
 from .fsspec_common import CHANGED, url_errors
 
-__all__ = ["StagedFile", "PIECE", "INFLIGHT"]
+__all__ = ["StagedFile", "PIECE", "INFLIGHT", "DIRECT_BELOW", "DIRECT_MIN"]
 
 #: Bytes per request of the copy.
 PIECE = 8 << 20
 #: Requests of the background copy in flight at once.
 INFLIGHT = 16
+#: A read that wants less than this fraction of a piece nobody fetches yet requests its bytes
+#: directly instead of waiting for the piece (see :meth:`StagedFile.read_into`) ...
+DIRECT_BELOW = 0.25
+#: ... when the piece is at least this large (a smaller one costs one request either way).
+DIRECT_MIN = 1 << 20
 
 #: ``fetch(starts, ends) -> [bytes]``: the file's bytes ``[starts[i], ends[i])``, requested together.
 Fetch = Callable[[list, list], list]
@@ -81,6 +88,7 @@ class StagedFile:
         self._closed = False
         self._running = 0  # copying threads alive
         self.requests = 0  # pieces fetched so far
+        self.direct_requests = 0  # ranges read directly, past the copy
         self._start()
 
     def _start(self) -> None:
@@ -174,19 +182,62 @@ class StagedFile:
         self._start()  # (the next read tries again)
         raise error
 
+    def _parts(self, runs: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+        """``runs`` cut at piece boundaries: ``(file offset, length, offset in out, piece)``."""
+        parts, pos = [], 0
+        for at, n in runs:
+            end = at + n
+            while at < end:
+                k = at // self.piece
+                m = min(end, (k + 1) * self.piece) - at
+                parts.append((at, m, pos, k))
+                at, pos = at + m, pos + m
+        return parts
+
     def read_into(self, runs: list[tuple[int, int]], out: memoryview) -> None:
-        """Bytes of ``runs`` (``(file offset, length)``, in order) into consecutive bytes of ``out``."""
-        ks = [np.arange(at // self.piece, (at + n - 1) // self.piece + 1) for at, n in runs if n]
-        if ks:
-            self._ensure(np.unique(np.concatenate(ks)))
+        """Bytes of ``runs`` (``(file offset, length)``, in order) into consecutive bytes of ``out``.
+
+        A piece that nobody fetches yet and of which this read wants less than ``DIRECT_BELOW``
+        is not waited for: its bytes are requested directly (one range each), and the copy gets
+        to the piece in its turn. So the first passes over a large file do not wait for whole
+        pieces around the few rows they want (in a shuffled pass, a few in every piece)."""
+        parts = self._parts(runs)
+        if not parts:
+            return
+        ks, inv = np.unique(np.array([p[3] for p in parts]), return_inverse=True)
+        wanted = np.bincount(inv, weights=[p[1] for p in parts])
+        lens = np.minimum(self.size, (ks + 1) * self.piece) - ks * self.piece
+        with self._cond:
+            direct = ~self._claimed[ks] & (wanted < DIRECT_BELOW * lens) & (lens >= DIRECT_MIN)
+        if direct.any():
+            self._read_direct([p for p, d in zip(parts, direct[inv]) if d], out)
+        staged = [p for p, d in zip(parts, direct[inv]) if not d]
+        if staged:
+            self._ensure(ks[~direct])
+            self._pread(staged, out)
+
+    def _read_direct(self, parts: list[tuple[int, int, int, int]], out: memoryview) -> None:
+        """``parts`` requested from the URL, each copied into its place in ``out``."""
+        with url_errors(self.url, "reading rows"):
+            got = self._fetch([at for at, _, _, _ in parts], [at + n for at, n, _, _ in parts])
+        for (at, n, pos, _), data in zip(parts, got):
+            if isinstance(data, BaseException):
+                raise data
+            if len(data) != n:
+                raise StorageError(f"{self.url}: got {len(data)} of {n} bytes at offset {at}; {CHANGED}")
+            out[pos:pos + n] = data
+        with self._cond:
+            self.direct_requests += len(parts)
+
+    def _pread(self, parts: list[tuple[int, int, int, int]], out: memoryview) -> None:
+        """``parts`` from the copy (their pieces are there) into their places in ``out``."""
         with self._cond:
             if self._closed:
                 raise StorageError(f"{self.url}: closed by another thread while reading; close a dataset only "
                                    "when no loader or thread reads it any more")
             fd = os.dup(self._fd)
         try:
-            pos = 0
-            for at, n in runs:
+            for at, n, pos, _ in parts:
                 got = 0
                 while got < n:
                     k = os.preadv(fd, [out[pos + got:pos + n]], at + got)
@@ -194,7 +245,6 @@ class StagedFile:
                         raise StorageError(f"{self.url}: the staged copy ends at {at + got} bytes, inside the "
                                            f"{self.size}-byte file; {CHANGED}")
                     got += k
-                pos += n
         finally:
             os.close(fd)
 

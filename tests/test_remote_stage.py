@@ -6,14 +6,16 @@ and bad settings refused by name."""
 from __future__ import annotations
 
 import os
+import threading
 
+import fsspec
 import h5py
 import numpy as np
 import pytest
 
 import solar
 from solar.io_backends import open_backend
-from solar.io_backends.fsspec_stage import StagedFile
+from solar.io_backends.fsspec_stage import DIRECT_MIN, StagedFile
 from test_remote_ranges import RANGES, _write, putter
 
 
@@ -21,6 +23,9 @@ from test_remote_ranges import RANGES, _write, putter
 def remote(request):
     """``put(local_path) -> (url, storage_options)``."""
     return putter(request, request.param)
+
+
+PIECE_ = DIRECT_MIN  # pieces of the direct-read test: the smallest read directly
 
 
 def _stage_dir(tmp_path) -> str:
@@ -113,3 +118,36 @@ def test_a_missing_object_is_still_not_found(remote, tmp_path):
     url, opts = remote(local)
     with pytest.raises(FileNotFoundError, match="no such file"):
         open_backend(url + ".gone", "fsspec", storage_options=opts, stage=_stage_dir(tmp_path)).ensure_open()
+
+
+def test_rows_of_a_piece_not_on_its_way_are_read_directly(remote, tmp_path):
+    """A read wanting a small part of a piece nobody fetches yet takes its bytes by range (and
+    the copy still fetches the piece in its turn); a large part waits for the piece."""
+    local = str(tmp_path / "big.bin")
+    want = np.random.default_rng(3).integers(0, 255, 4 << 20, dtype=np.uint8).tobytes()
+    with open(local, "wb") as f:
+        f.write(want)
+    url, opts = remote(local)
+    gate = threading.Event()
+    fs, path = fsspec.core.url_to_fs(url, **opts)
+
+    def fetch(starts, ends):
+        if ends[0] - starts[0] == PIECE_:  # the copy's requests wait until the reads are done
+            gate.wait(30)
+        return [fs.cat_file(path, start=a, end=b) for a, b in zip(starts, ends)]
+
+    st = StagedFile(url, len(want), fetch, _stage_dir(tmp_path), piece=PIECE_, inflight=1)
+    try:
+        out = bytearray(300)
+        st.read_into([(3 * PIECE_ + 5, 100), (3 * PIECE_ + 1000, 200)], memoryview(out))
+        assert bytes(out) == want[3 * PIECE_ + 5:3 * PIECE_ + 105] + want[3 * PIECE_ + 1000:3 * PIECE_ + 1200]
+        assert st.direct_requests == 2 and st.requests == 0
+        gate.set()
+        out = bytearray(PIECE_ // 2)  # half of piece 2: waits for it
+        st.read_into([(2 * PIECE_, PIECE_ // 2)], memoryview(out))
+        assert bytes(out) == want[2 * PIECE_:2 * PIECE_ + PIECE_ // 2] and st.direct_requests == 2
+        out = bytearray(len(want))
+        st.read_into([(0, len(want))], memoryview(out))
+        assert bytes(out) == want and st.complete and st.requests == 4
+    finally:
+        st.close()
