@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,3 +146,49 @@ def test_sigkill_while_saving_deltas_never_loses_the_last_committed_version(tmp_
     assert kills >= 50
     assert last > 10 and with_deltas >= 5, (last, with_deltas)
     print(f"{kills} SIGKILLs, newest step {last}, {with_deltas} checks on versions that read deltas")
+
+
+SCRIPT = '''
+import os, signal, sys
+from mpi4py import MPI
+sys.path.insert(0, sys.argv[4])
+from test_checkpoint_delta_job import CHUNK, state
+from solar.checkpoint import CheckpointWriter
+comm = MPI.COMM_WORLD
+root, point, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+def hook(name, step):
+    if name == point and step == 3 and comm.rank == rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+with CheckpointWriter(root, comm=comm, chunk_size=CHUNK, deltas=True, on_commit_point=hook) as w:
+    for s in range(5):
+        w.save(state(s, comm.rank), s, blocking=True)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("point", ["after-chunks", "after-part", "before-global", "after-global"])
+def test_a_delta_save_killed_at_a_commit_point_keeps_the_last_committed_version(tmp_path, point):
+    """Run from one process (not under mpirun itself): a 2-rank job one of whose ranks dies at ``point`` of step 3."""
+    if shutil.which("mpirun") is None:
+        pytest.skip("needs mpirun")
+    root = str(tmp_path / "root")
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+    rank = "0" if point.endswith("global") else "1"  # rank 0 alone reaches the global manifest's points
+    subprocess.run(["mpirun", "-n", "2", "--bind-to", "none", sys.executable, str(script), root, point, rank,
+                    os.path.dirname(__file__)], env=env, timeout=300, capture_output=True)
+    from test_checkpoint_delta_job import same, state
+
+    from solar.checkpoint import list_versions, load, verify
+
+    want = 3 if point == "after-global" else 2
+    assert list_versions(root) == list(range(want + 1))
+
+    for r in (0, 1):
+        assert same(load(root, want, rank=r), state(want, r))
+    assert verify(root).ok

@@ -31,11 +31,12 @@ from .chunking import chunk_spans
 from .delta import element_size, encode
 from .deltastore import delete_delta, put_delta
 from .manifest import MAX_CHAIN, DeltaRef, Manifest
+from .pack import read_packed
 
 __all__ = ["DeltaSaver", "DEFAULT_MAX_CHAIN", "check_max_chain"]
 
 #: the default longest delta chain: a restore applies at most this many deltas per chunk
-DEFAULT_MAX_CHAIN = 8
+DEFAULT_MAX_CHAIN = 4
 
 
 def check_max_chain(max_chain: int) -> int:
@@ -68,15 +69,20 @@ class DeltaSaver:
             self.chains.update(m.deltas)
         self._mirror: dict[str, _Mirror] = {}
         self._blobs: dict[str, _Blob] = {}
-        self._fresh: dict[bytes, DeltaRef] = {}  # this save's deltas
+        self._fresh: dict[bytes, DeltaRef] = {}  # this save's deltas (a job's: every rank's)
+        self._mine: set[bytes] = set()  # those this process wrote
         self._whole: set[bytes] = set()  # this save's chunks written whole
         self._changed = 0
         self._lock = threading.Lock()
 
+    def load_chains(self, chains: dict) -> None:
+        """Chains read elsewhere (a job's rank 0): digest -> (base, depth, nbytes)."""
+        self.chains.update({d: DeltaRef(*ref) for d, ref in chains.items()})
+
     # -- one save --
     def begin(self, flat) -> None:
         """Start a save of ``flat``: its blobs' element sizes, by the name the writer keys blobs by."""
-        self._fresh, self._whole, self._changed = {}, set(), 0
+        self._fresh, self._whole, self._changed, self._mine = {}, set(), 0, set()
         self._blobs = {}
         for i, blob in enumerate(flat.blobs):
             name = flat.tensors[blob.tensors[0]].name if blob.tensors else f"<blob {i}>"
@@ -103,13 +109,15 @@ class DeltaSaver:
         written = put_delta(sink.store, d, base, enc.data)
         with self._lock:
             self._fresh[d] = DeltaRef(base, depth, written)
+            self._mine.add(d)
         return written, enc.changed
 
     def _anchor_bytes(self, sink, anchor: bytes, n: int) -> memoryview | None:
         """The anchor chunk read back (checked), or ``None`` if it cannot be."""
         buf = memoryview(bytearray(n))
+        loc = sink.locations.get(anchor)
         try:
-            got = sink.store.read_chunk_into(anchor, buf)
+            got = read_packed(sink.store, anchor, loc, buf) if loc else sink.store.read_chunk_into(anchor, buf)
         except (CorruptDataError, ValueError, OSError):
             return None
         return buf if got == n and self._digest(buf) == anchor else None
@@ -123,6 +131,12 @@ class DeltaSaver:
 
     def put(self, sink, d: bytes, view: memoryview, name: str, j: int) -> int:
         """Store new chunk ``d`` (position ``j`` of blob ``name``): as a delta if that pays, else whole."""
+        written = self.try_delta(sink, d, view, name, j)
+        return written if written is not None else sink.store.put_chunk(d, view)
+
+    def try_delta(self, sink, d: bytes, view: memoryview, name: str, j: int) -> int | None:
+        """Store new chunk ``d`` (position ``j`` of blob ``name``) as a delta if that pays and return
+        the bytes written; ``None``: the caller writes it whole."""
         n = view.nbytes
         blob = self._blobs.get(name)
         elem = element_size(n, blob.elem if blob else 1)
@@ -140,6 +154,7 @@ class DeltaSaver:
                 if written is not None and chain_bytes + written > n:  # too long a read: re-base instead
                     with self._lock:
                         del self._fresh[d]
+                        self._mine.discard(d)
                     delete_delta(sink.store, d, base)
                     written = None
             if written is None and anchor != base and anchor in sink.known:
@@ -151,11 +166,20 @@ class DeltaSaver:
                 with self._lock:
                     self._changed += changed
                 return written
-        written = sink.store.put_chunk(d, view)
         with self._lock:
             self._whole.add(d)
             self._changed += changed
-        return written
+        return None
+
+    def mine(self) -> dict[bytes, DeltaRef]:
+        """The deltas this process wrote in the current save."""
+        return {d: self._fresh[d] for d in self._mine}
+
+    def adopt(self, fresh: dict[bytes, DeltaRef], new: set[bytes]) -> None:
+        """A job's save: the deltas every rank wrote, and every chunk the save wrote (the rest of
+        them written whole, ending their chains)."""
+        self._fresh.update(fresh)
+        self._whole = set(new) - set(self._fresh)
 
     def written(self, flat, host: list[np.ndarray], digests: list[np.ndarray]) -> None:
         """After every chunk of the save is written (and before its staging copy is reused): keep the
@@ -193,8 +217,8 @@ class DeltaSaver:
             elif ref.base in locations:
                 m.locations[ref.base] = locations[ref.base]
         m.deltas = table
-        m.stats["delta_chunks"] = len(self._fresh)
-        m.stats["delta_bytes"] = sum(r.nbytes for r in self._fresh.values())
+        m.stats["delta_chunks"] = len(self._mine)
+        m.stats["delta_bytes"] = sum(self._fresh[d].nbytes for d in self._mine)
         m.stats["elements_changed"] = self._changed
 
     def committed(self) -> None:

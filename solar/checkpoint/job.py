@@ -43,6 +43,8 @@ from . import merkle
 from .chunking import hasher
 from .collect import collect_job
 from .comm import job_comm
+from .deltajob import open_job_deltas, write_deltas
+from .deltasave import DEFAULT_MAX_CHAIN
 from .flatten import Flat
 from .host import HostPool
 from .jobstore import JobManifest, JobStore, PartEntry, part_digest
@@ -79,6 +81,7 @@ class _Owned(NamedTuple):
     bytes: int
     chunks: int
     locations: dict  # digest -> Location of the ones it packed
+    deltas: dict  # digest -> DeltaRef of the ones it wrote as deltas
 
 
 class _NoLock:
@@ -128,7 +131,8 @@ class JobWriter(CheckpointWriter):
                  keep_last: int | None = None, hash: str = "xxh3_128", max_in_flight: int = 1,
                  staging: "str | os.PathLike | None" = None, io_threads: int = 4,
                  storage_options: dict | None = None, durable: bool = True,
-                 on_commit_point: Callable[[str, int], None] | None = None, pack: "bool | int" = PACK_BYTES) -> None:
+                 on_commit_point: Callable[[str, int], None] | None = None, pack: "bool | int" = PACK_BYTES,
+                 deltas: bool = False, max_chain: int = DEFAULT_MAX_CHAIN) -> None:
         if staging is not None:
             raise ConfigError("staging= is not supported with comm= (a job root is committed by all ranks at once); "
                               "leave staging out")
@@ -151,6 +155,9 @@ class JobWriter(CheckpointWriter):
         self._prev_trees: dict[str, list[np.ndarray]] = {}
         if self._prev_step is not None:
             self._load_trees(self.jobs.read_global(self._prev_step))
+        self._deltas = open_job_deltas(self.jobs, self._sync, self.chunk_size, max_chain, self._digest) \
+            if deltas else None
+        self._spots: dict = {}  # with deltas: where each new chunk of the save was found
         self._start_threads(max_in_flight, io_threads)
 
     def _start_threads(self, max_in_flight: int, io_threads: int) -> None:
@@ -269,17 +276,28 @@ class JobWriter(CheckpointWriter):
         def release() -> None:
             if held[0]:
                 held[0] = False
+                if self._deltas is not None and plan is not None:  # before the staging copy is reused
+                    self._deltas.written(flat, host, plan.digests)
                 self._pool.release(slot)
+
+        plan = None
+        if self._deltas is not None:
+            self._deltas.begin(flat)
+            self._spots = {}
 
         mine: list[bytes] = []
         pack: list[str] = []  # the pack this rank wrote, if any
         try:
-            plan, news = self._together("hashing", step, lambda: self._plan(sink, flat, host), lambda p: sorted(p.new))
+            spot = (lambda d, _v, name, j: self._spots.__setitem__(d, (name, j))) if self._deltas else None
+            plan, news = self._together("hashing", step, lambda: self._plan(sink, flat, host, spot),
+                                        lambda p: sorted(p.new))
             mine = self._owned(news, set(plan.new))
             wrote, where = self._together("writing its chunks", step,
                                           lambda: self._write_owned(plan, mine, step, release, pack),
-                                          lambda w: w.locations)
-            new_locs = {d: loc for locs in where for d, loc in locs.items()}
+                                          lambda w: (w.locations, w.deltas))
+            new_locs = {d: loc for locs, _d in where for d, loc in locs.items()}
+            if self._deltas is not None:
+                self._deltas.adopt({d: ref for _l, refs in where for d, ref in refs.items()}, set(plan.new))
             (m, part), parts = self._together("writing its part", step,
                                               lambda: self._write_part(flat, plan, wrote, new_locs, step, meta),
                                               lambda out: out[1])
@@ -289,6 +307,8 @@ class JobWriter(CheckpointWriter):
             raise
         release()
         self._commit_global(step, parts, mine, pack)
+        if self._deltas is not None:
+            self._deltas.committed()
         committed = set().union(*(set(n) for n in news))
         sink.add_known(committed)
         sink.locations.update(new_locs)
@@ -314,8 +334,10 @@ class JobWriter(CheckpointWriter):
         packer = Packer(store, self._io.submit, self._packing.limit)
         futs = []
         try:
+            as_deltas = write_deltas(self._deltas, self._main, plan.new, owned, self._spots, self._io.submit) \
+                if self._deltas is not None else set()
             for d, v in plan.new.items():  # the order they were found in: a pack holds neighbours
-                if d not in owned:
+                if d not in owned or d in as_deltas:
                     continue
                 if v.nbytes < self._packing.below:
                     packer.add(d, v)
@@ -330,11 +352,15 @@ class JobWriter(CheckpointWriter):
             if f.exception() is not None:
                 raise f.exception()
         self._point("after-chunks", step)
-        return _Owned(sum(f.result() for f in futs) + packed.nbytes, len(mine), packed.locations)
+        mine_deltas = self._deltas.mine() if self._deltas is not None else {}
+        return _Owned(sum(f.result() for f in futs) + packed.nbytes + sum(r.nbytes for r in mine_deltas.values()),
+                      len(mine), packed.locations, mine_deltas)
 
     def _write_part(self, flat: Flat, plan, wrote: _Owned, new_locs: dict, step: int, meta: dict):
         m = self._manifest(flat, plan, step, meta, wrote.bytes, wrote.chunks,
                            locate(plan.digests, self._main.locations, new_locs))
+        if self._deltas is not None:
+            self._deltas.annotate(m, {**self._main.locations, **new_locs})
         data = encode(m)
         self.jobs.put_part(m, self.rank, data)
         self._point("after-part", step)
@@ -369,6 +395,8 @@ class JobWriter(CheckpointWriter):
             self.jobs.delete_part(step, self.rank)
             for name in pack:
                 delete_pack(self._main.store, name)
+            if self._deltas is not None:
+                self._deltas.abort(self._main.store)
         except OSError:
             pass
         self._drop_orphans(self._main, mine)
@@ -390,6 +418,8 @@ class JobWriter(CheckpointWriter):
         self._main.known -= removed
         for d in removed:
             self._main.locations.pop(d, None)
+        if self._deltas is not None:
+            self._deltas.retain(self._main.known | self._main.damaged)
 
     def _close_comms(self) -> None:
         for c in (self._sync, self._bg):
