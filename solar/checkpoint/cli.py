@@ -25,6 +25,7 @@ from solar.errors import CheckpointError, InputError, SolarError
 from solar.fileio import write_atomic
 
 from .collect import gc
+from .repack import repack
 from .compare import diff
 from .deltastats import increment
 from .flatten import DTYPES, materialize
@@ -376,10 +377,15 @@ def cmd_import(args) -> int:
 
 def cmd_gc(args) -> int:
     rep = gc(args.root, args.keep_last, dry_run=args.dry_run)
+    # then the packs the kept versions use only partly (solar/checkpoint/repack.py)
+    packs = repack(args.root, dry_run=args.dry_run) if not args.no_repack else None
     verb = "would remove" if args.dry_run else "removed"
-    payload = dict(rep.to_json(), dry_run=args.dry_run)
+    payload = dict(rep.to_json(), dry_run=args.dry_run, repack=packs.to_json() if packs else None)
+    repacked = (f"; {'would repack' if args.dry_run else 'repacked'} {len(packs.packs_rewritten)} partly dead packs "
+                f"({fmt_bytes(max(packs.bytes_freed, 0))} freed)" if packs and packs.packs_rewritten else "")
     _emit(args, payload, f"kept versions {rep.kept}; {verb} versions {rep.removed_versions}, "
-                         f"{len(rep.removed_torn)} incomplete manifests and {rep.removed_chunks} unreferenced chunks")
+                         f"{len(rep.removed_torn)} incomplete manifests and {rep.removed_chunks} unreferenced chunks"
+                         f"{repacked}")
     return 0
 
 
@@ -457,6 +463,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("root")
     p.add_argument("--keep-last", type=int, default=None, metavar="K")
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--no-repack", action="store_true",
+                   help="leave packs whose chunks are partly dead as they are (by default a pack at least a quarter "
+                        "dead is rewritten with its live chunks only)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_gc)
 

@@ -4,6 +4,7 @@ Layout (beside the chunk store of :mod:`.store`, whose ``chunks/`` every rank sh
 
     JOB                              marker: the root belongs to a job writer (JSON: format, world size)
     parts/<step, 20 digits>/<rank>   one manifest part per rank: a solar-ckpt/1 manifest of that rank's state
+                                     (``<rank>.<gen>``: the part rewritten by a repack, :mod:`.repack`)
     versions/<step, 20 digits>       the global manifest, written LAST, by rank 0 only
 
 A version exists if and only if its global manifest exists and verifies: the global manifest lists
@@ -54,6 +55,16 @@ class PartEntry:
     nbytes: int
     digest: str  # hex xxh3-128 of the part's encoded bytes
     root: str  # the part's Merkle root (hex)
+    gen: int = 0  # which key holds the part: 0 as saved, then one more per rewrite by a repack
+
+
+def _entry(p: PartEntry) -> dict:
+    """A part's entry as the global manifest stores it (``gen`` only when nonzero: the manifests
+    of versions never repacked keep their exact bytes)."""
+    out = asdict(p)
+    if not p.gen:
+        del out["gen"]
+    return out
 
 
 @dataclass
@@ -71,7 +82,7 @@ class JobManifest:
 
 
 def encode_job(m: JobManifest) -> bytes:
-    header = {"format": JOB_FORMAT, **asdict(m)}
+    header = {"format": JOB_FORMAT, **asdict(m), "parts": [_entry(p) for p in m.parts]}
     head = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     return seal(b"".join([JOB_MAGIC, struct.pack("<Q", len(head)), head]))
 
@@ -91,7 +102,8 @@ def decode_job(data: bytes, where: str = "global manifest") -> JobManifest:
         h["parts"] = [PartEntry(**p) for p in h["parts"]]
         m = JobManifest(**h)
         ok = (isinstance(m.step, int) and m.step >= 0 and isinstance(m.world_size, int)
-              and [p.rank for p in m.parts] == list(range(m.world_size)))
+              and [p.rank for p in m.parts] == list(range(m.world_size))
+              and all(isinstance(p.gen, int) and p.gen >= 0 for p in m.parts))
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise CorruptDataError(f"{where} has an unreadable header: {exc}") from exc
     if not ok:
@@ -122,8 +134,9 @@ class JobStore:
         return f"{_VERSIONS}{int(step):020d}"
 
     @staticmethod
-    def part_key(step: int, rank: int) -> str:
-        return f"{_PARTS}{int(step):020d}/{int(rank):06d}"
+    def part_key(step: int, rank: int, gen: int = 0) -> str:
+        key = f"{_PARTS}{int(step):020d}/{int(rank):06d}"
+        return f"{key}.{int(gen)}" if gen else key
 
     # -- marker --
     def marker(self) -> dict | None:
@@ -140,21 +153,36 @@ class JobStore:
         self.store.tier.put(MARKER, json.dumps(body).encode())
 
     # -- parts --
-    def put_part(self, m: Manifest, rank: int, data: bytes) -> None:
-        if not self.store.tier.put(self.part_key(m.step, rank), data):
+    def put_part(self, m: Manifest, rank: int, data: bytes, gen: int = 0) -> None:
+        if not self.store.tier.put(self.part_key(m.step, rank, gen), data):
             raise CheckpointError(f"checkpoint root {self.root} is over its byte budget writing rank {rank}'s part of "
                                   f"step {m.step}; earlier versions are intact")
 
-    def delete_part(self, step: int, rank: int) -> None:
-        self.store.tier.delete(self.part_key(step, rank))
+    def delete_part(self, step: int, rank: int, gen: int | None = None) -> None:
+        """Delete rank ``rank``'s part of ``step``: generation ``gen``, or every one (``None``)."""
+        if gen is not None:
+            self.store.tier.delete(self.part_key(step, rank, gen))
+            return
+        for g in self.part_gens(step).get(rank, []):
+            self.store.tier.delete(self.part_key(step, rank, g))
+
+    def part_gens(self, step: int) -> dict[int, list[int]]:
+        """The stored parts of ``step``: rank -> generations."""
+        out: dict[int, list[int]] = {}
+        for key in self.store.tier.keys_with_prefix(f"{_PARTS}{int(step):020d}/"):
+            rank, _dot, gen = str(key).rpartition("/")[2].partition(".")
+            if rank.isdigit() and (gen.isdigit() or not gen):
+                out.setdefault(int(rank), []).append(int(gen or 0))
+        return out
 
     def part_steps(self) -> dict[int, list[int]]:
-        """Every stored part: step -> ranks (committed or not)."""
+        """Every stored part: step -> ranks (committed or not; a rank once, whatever its generations)."""
         out: dict[int, list[int]] = {}
         for key in self.store.tier.keys_with_prefix(_PARTS):
             bits = str(key).split("/")
-            if len(bits) == 3 and bits[1].isdigit() and bits[2].isdigit():
-                out.setdefault(int(bits[1]), []).append(int(bits[2]))
+            rank = bits[2].partition(".")[0] if len(bits) == 3 else ""
+            if len(bits) == 3 and bits[1].isdigit() and rank.isdigit() and int(rank) not in out.get(int(bits[1]), []):
+                out.setdefault(int(bits[1]), []).append(int(rank))
         return out
 
     def part(self, jm: JobManifest, rank: int) -> Manifest:
@@ -168,11 +196,11 @@ class JobStore:
             raise CheckpointError(f"step {jm.step} of {self.root} was saved by {jm.world_size} ranks; there is no "
                                   f"rank {rank} (load it with a rank in 0 .. {jm.world_size - 1})")
         where = f"rank {rank}'s part of step {jm.step} in {self.root}"
-        data = self.store.tier.get(self.part_key(jm.step, rank))
+        entry = jm.parts[rank]
+        data = self.store.tier.get(self.part_key(jm.step, rank, entry.gen))
         if data is None:
             raise CorruptDataError(f"{where} is missing, but the global manifest lists it; the root is damaged: load "
                                    "an older version, and run `solar-ckpt verify` on it")
-        entry = jm.parts[rank]
         if len(data) != entry.nbytes or part_digest(data) != entry.digest:
             raise CorruptDataError(f"{where} is not the part its global manifest committed (its bytes changed); "
                                    "the root is damaged: load an older version")
