@@ -43,6 +43,7 @@ NOTE [ Collective-safe reads ]
 
 from __future__ import annotations
 
+import glob
 import operator
 import os
 import threading
@@ -51,7 +52,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import ConcatDataset, Dataset
 
 from solar.errors import ConfigError, CorruptDataError, InputError
 from solar.codec import decode_batch, header_info
@@ -115,11 +116,73 @@ def _fresh(sample: Any) -> Any:
     return sample
 
 
+def _file_list(path: Any) -> list[str] | None:
+    """The files ``path`` names when it names several: a list or tuple of paths, or a glob pattern
+    of local files (sorted); None for one path or URL (a name with ``*?[`` that exists is one file)."""
+    if isinstance(path, (list, tuple)):
+        if not path:
+            raise InputError("H5Dataset: the list of files is empty; pass a path, a list of paths or a glob")
+        return [os.fspath(p) for p in path]
+    if isinstance(path, str) and glob.has_magic(path) and "://" not in path and not os.path.exists(path):
+        found = sorted(glob.glob(path))
+        if not found:
+            raise InputError(f"{path}: no file matches this pattern; check the directory and the pattern "
+                             "(H5Dataset takes a path, a list of paths or a glob of local files)")
+        return found
+    return None
+
+
+def _open_files(cls: type, paths: list[str], fields: Any, options: dict[str, Any]) -> ConcatDataset:
+    """One ``cls`` per file with the same arguments, joined: NOTE [ Several files ] in solar/concat.py."""
+    backend = options.get("backend", "auto")
+    if not isinstance(backend, str):
+        raise ConfigError(f"H5Dataset over {len(paths)} files: backend={backend!r} is an instance, which reads one "
+                          "file; pass a registry name (or 'auto'), and backend_options= for its options")
+    members: list[H5Dataset] = []
+    try:
+        for p in paths:
+            members.append(cls(p, fields, **options))
+        first = members[0]
+        for ds in members[1:]:
+            if ds.fields != first.fields:
+                raise ConfigError(f"{ds.path} has the fields {list(ds.fields)}, {first.path} has {list(first.fields)}: "
+                                  "the files of one H5Dataset need the same fields; pass fields= to pick them")
+            if bool(ds.backend.collective) != bool(first.backend.collective):
+                raise ConfigError(f"{ds.path} and {first.path} are read one collectively and one not; the files of one "
+                                  "H5Dataset are read alike (the same backend for all)")
+    except BaseException:
+        for ds in members:
+            ds.close()
+        raise
+    return ConcatDataset(members)
+
+
 class H5Dataset(RowReads, Dataset):
-    """Samples of an HDF5 file (any file whose fields have a leading sample axis, or ``solar-h5/1``).
+    """Samples of an HDF5 file (any file whose fields have a leading sample axis, or ``solar-h5/1``),
+    or of several files.
+
+    Samples (``ds[i]``, and what ``__getitems__`` lists):
+
+    - ``fields`` a string (one field's name): a tensor;
+    - ``fields`` a tuple or list, or None: a tuple of tensors in ``fields`` order (the file's order
+      for None), also for one field (a 1-tuple);
+    - with ``transform``: whatever it returns for that tensor or tuple.
+
+    A DataLoader batches them with its ``collate_fn``; the default makes one batched tensor of
+    tensors, and a **list** of batched tensors of tuples (torch's ``default_collate``, as for
+    ``TensorDataset``).
+
+    Several files: ``path`` a list of paths, or a glob pattern of local files (``"runs/*.h5"``,
+    sorted by name), makes a torch ``ConcatDataset`` of one ``H5Dataset`` per file, each made with
+    the other arguments, in that order, instead of an ``H5Dataset`` (``ds.datasets`` are the files;
+    close each). Their fields must have the same names. ``solar.DataLoader`` plans and reads such
+    a concatenation as one dataset (one schedule, buffer and read-ahead over all files: NOTE
+    [ Several files ] in solar/concat.py); torch's DataLoader reads it sample by sample, as any
+    ``ConcatDataset``.
 
     Args:
-        path: file path or URL (``file://``, ``http://``, ``s3://`` ... through the backend).
+        path: file path or URL (``file://``, ``http://``, ``s3://`` ... through the backend); a list
+            of them, or a glob of local files (above).
         fields: field names; a tuple/list gives samples as tuples, a string gives one tensor,
             ``None`` (default) every field of the file, as tuples: in the order h5py lists them
             (alphabetical unless the file tracks creation order), a SOLAR file's in ingest order.
@@ -142,6 +205,14 @@ class H5Dataset(RowReads, Dataset):
             overlap their latency, as a PFS client's outstanding requests do); 1 reads serially.
         backend_options: extra options for the backend.
     """
+
+    def __new__(cls, path: Any = None, fields: Any = None, **options: Any):
+        """An H5Dataset, or for several files (a list or a glob) a ``ConcatDataset`` of them; with no
+        ``path`` (pickle, ``copy``) an empty instance, as ``object.__new__``."""
+        paths = _file_list(path)
+        if paths is None:
+            return super().__new__(cls)
+        return _open_files(cls, paths, fields, options)
 
     def __init__(self, path: str | os.PathLike, fields: str | Sequence[str] | None = None, *,
                  backend: Any = "auto", transform: Callable | None = None, device: str | torch.device = "cpu",

@@ -236,7 +236,8 @@ def test_a_pass_over_many_files_reads_them_side_by_side_without_a_pool_each(tmp_
         for b in loader:
             most = max(most, threading.active_count())
             pools.add(id(loader.dataset.__dict__.get("_pool")))
-            started |= {t.ident for t in threading.enumerate() if t.name.startswith("solar-io")} - earlier
+            started |= {t.ident for t in threading.enumerate()  # (None: started, not yet running)
+                        if t.name.startswith("solar-io") and t.ident is not None} - earlier
             got.append(b)
         want = list(torch_loader)
         assert len(got) == len(want) and all(torch.equal(x, y) for g, w in zip(got, want) for x, y in zip(g, w))
@@ -292,3 +293,71 @@ def test_splits_of_one_concatenation_share_its_files_and_a_stored_one_splits_aga
                                        generator=torch.Generator().manual_seed(8)), 1)
     for d in dss + refs:
         d.close()
+
+
+def test_a_list_or_a_glob_of_files_is_a_concat_dataset_solar_plans_as_one(shards):
+    """H5Dataset over a glob (sorted by name) or a list (in its order): a torch ConcatDataset of one
+    H5Dataset per file made with the same arguments; solar.DataLoader plans it as one dataset and
+    gives torch's batches over the files opened one by one, every sample a hit from epoch 2."""
+    pattern = shards[0].replace("shard0", "shard*")
+    cat = solar.H5Dataset(pattern, ("x", "y"), sieve_bytes=0)
+    assert type(cat) is tud.ConcatDataset and len(cat) == sum(SIZES)
+    assert [d.path for d in cat.datasets] == sorted(shards)
+    assert all(type(d) is solar.H5Dataset and d.sieve_bytes == 0 for d in cat.datasets)
+    backwards = solar.H5Dataset(list(reversed(shards)), "x")
+    assert [d.path for d in backwards.datasets] == list(reversed(shards))
+    with h5py.File(shards[2]) as f:
+        assert torch.equal(backwards[5], torch.from_numpy(f["x"][5]))  # the list's first file is shards[2]
+    refs = _open(shards)
+    loader = solar.DataLoader(cat, batch_size=8, shuffle=True, buffer=1.0, generator=torch.Generator().manual_seed(5))
+    assert isinstance(loader.dataset, solar.StoredConcat) and loader.dataset.datasets == cat.datasets
+    _same_epochs(loader, tud.DataLoader(tud.ConcatDataset(refs), batch_size=8, shuffle=True,
+                                        generator=torch.Generator().manual_seed(5)), 2)
+    assert [d.stats.hits for d in cat.datasets] == list(SIZES)
+    for d in cat.datasets + backwards.datasets + refs:
+        d.close()
+
+
+def test_samples_are_a_tensor_for_a_field_name_and_a_tuple_otherwise_over_files_too(shards):
+    """fields a string: a tensor per sample and one batched tensor per batch; a tuple, a list or None
+    (also of one field): a tuple per sample and a list of batched tensors per batch (torch's
+    default_collate), from one file or several, with either loader."""
+    with h5py.File(shards[0]) as f:
+        x0 = torch.from_numpy(f["x"][0])
+    for path in (shards[0], shards[:2]):
+        one = solar.H5Dataset(path, "x")
+        assert isinstance(one[0], torch.Tensor) and torch.equal(one[0], x0)
+        for make in (tud.DataLoader, solar.DataLoader):
+            batch = next(iter(make(one, batch_size=4)))
+            assert isinstance(batch, torch.Tensor) and batch.shape == (4, *x0.shape)
+        for fields, width in ((("x",), 1), (["x", "y"], 2), (None, 2)):
+            ds = solar.H5Dataset(path, fields)
+            assert type(ds[0]) is tuple and len(ds[0]) == width and torch.equal(ds[0][0], x0)
+            for make in (tud.DataLoader, solar.DataLoader):
+                batch = next(iter(make(ds, batch_size=4)))
+                assert type(batch) is list and len(batch) == width and torch.equal(batch[0][0], x0)
+            for d in getattr(ds, "datasets", [ds]):
+                d.close()
+        for d in getattr(one, "datasets", [one]):
+            d.close()
+
+
+def test_a_list_or_glob_that_cannot_be_one_dataset_is_refused_naming_the_files(shards, tmp_path):
+    other = str(tmp_path / "other.h5")
+    with h5py.File(other, "w") as f:
+        f["z"] = np.arange(12, dtype=np.float32).reshape(6, 2)
+    with pytest.raises(solar.InputError, match="the list of files is empty"):
+        solar.H5Dataset([])
+    with pytest.raises(solar.InputError, match=r"nothing-\*\.h5: no file matches this pattern"):
+        solar.H5Dataset(str(tmp_path / "nothing-*.h5"))
+    with pytest.raises(solar.ConfigError, match=r"other\.h5 has the fields \['z'\], .*shard0\.h5 has \['x', 'y'\]"):
+        solar.H5Dataset([shards[0], other])
+    first = solar.H5Dataset(shards[0])
+    with pytest.raises(solar.ConfigError, match="is an instance, which reads one file"):
+        solar.H5Dataset(shards[:2], backend=first.backend)
+    first.close()
+    odd = tmp_path / "odd[1].h5"  # a name with glob characters that exists is one file
+    shutil.copy(shards[1], odd)
+    ds = solar.H5Dataset(str(odd))
+    assert type(ds) is solar.H5Dataset and len(ds) == SIZES[1]
+    ds.close()
