@@ -88,7 +88,13 @@ def test_solar_ckpt_restore_writes_the_whole_job_with_shards_reassembled(saved, 
     assert main(["restore", f"{root}@1", "-o", out]) == 0
     got, want = torch.load(out), globals_()
     assert sorted(got) == sorted(want) and all(got[k].equal(v) for k, v in want.items())
-    assert main(["export", f"{root}@1", "-o", str(tmp_path / "x.safetensors")]) == 2  # refused: one rank or .pt
+    from safetensors.torch import load_file
+
+    st = str(tmp_path / "x.safetensors")
+    assert main(["export", f"{root}@1", "-o", st]) == 0  # the whole job too, shards reassembled
+    flat = load_file(st)
+    assert sorted(flat) == sorted(want) and all(flat[k].equal(v) for k, v in want.items())
+    assert os.stat(st).st_mode == os.stat(out).st_mode  # export writes files with restore's mode
     assert main(["restore", f"{root}@1", "--rank", "1", "-o", out]) == 0
     assert torch.load(out)["w"].equal(want["w"][4:8])
 
@@ -112,6 +118,8 @@ def test_solar_ckpt_export_dcp_writes_a_directory_dcp_loads_and_diff_reads(saved
     whole = str(tmp_path / "whole.pt")
     assert main(["restore", f"{root}@1", "-o", whole]) == 0
     capsys.readouterr()
+    # the DCP directory's files have the mode restore gives its file
+    assert {os.stat(os.path.join(out, f)).st_mode for f in os.listdir(out)} == {os.stat(whole).st_mode}
     assert main(["diff", whole, out, "--json", "--exit-code"]) == 0, capsys.readouterr().out
     assert json.loads(capsys.readouterr().out)["identical"]
 

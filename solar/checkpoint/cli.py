@@ -32,7 +32,7 @@ from .flatten import DTYPES, materialize
 from .jobreport import job_log, job_show
 from .jobstore import JobStore, is_job_root
 from .reader import Reader
-from .reshard import whole_state
+from .reshard import whole_state, whole_tensors
 from .sources import load_dcp
 from .writer import CheckpointWriter
 from .report import INCREMENT_HEAD, fmt_bytes, format_report, increment_cells, table
@@ -255,7 +255,7 @@ def _safetensors_dtypes() -> set:
             torch.int16, torch.int8, torch.uint8, torch.bool}
 
 
-def _export_safetensors(reader, path: str) -> int:
+def _export_safetensors(reader, path: str, whole_root: str | None = None) -> int:
     # safetensors is an optional dependency (the `safetensors` extra), needed only to export
     from safetensors.torch import save_file
 
@@ -268,12 +268,18 @@ def _export_safetensors(reader, path: str) -> int:
                              f"(-o FILE.pt or --format pt keeps every dtype), or cast the tensor before saving")
     buffers = {}
     tensors = {}
-    for ref in tqdm(m.tensors, desc=f"export step {m.step}", unit="tensor", leave=False, disable=None):
+    if whole_root is not None:  # a job root: rank 0's tensors with every sharded one reassembled
+        whole = whole_tensors(whole_root, m.step)
+        tensors = {ref.name: t.detach().contiguous().clone() for ref, t in zip(whole.manifest.tensors, whole.tensors)}
+    for ref in tqdm(m.tensors if whole_root is None else [], desc=f"export step {m.step}", unit="tensor", leave=False,
+                    disable=None):
         if ref.blob not in buffers:
             buffers[ref.blob] = reader.read_blob(ref.blob)
         (t,) = materialize([ref], buffers)
         tensors[ref.name] = t.detach().contiguous().clone()  # safetensors refuses shared or strided storage
     metadata = {"solar_step": str(m.step), "solar_root": m.root, "solar_skeleton": json.dumps(m.skeleton)}
+    if whole_root is not None:
+        metadata["solar_job_world_size"] = str(reader.jobs.read_global(m.step).world_size)
     _write_output(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     return len(tensors)
 
@@ -336,11 +342,9 @@ def cmd_restore(args) -> int:
     fmt = _output_format(args)
     root, step = parse_ref(args.ref)
     reader = Reader(root, step, rank=args.rank if args.rank is not None else _first_rank(root))
-    if fmt == "safetensors" and reader.jobs is not None and args.rank is None:
-        raise InputError(f"{root} is a job root: export one rank's state with --rank R, or the whole job's "
-                         f"(shards reassembled) as a torch.save file with `solar-ckpt restore {args.ref} -o FILE.pt`")
     if fmt == "safetensors":
-        n = reader.retry_if_removed(lambda: _export_safetensors(reader, args.output))
+        whole = root if reader.jobs is not None and args.rank is None else None  # the whole job, shards reassembled
+        n = reader.retry_if_removed(lambda: _export_safetensors(reader, args.output, whole))
         print(f"wrote {n} tensors of step {reader.manifest.step} to {args.output} (safetensors)")
         return 0
     state = _state_of(reader, root, args)

@@ -25,7 +25,7 @@ from .reader import Reader, agreed_step
 from .shard import is_sharded, layout_of
 from .store import CheckpointStore
 
-__all__ = ["load_into", "Loaded", "whole_state"]
+__all__ = ["load_into", "Loaded", "Whole", "whole_state", "whole_tensors"]
 
 
 class Loaded(NamedTuple):
@@ -146,22 +146,43 @@ def load_into(root: "str | os.PathLike", state: Any, step: int | None = None, *,
     return Loaded(step, len(targets), sum(r.bytes_read for r in readers.values()))
 
 
-def whole_state(root: "str | os.PathLike", step: int | None = None, *, weights_only: bool = True,
-                storage_options: dict | None = None) -> Any:
-    """The version as one process's state dict: on a job root, rank 0's state with every sharded
-    tensor (a saved ``Shard`` or DTensor) replaced by the whole global tensor, reassembled from
-    every rank's pieces; on a single root, the state as saved. What ``solar-ckpt restore`` writes."""
+class Whole(NamedTuple):
+    """A version's tensors as one process sees them: every sharded tensor reassembled."""
+
+    manifest: Manifest  # the first rank's part (a single root's manifest): names, skeleton, dtypes
+    tensors: list[torch.Tensor]  # in ``manifest.tensors`` order
+    where: str  # "step S of ROOT", for messages
+
+
+def whole_tensors(root: "str | os.PathLike", step: int | None = None, *, storage_options: dict | None = None,
+                  check: Any = None) -> Whole:
+    """The version's tensors in one process: on a job root, rank 0's with every sharded tensor (a
+    saved ``Shard`` or DTensor) replaced by the whole global tensor, reassembled from every rank's
+    pieces; on a single root, the tensors as saved. ``check(manifest, where)`` runs before any
+    chunk is read."""
     store = CheckpointStore(root, **(storage_options or {}))
     parts = _parts(store, step)
     first = parts[min(parts)]
+    where = f"step {first.step} of {store.root}"
+    if check is not None:
+        check(first, where)
     reader = Reader(root, first.step, store=store, rank=min(parts) if is_job_root(store) else None)
     reader.manifest = first
     sharded = {t.name: torch.zeros(t.global_shape, dtype=DTYPES[t.dtype]) for t in first.tensors
                if t.global_shape is not None}
     if sharded:
         load_into(root, sharded, first.step, rank=min(parts), storage_options=storage_options)
-    where = f"step {first.step} of {store.root}"
-    if weights_only:  # the allow-list check before any chunk is read, as load does
-        unflatten(first.skeleton, [None] * len(first.tensors), where=where)  # type: ignore[list-item]
-    tensors = [sharded[t.name] if t.name in sharded else reader.tensor(t.name) for t in first.tensors]
-    return unflatten(first.skeleton, tensors, weights_only=weights_only, where=where)
+    return Whole(first, [sharded[t.name] if t.name in sharded else reader.tensor(t.name) for t in first.tensors],
+                 where)
+
+
+def whole_state(root: "str | os.PathLike", step: int | None = None, *, weights_only: bool = True,
+                storage_options: dict | None = None) -> Any:
+    """The version as one process's state dict (:func:`whole_tensors` in the structure it was saved
+    with); what ``solar-ckpt restore`` writes."""
+    def check(first: Manifest, where: str) -> None:
+        if weights_only:  # the allow-list check before any chunk is read, as load does
+            unflatten(first.skeleton, [None] * len(first.tensors), where=where)  # type: ignore[list-item]
+
+    whole = whole_tensors(root, step, storage_options=storage_options, check=check)
+    return unflatten(whole.manifest.skeleton, whole.tensors, weights_only=weights_only, where=whole.where)
