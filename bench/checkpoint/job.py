@@ -8,9 +8,12 @@ Each rank holds a row-sharded DTensor (``--mib`` per rank, its own bytes), a rep
 tensor (``--mib / 4``, the same on every rank) and a few hundred small tensors (biases, like a
 model's). The contenders run alternated, ``--rounds`` times, each into a fresh directory:
 
-* ``solar``: a full save (``save()`` returns after the host copy: the blocking time; the total
-  time ends when the global manifest is committed on every rank), then an incremental save
-  after 1% of the sharded tensor's chunks changed;
+* ``solar``: a full save by a fresh writer (``save()`` returns after the host copy: the blocking
+  time of a first save, which allocates its host buffer; the total time ends when the global
+  manifest is committed on every rank), then an incremental save after 1% of the sharded
+  tensor's chunks changed (its blocking time is a steady save's: the host buffer is reused);
+* ``solar_reserved``: the same after ``writer.reserve(state)`` prepared the host buffer (as a
+  training job does once, at start);
 * ``dcp_save``: ``dcp.save`` (blocking for all of it);
 * ``dcp_async``: ``dcp.async_save`` (blocking until it returns; total when its future is done);
 * ``torch_save``: each rank ``torch.save``s its own state to its own file (the blocking baseline).
@@ -24,8 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
+import statistics
 import tempfile
 import time
 
@@ -86,21 +91,24 @@ def timed(comm, fn) -> float:
     return comm.allreduce(took, op=MPI.MAX)
 
 
-def bench_solar(comm, state: dict, d: str) -> dict:
+def bench_solar(comm, state: dict, d: str, reserve: bool = False) -> dict:
     w = CheckpointWriter(d, comm=comm, chunk_size=CHUNK)
+    if reserve:
+        w.reserve(state).result()
     box: dict = {}
     block = timed(comm, lambda: box.update(f=w.save(state, 1)))
     total = block + timed(comm, lambda: box["f"].result())
     first = dir_bytes(d) if comm.rank == 0 else 0
     files = dir_files(d) if comm.rank == 0 else 0
     touch_one_percent(state, 1)
-    incr_s = timed(comm, lambda: w.save(state, 2).result())
+    steady = timed(comm, lambda: box.update(f=w.save(state, 2)))
+    incr_s = steady + timed(comm, lambda: box["f"].result())
     w.close()
     touch_one_percent(state, -1)
     comm.Barrier()
     second = dir_bytes(d) - first if comm.rank == 0 else 0
     return {"blocking_s": block, "total_s": total, "bytes": first, "files": files, "incremental_s": incr_s,
-            "incremental_bytes": second}
+            "incremental_bytes": second, "steady_blocking_s": steady}
 
 
 def bench_dcp(comm, state: dict, d: str, asynchronous: bool) -> dict:
@@ -141,13 +149,14 @@ def main() -> None:
                             world_size=comm.size)
     mesh = init_device_mesh("cpu", (comm.size,))
     state = make_state(mesh, comm, args.mib)
+    load_start = os.getloadavg()
     base = comm.bcast(tempfile.mkdtemp(prefix="solar-job-bench-", dir=args.dir) if comm.rank == 0 else None)
-    runs: dict[str, list] = {"solar": [], "dcp_save": [], "dcp_async": [], "torch_save": []}
+    runs: dict[str, list] = {"solar": [], "solar_reserved": [], "dcp_save": [], "dcp_async": [], "torch_save": []}
     for r in range(args.rounds):
         for name in runs:
             d = os.path.join(base, f"{name}-{r}")
-            if name == "solar":
-                runs[name].append(bench_solar(comm, state, d))
+            if name.startswith("solar"):
+                runs[name].append(bench_solar(comm, state, d, reserve=name == "solar_reserved"))
             elif name == "torch_save":
                 runs[name].append(bench_torch_save(comm, state, d))
             else:
@@ -155,21 +164,34 @@ def main() -> None:
             comm.Barrier()
             if comm.rank == 0:
                 shutil.rmtree(d, ignore_errors=True)
+    peak_rss = comm.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # bytes (Linux: KiB)
     if comm.rank == 0:
         shutil.rmtree(base, ignore_errors=True)
         best = {k: {m: min(run[m] for run in v) for m in v[0]} for k, v in runs.items()}
+        median = {k: {m: statistics.median(run[m] for run in v) for m in v[0]} for k, v in runs.items()}
+        torch_s = [run["total_s"] for run in runs["torch_save"]]
+        # each round's SOLAR blocking over the same round's torch.save (the contenders alternate)
+        by_round = {"first": [r["blocking_s"] / t for r, t in zip(runs["solar"], torch_s)],
+                    "first_reserved": [r["blocking_s"] / t for r, t in zip(runs["solar_reserved"], torch_s)],
+                    "steady": [r["steady_blocking_s"] / t for r, t in zip(runs["solar"] + runs["solar_reserved"],
+                                                                            torch_s + torch_s)]}
         own = comm.size * args.mib * MiB
         rep = args.mib * MiB // 4
         s = best["solar"]
         out = {"world_size": comm.size, "mib_per_rank": args.mib, "rounds": args.rounds,
                "load_average": os.getloadavg(), "logical_bytes_unique": own + rep + comm.size * 0,
-               "best": best,
+               "load_average_at_start": load_start, "peak_rss_bytes_per_rank": peak_rss, "best": best, "median": median,
+               "solar_blocking_vs_torch_save_by_round": by_round,
                "solar_incremental_vs_first": s["incremental_bytes"] / s["bytes"],
                "solar_bytes_vs_unique_state": s["bytes"] / (own + rep),
                "solar_blocking_vs_dcp_save": s["blocking_s"] / best["dcp_save"]["total_s"],
                "solar_blocking_vs_dcp_async_blocking": s["blocking_s"] / best["dcp_async"]["blocking_s"],
                "solar_total_vs_dcp_save": s["total_s"] / best["dcp_save"]["total_s"],
                "solar_blocking_vs_torch_save": s["blocking_s"] / best["torch_save"]["total_s"],
+               "solar_reserved_first_blocking_vs_torch_save": best["solar_reserved"]["blocking_s"]
+               / best["torch_save"]["total_s"],
+               "solar_steady_blocking_vs_torch_save": s["steady_blocking_s"] / best["torch_save"]["total_s"],
+               "solar_files_per_rank_first_save": s["files"] / comm.size,
                "dcp_async_blocking_vs_torch_save": best["dcp_async"]["blocking_s"] / best["torch_save"]["total_s"],
                "runs": runs}
         print(json.dumps(out, indent=2))
