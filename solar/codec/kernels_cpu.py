@@ -198,12 +198,16 @@ def _line(O, C, res, n_e, n_o, even, cubic, K, is32):
 
 
 @numba.njit(inline="always")
-def _rows(O, C, res, n_e, n_o, inner, even, cubic, K, is32):
+def _rows(O, C, res, n_e, n_o, inner, even, cubic, K, is32, X, st, last):
     """One block along an outer axis: ``C`` its ``n_e`` known rows of ``inner`` values, ``O``
     the refined block: even rows copied, odd rows computed. 2-D views, indexed by row and
-    column (no per-row view or call, no negative-index check in the inner loops)."""
-    C2, O2, r2 = C.reshape((n_e, inner)), O.reshape((2 * n_o + (0 if even else 1), inner)), res.reshape((n_o, inner))
-    for k in range(n_e):
+    column (no per-row view or call, no negative-index check in the inner loops). ``last``:
+    the plan's last pass, whose rows go dequantized into ``X`` (``float(q)``, then ``* st``)
+    while they are in cache; its even rows are never copied into ``O``."""
+    rows = 2 * n_o + (0 if even else 1)
+    C2, O2, r2 = C.reshape((n_e, inner)), O.reshape((rows, inner)), res.reshape((n_o, inner))
+    X2 = X.reshape((rows, inner))
+    for k in range(0 if last else n_e):
         for i in range(inner):
             O2[2 * k, i] = C2[k, i]
     for k in range(n_o):
@@ -225,6 +229,17 @@ def _rows(O, C, res, n_e, n_o, inner, even, cubic, K, is32):
                 b, c = np.int64(C2[k, i]), np.int64(C2[k + 1, i])
                 t = 9 * (b + c) - np.int64(C2[k - 1, i]) - np.int64(C2[k + 2, i]) + 8
                 O2[2 * k + 1, i] = _wrap((_wrap(t, is32) >> 4) + K * np.int64(r2[k, i]), is32)
+        if last:
+            for i in range(inner):
+                X2[2 * k, i] = C2[k, i]
+                X2[2 * k, i] *= st
+            for i in range(inner):
+                X2[2 * k + 1, i] = O2[2 * k + 1, i]
+                X2[2 * k + 1, i] *= st
+    if last and not even:  # the last even row has no odd row after it
+        for i in range(inner):
+            X2[rows - 1, i] = C2[n_e - 1, i]
+            X2[rows - 1, i] *= st
 
 
 @numba.njit(inline="always")
@@ -237,32 +252,40 @@ def _kind(k, n_e, even, cubic):
 
 
 @numba.njit(nogil=True, cache=True)
-def _pass(src, dst, R, pos, outer, inner, n_e, even, cubic, K):
+def _pass(src, dst, R, pos, outer, inner, n_e, even, cubic, K, X, st, last):
     """One pass: the grid ``src`` (``outer`` blocks of ``n_e`` rows of ``inner`` values) refined
-    along its middle axis into ``dst``, residuals from ``R[pos]`` on."""
+    along its middle axis into ``dst``, residuals from ``R[pos]`` on. ``last``: the plan's last
+    pass, whose grid also goes dequantized into the floats ``X`` (``float(q)``, then ``* st``:
+    two roundings, as the reference's separate ops), block by block while it is in cache."""
     is32 = np.iinfo(src.dtype).bits == 32  # a compile-time constant (the array's itemsize field is not)
     m = 2 * n_e if even else 2 * n_e - 1
     n_o = m // 2
     for o in range(outer):
         C = src[o * n_e * inner:(o + 1) * n_e * inner]
         O = dst[o * m * inner:(o + 1) * m * inner]
+        Xo = X[o * m * inner:(o + 1) * m * inner]
         res = R[pos + o * n_o * inner:pos + (o + 1) * n_o * inner]
         if inner == 1:
             _line(O, C, res, n_e, n_o, even, cubic, K, is32)
+            if last:
+                for i in range(m):
+                    Xo[i] = O[i]
+                    Xo[i] *= st
         else:
-            _rows(O, C, res, n_e, n_o, inner, even, cubic, K, is32)
+            _rows(O, C, res, n_e, n_o, inner, even, cubic, K, is32, Xo, st, last)
 
 
 @numba.njit(nogil=True, cache=True)
-def _interp(G, R, plan, cubic_mask, K, W):
-    """The anchor, then every pass of ``plan``, result in ``G`` (``W``: scratch of ``G``'s size).
+def _interp(G, R, plan, cubic_mask, K, W, X, st):
+    """The anchor, then every pass of ``plan`` (``G`` and ``W``: grids of the row's size), the
+    last one dequantizing into the floats ``X`` with step ``st`` (:func:`_pass`).
 
     Polyphase, as the reference: the grid refined so far is kept contiguous, and each pass
     writes the next grid into the other buffer, its even points copied and its odd points
     computed between them. A pass along the innermost axis then loads each line contiguously
     and stores interleaved pairs, any other pass copies and computes whole contiguous rows:
     every loop vectorizes, at every level."""
-    in_g = plan.shape[0] % 2 == 0  # where the grid refined so far is: the last pass writes into G
+    in_g = plan.shape[0] % 2 == 0  # where the grid refined so far is (the last pass writes into G)
     (G if in_g else W)[0] = _wrap(np.int64(R[0]) * K, G.itemsize == 4)
     sizes = np.ones(NDIM, np.int64)
     pos = 1
@@ -275,9 +298,9 @@ def _interp(G, R, plan, cubic_mask, K, W):
         for b in range(a + 1, NDIM):
             inner *= sizes[b]
         if in_g:
-            _pass(G, W, R, pos, outer, inner, n_e, even, cubic, K)
+            _pass(G, W, R, pos, outer, inner, n_e, even, cubic, K, X, st, p == plan.shape[0] - 1)
         else:
-            _pass(W, G, R, pos, outer, inner, n_e, even, cubic, K)
+            _pass(W, G, R, pos, outer, inner, n_e, even, cubic, K, X, st, p == plan.shape[0] - 1)
         m = 2 * n_e if even else 2 * n_e - 1
         pos += outer * (m // 2) * inner
         sizes[a] = m
@@ -330,15 +353,18 @@ def decode_rows(b0, b1, n, lead, dims, lorenzo, plan, masks, K, proto, kinds, sl
     for b in range(b0, b1):
         _residuals(b, R, n, kinds, slots, nib, i8, wide, bpw, bp_at, marks, side, esc_pos, esc_val, esc_add, is32)
         for r in range(lead):
-            if lorenzo:
-                _lorenzo(G, R[r * nr:(r + 1) * nr], dims)
-            else:
-                _interp(G, R[r * nr:(r + 1) * nr], plan, masks[b * lead + r], K, W)
             x = out[b, r * nr:(r + 1) * nr]
             st = steps[b]
-            for i in range(nr):
-                x[i] = G[i]
-                x[i] *= st
+            if lorenzo or plan.shape[0] == 0:
+                if lorenzo:
+                    _lorenzo(G, R[r * nr:(r + 1) * nr], dims)
+                else:
+                    G[0] = _wrap(np.int64(R[r * nr]) * K, is32)
+                for i in range(nr):
+                    x[i] = G[i]
+                    x[i] *= st
+            else:  # the last pass dequantizes into x
+                _interp(G, R[r * nr:(r + 1) * nr], plan, masks[b * lead + r], K, W, x, st)
             if add_off:
                 off = offs[b]
                 for i in range(nr):
