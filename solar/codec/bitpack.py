@@ -36,6 +36,7 @@ __all__ = ["BLOCK", "PAD", "head", "Packed", "pack", "blocks", "check", "concat"
 
 #: Values per block (one 32-bit word per bit of width).
 BLOCK = 32
+_FEW = 64
 _M32 = np.uint64(0xFFFFFFFF)
 
 
@@ -97,10 +98,14 @@ def check(section, n: int, qint: int, what: str) -> np.ndarray:
         raise CorruptDataError(f"{what}: bitpack section of {len(section)} bytes is shorter than its "
                                f"{nb} block widths; corrupted payload")
     w = np.frombuffer(section, np.uint8, nb)
-    if nb and int(w.max()) > 8 * qint:
-        raise CorruptDataError(f"{what}: bitpack block width {int(w.max())} exceeds {8 * qint} bits; "
-                               "corrupted payload")
-    need = hb + 4 * int(w.sum(dtype=np.int64))
+    if nb <= _FEW:  # a small blob: Python's max and sum of the bytes beat numpy's per-call cost
+        widths = bytes(section[:nb])
+        top, total = max(widths, default=0), sum(widths)
+    else:
+        top, total = int(w.max()), int(w.sum(dtype=np.int64))
+    if top > 8 * qint:
+        raise CorruptDataError(f"{what}: bitpack block width {top} exceeds {8 * qint} bits; corrupted payload")
+    need = hb + 4 * total
     if need != len(section):
         raise CorruptDataError(f"{what}: bitpack section is {len(section)} bytes but its block widths "
                                f"need {need}; corrupted payload")
