@@ -39,6 +39,9 @@ from .base import ArrayInfo, Backend
 
 __all__ = ["HDF5Backend", "h5_keys", "h5_attrs", "h5_read_errors", "read_rows"]
 
+#: iovecs per ``preadv`` call (the system's limit, POSIX's minimum where it says none)
+_IOV_MAX = max(16, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024)
+
 
 def h5_keys(f, broken: dict[str, str] | None = None) -> list[str]:
     """Every dataset path in ``f`` (an h5py File), groups walked in creation/storage order.
@@ -233,9 +236,17 @@ class HDF5Backend(Backend):
         self.ensure_open()
         return self._span(key) is None
 
-    def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
+    def _read_ranges(self, key: str, ranges: np.ndarray, out: "np.ndarray | RowPlaces") -> None:
         span = self._span(key)
-        if span is not None and out.flags.c_contiguous and out.flags.writeable and span.allocated(ranges):
+        if isinstance(out, RowPlaces) and (span is None or not span.row or not span.allocated(ranges)):
+            info = self.info(key)  # read through h5py: into one buffer, then to the places
+            buf = np.empty((len(out), *info.row_shape), info.dtype)
+            self._read_ranges(key, ranges, buf)
+            for place, row in zip(out, buf):
+                place[...] = row
+            return
+        if isinstance(out, RowPlaces) or (span is not None and out.flags.c_contiguous and out.flags.writeable
+                                          and span.allocated(ranges)):
             calls = self._pread_rows(key, span, ranges, out)
             self.stats.read_calls += calls
             if calls:
@@ -244,13 +255,72 @@ class HDF5Backend(Backend):
             self.stats.read_calls += read_rows(self._dset(key), self.url, key, ranges, out)
         self._check_size()  # after the read: a cut during it is caught too
 
-    def _pread_rows(self, key: str, span: "_Span", ranges: np.ndarray, out: np.ndarray) -> int:
-        """Rows of each range by ``os.preadv`` into consecutive rows of ``out``; returns the
-        number of non-empty ranges (``read_calls`` counts one per range, as for h5py reads; a
-        range over chunks that are not back to back in the file takes one ``preadv`` per run).
+    def scatter_ready(self, key: str) -> bool:
+        """Whether :meth:`read_rows_to` reads ``key`` with no copy of its own (rows of plain
+        bytes, read by ``preadv``: NOTE [ Reads outside h5py's lock ])."""
+        self.ensure_open()
+        return self._span(key) is not None
 
-        Reads through a duplicate of the file's descriptor, taken under the lock that close()
-        takes: the file stays open for this read even if another thread closes the backend."""
+    def read_rows_to(self, key: str, ranges: np.ndarray, dests: list) -> None:
+        """Rows of the sorted ``[start, stop)`` ``ranges`` into ``dests``, one writable
+        C-contiguous array of the row's shape and dtype per row, in order (a row nobody wants,
+        read through a sieved gap, may share one scratch row with others): one ``preadv`` per
+        run of the file, each row straight into its place. Without a plain-bytes span (h5py
+        reads), the rows are read into one buffer and copied to their places."""
+        self.ensure_open()
+        info = self.info(key)
+        ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        total = int((ranges[:, 1] - ranges[:, 0]).sum()) if len(ranges) else 0
+        if len(dests) != total:
+            raise ValueError(f"{self.url}:{key}: {len(dests)} destinations for {total} rows")
+        if len(ranges) and (ranges[0, 0] < 0 or ranges[-1, 1] > info.shape[0]):
+            raise IndexError(f"{self.url}:{key}: rows {int(ranges[0, 0])}..{int(ranges[-1, 1]) - 1} out of range "
+                             f"for {info.shape[0]} rows")
+        self._read_ranges(key, ranges, RowPlaces(dests))
+        self.stats.rows_read += total
+        self.stats.bytes_read += total * info.row_nbytes
+
+    def _pread_places(self, fd: int, key: str, span: "_Span", ranges: np.ndarray, out: "RowPlaces") -> int:
+        """:meth:`_pread_into` for rows that each have a place of their own."""
+        views = [memoryview(d).cast("B") for d in out]
+        pos = calls = 0
+        for start, stop in ranges.tolist():
+            if stop == start:
+                continue
+            for at, n in span.pieces(start, stop):
+                k = n // span.row
+                with h5_read_errors(self.url, key, [(start, stop)]):
+                    self._preadv_all(fd, key, views[pos:pos + k], at, (start, stop))
+                pos += k
+            calls += 1
+        return calls
+
+    def _preadv_all(self, fd: int, key: str, views: list, at: int, rows: tuple) -> None:
+        """``views`` filled from file offset ``at`` on, by as few ``preadv`` calls as the
+        system's iovec limit and short reads allow."""
+        i, skip = 0, 0  # the first view not yet full, and how much of it is
+        while i < len(views):
+            iov = [views[i][skip:]] + views[i + 1:i + _IOV_MAX]
+            got = os.preadv(fd, iov, at)
+            if got == 0:
+                self._past_end(fd, key, *rows)
+            at += got
+            got += skip
+            while i < len(views) and got >= len(views[i]):
+                got -= len(views[i])
+                i += 1
+            skip = got
+
+    def _past_end(self, fd: int, key: str, start: int, stop: int) -> None:
+        """A read that met the end of the file inside the dataset's bytes: say what happened."""
+        self._check_size()  # it shrank since the open: say so
+        raise StorageError(
+            f"{self.url}: {key!r} rows {start}-{stop - 1} lie past the end of the file "
+            f"({os.fstat(fd).st_size} bytes), which is incomplete (a copy still in progress?); "
+            "recreate the dataset once the file is complete")
+
+    def _dup_fd(self, key: str) -> int:
+        """A private duplicate of the file's descriptor, taken under the lock close() takes."""
         lock = self.__dict__.get("_dfd_lock")
         fd = None
         if lock is not None:
@@ -260,7 +330,19 @@ class HDF5Backend(Backend):
         if fd is None:
             raise StorageError(f"{self.url}: closed by another thread while reading {key!r}; close a dataset "
                                "only when no loader or thread reads it any more")
+        return fd
+
+    def _pread_rows(self, key: str, span: "_Span", ranges: np.ndarray, out: np.ndarray) -> int:
+        """Rows of each range by ``os.preadv`` into consecutive rows of ``out``; returns the
+        number of non-empty ranges (``read_calls`` counts one per range, as for h5py reads; a
+        range over chunks that are not back to back in the file takes one ``preadv`` per run).
+
+        Reads through a duplicate of the file's descriptor, taken under the lock that close()
+        takes: the file stays open for this read even if another thread closes the backend."""
+        fd = self._dup_fd(key)
         try:
+            if isinstance(out, RowPlaces):
+                return self._pread_places(fd, key, span, ranges, out)
             return self._pread_into(fd, key, span, ranges, out)
         finally:
             os.close(fd)
@@ -277,15 +359,16 @@ class HDF5Backend(Backend):
                     with h5_read_errors(self.url, key, [(start, stop)]):  # EIO and the like name the rows
                         k = os.preadv(fd, [flat[pos + got:pos + n]], at + got)
                     if k == 0:  # end of file inside the dataset's bytes
-                        self._check_size()  # it shrank since the open: say so
-                        raise StorageError(
-                            f"{self.url}: {key!r} rows {start}-{stop - 1} lie past the end of the file "
-                            f"({os.fstat(fd).st_size} bytes), which is incomplete (a copy still in progress?); "
-                            "recreate the dataset once the file is complete")
+                        self._past_end(fd, key, start, stop)
                     got += k
                 pos += n
             calls += 1
         return calls
+
+
+class RowPlaces(list):
+    """Where a read's rows go, one array per row (:meth:`HDF5Backend.read_rows_to`), in place of
+    one ``out`` buffer."""
 
 
 class _Span:

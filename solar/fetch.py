@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -21,8 +21,8 @@ from solar.cache import TierStats
 from solar.errors import InputError
 from solar.layout import FieldSpec
 
-__all__ = ["FetchPass", "FetchStats", "StoredBatch", "StepBatch", "StepRows", "Samples", "Stay", "Held", "as_indices",
-           "collate", "empty", "evict_samples", "forget_held", "torch_dtype"]
+__all__ = ["FetchPass", "FetchStats", "PassLayout", "LaidOut", "StoredBatch", "StepBatch", "StepRows", "Samples",
+           "Stay", "Held", "as_indices", "collate", "empty", "evict_samples", "forget_held", "torch_dtype"]
 
 # NOTE [ Batches that stay ]
 #     With DataLoader workers, each step's batch travels to a worker inside its StepBatch and
@@ -214,6 +214,7 @@ class FetchPass:
     at: np.ndarray
     mrank: np.ndarray
     datas: dict = field(default_factory=dict)
+    layout: "PassLayout | None" = None  # the batches the pass is laid out in, where known
 
     @classmethod
     def gather(cls, ds: Any, indices: Sequence[int], buffer, keep, rows, checked: bool = False) -> "FetchPass":
@@ -254,13 +255,38 @@ class FetchPass:
                           indices=(idx if rows is None else np.asarray(rows[idx], dtype=np.int64)).tolist())
         mrank = np.full(len(uniq), -1, dtype=np.int64)
         mrank[~resident] = at
-        return cls(ds, out, idx, inv, held, miss, kept, read, at, mrank)
+        layout = getattr(keep, "layout", None)  # (a part of a concatenation's pass has none)
+        layout = layout if layout is not None and sum(layout.steps) == len(idx) else None
+        return cls(ds, out, idx, inv, held, miss, kept, read, at, mrank, layout=layout)
 
     def load(self, disjoint: bool, split: bool = True) -> None:
         """Read the misses' rows: one ``read_ranges`` per field, in field order (``split=False``:
-        in this thread, see :meth:`solar.reads.RowReads._read`)."""
+        in this thread, see :meth:`solar.reads.RowReads._read`); a raw field of a pass whose
+        layout is known, straight into its batch slots (:meth:`_to_slots`)."""
         ds = self.dataset
-        self.datas = {spec.name: ds._read_field(spec, self.read, disjoint, split) for spec in ds.specs}
+        self.datas = {spec.name: self._to_slots(spec, disjoint, split)
+                      if self.layout is not None and ds.reads_to_places(spec)
+                      else ds._read_field(spec, self.read, disjoint, split) for spec in ds.specs}
+
+    def _to_slots(self, spec: FieldSpec, disjoint: bool, split: bool) -> "SlotRows":
+        """NOTE [ One copy into the batch ]: the pass's step tensors of raw field ``spec``, made
+        now, and each row read straight into the first batch slot that wants it (the other
+        slots, hits and repeats, are filled by :meth:`finish`)."""
+        steps, shared = self.layout
+        bounds = np.r_[0, np.cumsum(steps, dtype=np.int64)]
+        dtype, in_shm = torch_dtype(spec.dtype), bool(shared) and not isinstance(shared, Stay)
+        tensors = [empty((int(b - a), *spec.sample_shape), dtype, in_shm) for a, b in zip(bounds[:-1], bounds[1:])]
+        arrays = [t.numpy() for t in tensors]
+        src = self.mrank[self.inv]  # each slot's row in `read`; -1: a hit
+        wanting = np.flatnonzero(src >= 0)
+        _, first = np.unique(src[wanting], return_index=True)  # every row of `read`, in order
+        first = wanting[first]
+        step = np.searchsorted(bounds, first, side="right") - 1
+        # (a row of a 1-D field is a number: its place is a 0-d view, writable as rows are)
+        dests = [arrays[s][k:k + 1].reshape(spec.sample_shape)
+                 for s, k in zip(step.tolist(), (first - bounds[step]).tolist())]
+        self.dataset._read_rows_to(spec, self.read, dests, disjoint, split)
+        return SlotRows(tensors, bounds.tolist(), dests, first, in_shm)
 
     def finish(self, buffer, shared: bool, steps: Sequence[int] | None = None) -> StoredBatch:
         """Put the kept misses in ``buffer`` and lay the batch out in batch order (``steps``: the
@@ -318,9 +344,18 @@ class Samples(list):
     maps and faults in). :func:`collate` returns the columns themselves, which hold exactly what
     stacking would give; ``solar.DataLoader`` uses it when no ``collate_fn`` is given."""
 
-    columns: tuple = ()
     single: bool = False
     held: Held | None = None  # placeholders of a batch held in the loader's process
+    _columns: tuple = ()
+    _made: list | None = None  # the items as they were when the columns were attached
+
+    @property
+    def columns(self) -> tuple:
+        return self._columns
+
+    @columns.setter
+    def columns(self, cols: tuple) -> None:
+        self._columns, self._made = cols, list(self)
 
 
 def collate(batch: Any) -> Any:
@@ -338,10 +373,17 @@ def collate(batch: Any) -> Any:
 
 def _rows_of(batch: "Samples", cols: tuple) -> bool:
     """Whether ``batch`` still holds, at every place, that place's rows of ``cols`` (a caller
-    that changed the list gets ``default_collate``)."""
+    that changed the list gets ``default_collate``).
+
+    The items the list held when its columns were attached (``Samples.columns``), the same
+    objects at the same places, are those rows: a check per object (a per-row comparison of
+    data pointers made a view of every row again, each batch, on the consumer's thread)."""
     n = len(batch)
     if not n or any(len(c) != n for c in cols):
         return False
+    made = batch._made
+    if made is not None and len(made) == n and all(a is b for a, b in zip(batch, made)):
+        return True
     for i in range(n):
         items = (batch[i],) if batch.single else batch[i]
         if type(items) is not tuple and not batch.single or len(items) != len(cols):
@@ -378,11 +420,69 @@ class StepRows:
         return torch.cat(self.tensors)
 
 
+class PassLayout(NamedTuple):
+    """The batches a pass is laid out in, as the caller that cut it knows them: the ``steps``'
+    lengths (one step: the pass as one batch) and ``shared``, where they go (``fetch_stored``'s
+    ``shared=``). It reaches :meth:`FetchPass.gather` on the ``keep`` it is handed
+    (:class:`LaidOut`), so the raw fields' misses are read into their batch slots."""
+
+    steps: tuple
+    shared: Any
+
+
+class LaidOut:
+    """``keep=`` of a fetch (which misses to keep) that also carries the pass's :class:`PassLayout`."""
+
+    def __init__(self, keep: Any, layout: PassLayout) -> None:
+        self.keep, self.layout = keep, layout
+
+    def __call__(self, miss: np.ndarray) -> np.ndarray:
+        return self.keep(miss)
+
+
+class SlotRows:
+    """A raw field's misses read into the pass's step tensors (:meth:`FetchPass._to_slots`):
+    ``rows[j]`` (``dests[j]``) is read row ``j`` in the first slot that wanted it, at pass
+    position ``first[j]``."""
+
+    def __init__(self, tensors: list, bounds: list, dests: list, first: np.ndarray, in_shm: bool) -> None:
+        self.tensors, self.bounds, self.dests, self.first, self.in_shm = tensors, bounds, dests, first, in_shm
+        self.dtype = dests[0].dtype if dests else None
+
+    def __len__(self) -> int:
+        return len(self.dests)
+
+    def __getitem__(self, j: int) -> np.ndarray:
+        return self.dests[j]
+
+    def fill(self, hits: dict, mrank: np.ndarray, inv: np.ndarray, steps, in_shm: bool):
+        """The batch laid out as ``finish`` asks (``steps``, ``in_shm``): the other slots filled,
+        hits from the buffer and repeats from their first slot, one copy each; None when it asks
+        for another layout than the one read into."""
+        bounds = [0, len(inv)] if steps is None else np.r_[0, np.cumsum(steps)].tolist()
+        if bounds != self.bounds or in_shm != self.in_shm:
+            return None
+        src = mrank[inv]
+        rest = np.ones(len(inv), dtype=bool)
+        rest[self.first] = False
+        arrays = [t.numpy() for t in self.tensors]
+        ks = np.flatnonzero(rest)
+        ss = np.searchsorted(np.asarray(bounds), ks, side="right") - 1
+        for s, j, r, u in zip(ss.tolist(), (ks - np.asarray(bounds)[ss]).tolist(), src[ks].tolist(), inv[ks].tolist()):
+            arrays[s][j] = self.dests[r] if r >= 0 else hits[u]
+        return self.tensors[0] if steps is None else StepRows(self.tensors, bounds)
+
+
 def _assemble(spec: FieldSpec, data, hits: dict, mrank: np.ndarray, inv: np.ndarray, shared: bool,
               steps: Sequence[int] | None = None):
     """Lay read rows (``data``, sorted-miss order) and buffer hits out in batch order: a raw
     field as one tensor, or with ``steps`` (step lengths) as :class:`StepRows`."""
     if spec.kind == "raw":
+        if isinstance(data, SlotRows):
+            filled = data.fill(hits, mrank, inv, steps, shared and not isinstance(shared, Stay))
+            if filled is not None:
+                return filled
+            data = np.stack(data.dests) if data.dests else np.empty((0, *spec.sample_shape), spec.dtype)
         src = mrank[inv]
         buf = getattr(data, "buf", data)  # a sieved read's rows stay in its buffer (PickedRows)
         if buf is not data:

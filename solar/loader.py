@@ -49,7 +49,8 @@ import torch.utils.data as tud
 
 from solar.dist import get_dist_info
 from solar.errors import ConfigError
-from solar.fetch import Held, Stay, collate, forget_held
+from solar.fetch import Stay, collate, forget_held
+from solar.iterators import InProcessIter, SkipOnce, TrackedIter, in_process_iterator
 from solar.memory import check_buffer_memory
 from solar.options import parse_buffer, parse_spill
 from solar.order import epoch_positions
@@ -78,68 +79,6 @@ class _DefaultBuffer(str):
 
 #: ``buffer=`` when the caller gives none: 1 GiB per rank.
 DEFAULT_BUFFER = _DefaultBuffer("1GiB")
-
-
-class _TrackedIter:
-    """Delegates to torch's iterator, counts the batches the consumer actually received and
-    the time it waited for them, and records the epoch at its end (solar/stats.py)."""
-
-    def __init__(self, it: Any, loader: "DataLoader", meter: EpochMeter) -> None:
-        self._it = it
-        self._loader = loader
-        self._meter: EpochMeter | None = meter  # None once the epoch is recorded
-
-    def __next__(self) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return self._next()
-        except StopIteration:
-            meter, self._meter = self._meter, None
-            if meter is not None:
-                meter.wait += time.perf_counter() - t0
-                self._loader._record(meter)
-            raise
-        finally:
-            if self._meter is not None:
-                self._meter.wait += time.perf_counter() - t0
-
-    def __iter__(self) -> "_TrackedIter":
-        return self
-
-    def _next(self) -> Any:
-        try:
-            batch = next(self._it)
-        except StopIteration:
-            self._loader._progress["done"] = True
-            # where the next epoch's sampler will draw from: a state saved after the loop resumes there
-            self._loader._progress["next_rng"] = self._loader._rng_state()
-            raise
-        self._loader._progress["batches"] += 1
-        if isinstance(batch, Held):  # made in a worker, its bytes here: NOTE [ Batches that stay ]
-            loader = self._loader
-            batch = loader.collate_fn(loader.dataset.__getitems__(batch.take()))
-        return batch
-
-    def __len__(self) -> int:
-        return len(self._it)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._it, name)
-
-
-class _SkipOnce:
-    """An index sampler that skips its first ``skip`` items once (a resumed epoch), then passes through."""
-
-    def __init__(self, inner: Any, skip: int) -> None:
-        self.inner = inner
-        self.skip = skip
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __iter__(self):
-        skip, self.skip = self.skip, 0
-        return itertools.islice(iter(self.inner), skip, None)
 
 
 class DataLoader(tud.DataLoader[T_co]):
@@ -336,9 +275,11 @@ class DataLoader(tud.DataLoader[T_co]):
                 # for datasets without a state of their own); this assumes the stream replays alike
                 replay = self._plain_skip(resume)
             else:
-                self._pending_skip = _SkipOnce(super()._index_sampler, self._plain_skip(resume))
+                self._pending_skip = SkipOnce(super()._index_sampler, self._plain_skip(resume))
         if self.solar_sampler is not None:
             self._choose_transfer()
+        if isinstance(self._iterator, InProcessIter) != bool(self.__dict__.get("_in_process")):
+            self._iterator = None  # a persistent iterator of the other kind (its workers end with it)
         try:
             it = super().__iter__()
         finally:
@@ -350,24 +291,40 @@ class DataLoader(tud.DataLoader[T_co]):
         meter.epoch = int(epoch) if epoch is not None else len(self._history)
         meter.skipped = self._progress["batches"]  # a resumed passthrough epoch counts those before
         meter.wait = time.perf_counter() - meter.start  # the wait for iter(loader) itself
-        return _TrackedIter(it, self, meter)
+        return TrackedIter(it, self, meter)
 
     def _batches_stay(self) -> bool:
         """Whether this iteration's batches may stay in this process while workers make them
         (NOTE [ Batches that stay ] in solar/fetch.py): workers, this loader's own collate, H5Dataset's
         own raw samples on the CPU (``plain_batches()``) and no pinning thread between the workers
         and the consumer (it would see the workers' placeholders, not the tensors)."""
+        return self.num_workers > 0 and self._plain()
+
+    def _plain(self) -> bool:
+        """Batches that are their loaded rows as they are: this loader's own collate, H5Dataset's
+        own raw samples on the CPU (``plain_batches()``), no pinning thread."""
         plain = getattr(self.dataset, "plain_batches", None)
         pinned = self.pin_memory and torch.accelerator.is_available()
-        return (self.num_workers > 0 and self.solar_sampler is not None and self.collate_fn is collate
-                and not pinned and callable(plain) and bool(plain()))
+        return self.solar_sampler is not None and self.collate_fn is collate and not pinned and callable(plain) \
+            and bool(plain())
 
     def _choose_transfer(self) -> None:
         """Before an iteration: how its batches reach the consumer. Without workers, in this
         process; with workers, in shared memory, or staying here (NOTE [ Batches that stay ]).
-        What an earlier iteration of this loader left held is dropped."""
+        What an earlier iteration of this loader left held is dropped. Where the workers would
+        have nothing to do, the iteration runs in this process (NOTE [ Workers with nothing to do ]
+        in solar/iterators.py)."""
         forget_held(self._stay_key)
-        self.solar_sampler.shared = Stay(self._stay_key) if self._batches_stay() else self.num_workers > 0
+        stay = self._batches_stay()
+        # NOTE [ Workers with nothing to do ] in solar/iterators.py
+        self._in_process = self._plain() and (self.num_workers == 0 or self.worker_init_fn is None)
+        self.solar_sampler.shared = False if self._in_process else Stay(self._stay_key) if stay else \
+            self.num_workers > 0
+
+    def _get_iterator(self) -> Any:
+        if self.__dict__.get("_in_process"):  # solar/iterators.py
+            return in_process_iterator(self)
+        return super()._get_iterator()
 
     def _epoch_positions(self) -> int:
         """Global positions an epoch of the (Distributed) sampler consumes after drop_last."""

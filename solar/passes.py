@@ -8,6 +8,7 @@ call per pass, with what the plan says to keep and evict, split back into one
 
 from __future__ import annotations
 
+import itertools
 import traceback
 from typing import Any, Iterator, NamedTuple
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from solar.errors import SolarError
 from solar.failfast import abort_out_of_step, is_agreed
-from solar.fetch import StepBatch
+from solar.fetch import LaidOut, PassLayout, StepBatch
 from solar.schedule import owner_of
 
 __all__ = ["PassFetcher", "PassGeometry", "in_groups", "drop_frame_locals", "raise_failed"]
@@ -24,6 +25,8 @@ __all__ = ["PassFetcher", "PassGeometry", "in_groups", "drop_frame_locals", "rai
 #: read). Not any ValueError: a plain bug raised in the pass is raised as it is, not handed out
 #: as a failed step
 DATA_ERRORS = (IndexError, OSError, SolarError)
+#: samples the first pass of an iteration holds at most, in whole steps (NOTE [ First batch ])
+FIRST_SAMPLES = 32
 
 
 class PassGeometry(NamedTuple):
@@ -51,14 +54,29 @@ def drop_frame_locals(exc: BaseException) -> None:
 
 
 def in_groups(steps: Iterator, size: int) -> Iterator[list]:
-    """``steps`` in lists of ``size`` (the last one shorter). When taking a step raises (a
-    sampler that fails), the steps taken before it are a last, shorter group, and the error is
-    raised after it: the read-ahead then hands out every batch before the failing one, as
-    torch's loader does, instead of losing up to two passes of them."""
+    """``steps`` in lists of ``size`` (the last one shorter), the first lists smaller (NOTE
+    [ First batch ]). When taking a step raises (a sampler that fails), the steps taken before
+    it are a last, shorter group, and the error is raised after it: the read-ahead then hands
+    out every batch before the failing one, as torch's loader does, instead of losing up to two
+    passes of them.
+
+    NOTE [ First batch ]: an iteration's first batch waits for the first pass. With passes of
+    ``size`` steps from the start it waited for ``size`` steps' reads (the whole first 8-step
+    pass), where torch's loader waits for one batch's. So the first pass holds as many whole
+    steps as fit in ``FIRST_SAMPLES`` samples (one step at least), and each next pass twice as
+    many, up to ``size``: each is read while the consumer works through the one before it,
+    which is half its size. The sizes depend only on ``size`` and the steps' lengths, so every
+    rank of a collective backend cuts its passes alike."""
+    first = next(steps, None)
+    if first is None:
+        return
+    steps = itertools.chain([first], steps)
+    grow = max(1, min(size, FIRST_SAMPLES // max(1, len(first[0]))))
     while True:
         group: list = []
+        n, grow = min(grow, size), grow * 2
         try:
-            for _ in range(size):
+            for _ in range(n):
                 group.append(next(steps))
         except StopIteration:
             if group:
@@ -165,6 +183,8 @@ class PassFetcher:
         disjoint = tag is not None and max(g[3][1] for g in group) < tag[0]
         # in step only over a DistributedSampler (every rank gets as many batches); with any
         # other sampler ranks may differ, or one rank may iterate alone (a validation loop)
+        lengths = tuple(len(s) for s in steps)  # (decoded ahead: the pass is laid out as one batch)
+        keep = LaidOut(keep, PassLayout((sum(lengths),) if self.decode else lengths, self.shared))
         stored = self.dataset.fetch_steps(steps, buffer=self.buffer, keep=keep, shared=self.shared, evict=evict,
                                           disjoint=disjoint, lockstep=self.in_step,
                                           **({"decode": True} if self.decode else {}))

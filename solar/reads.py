@@ -154,26 +154,51 @@ class RowReads:
         so does a key whose reads take h5py's lock (NOTE [ Reads outside h5py's lock ] in
         io_backends/hdf5.py): split, they only took turns.
         """
-        lengths = ranges[:, 1] - ranges[:, 0]
-        starts = np.r_[0, np.cumsum(lengths)]
-        total = int(starts[-1])
+        total = int((ranges[:, 1] - ranges[:, 0]).sum()) if len(ranges) else 0
+        shares = self._shares(key, ranges, total, disjoint, split)
+        if shares is None:
+            return self.backend.read_ranges(key, ranges, disjoint=disjoint)
+        info = self.backend.info(key)
+        out = np.empty((total, *info.row_shape), dtype=info.dtype)
+        self._on_threads([(lambda b, p=p, a=a, z=z: b.read_ranges(key, p, out[a:z])) for p, a, z in shares])
+        return out
+
+    def _read_to(self, key: str, ranges: np.ndarray, dests: list, disjoint: bool = False, split: bool = True) -> None:
+        """:meth:`_read`, each row straight into its own place (``dests``: one row array per
+        row of ``ranges``; :meth:`HDF5Backend.read_rows_to`), split over the request threads alike."""
+        total = len(dests)
+        shares = self._shares(key, ranges, total, disjoint, split)
+        if shares is None:
+            self.backend.read_rows_to(key, ranges, dests)
+            return
+        self._on_threads([(lambda b, p=p, a=a, z=z: b.read_rows_to(key, p, dests[a:z])) for p, a, z in shares])
+
+    def _shares(self, key: str, ranges: np.ndarray, total: int, disjoint: bool, split: bool):
+        """How one read of ``ranges`` (``total`` rows) is split over the request threads: a list
+        of ``(ranges, first row, end row)`` per thread, or None to read it in this thread."""
         if (self.io_threads <= 1 or self.backend.collective or total <= 1 or not split
                 or self.backend.serializes_reads(key)):  # threads would take turns under h5py's lock
-            return self.backend.read_ranges(key, ranges, disjoint=disjoint)
+            return None
+        starts = np.r_[0, np.cumsum(ranges[:, 1] - ranges[:, 0])]
         info = self.backend.info(key)
         row_bytes = int(np.prod(info.row_shape, dtype=np.int64)) * info.dtype.itemsize
         t = min(self.io_threads, total, max(len(ranges), total * row_bytes // SPLIT_BYTES))
         if t <= 1:
-            return self.backend.read_ranges(key, ranges)
-        out = np.empty((total, *info.row_shape), dtype=info.dtype)
+            return None
         cut = np.linspace(0, total, t + 1).round().astype(np.int64)  # output rows of each thread
         edges = np.union1d(starts, cut)  # pieces: the ranges, cut where a thread's share ends
         lo, hi = edges[:-1], edges[1:]
         r = np.searchsorted(starts, lo, side="right") - 1
         pieces = np.stack([ranges[r, 0] + lo - starts[r], ranges[r, 0] + hi - starts[r]], axis=1)
         first = np.searchsorted(lo, cut)  # each thread's first piece
-        # One split read at a time per dataset: the clones' handles (an fsspec file's position)
-        # must not be shared by two readers, e.g. two loaders or iterators over one dataset.
+        return [(pieces[a:b], int(cut[i]), int(cut[i + 1])) for i, (a, b) in enumerate(zip(first[:-1], first[1:]))
+                if b > a]
+
+    def _on_threads(self, calls: list) -> None:
+        """Run ``calls[i](backend)`` on request thread ``i``, each with its own backend clone.
+
+        One split read at a time per dataset: the clones' handles (an fsspec file's position)
+        must not be shared by two readers, e.g. two loaders or iterators over one dataset."""
         self._forget_forked_pool()
         with self._pool_lock:
             if self._pool is None:
@@ -181,15 +206,13 @@ class RowReads:
                 # One backend per request thread (unpickled copies open their own handles): handles
                 # and per-backend counters are then never shared between threads.
                 self._clones = [pickle.loads(pickle.dumps(self.backend)) for _ in range(self.io_threads)]
-            futs = [self._pool.submit(self._clones[i].read_ranges, key, pieces[a:b], out[cut[i]:cut[i + 1]])
-                    for i, (a, b) in enumerate(zip(first[:-1], first[1:])) if b > a]
+            futs = [self._pool.submit(call, self._clones[i]) for i, call in enumerate(calls)]
             try:
                 for f in futs:
                     f.result()
             finally:  # the clones' counters belong to ds.backend.stats
                 for clone in self._clones:
                     self.backend.stats.absorb(clone.stats)
-        return out
 
     def _read_field(self, spec: FieldSpec, rows: np.ndarray, disjoint: bool = False,
                     split: bool = True) -> list[np.ndarray] | np.ndarray:
@@ -227,6 +250,45 @@ class RowReads:
             start = base[run_of] + off[rows] - first_byte[run_of] if len(rows) else rows
             sizes = off[rows + 1] - off[rows]
             data = [buf[a:a + n] for a, n in zip(start.tolist(), sizes.tolist())]
+        self._checked(spec, rows, data, runs, disjoint, split)
+        if spec.kind == "raw" and not data.dtype.isnative:  # torch holds native byte order only
+            data = data.astype(data.dtype.newbyteorder("="))
+        return data
+
+    def reads_to_places(self, spec: FieldSpec) -> bool:
+        """Whether :meth:`_read_rows_to` reads a raw field's rows straight into their places: an
+        independent backend that reads rows as plain bytes in the dtype torch holds."""
+        scatter = getattr(self.backend, "scatter_ready", None)
+        return (spec.kind == "raw" and spec.dtype.isnative and not self.backend.collective and callable(scatter)
+                and bool(scatter(spec.data_key)))
+
+    def _read_rows_to(self, spec: FieldSpec, rows: np.ndarray, dests: list, disjoint: bool = False,
+                      split: bool = True) -> None:
+        """Raw field ``spec``'s sorted unique ``rows`` straight into ``dests`` (one row array each,
+        in ``rows`` order; :meth:`reads_to_places`): sieved and split over the request threads as
+        :meth:`_read_field` reads, checked against the checksums in place. Rows read through
+        sieved gaps land in one scratch row."""
+        runs = self._runs(spec, rows)
+        total = int((runs[:, 1] - runs[:, 0]).sum()) if len(runs) else 0
+        every = list(dests)
+        if total != len(rows):
+            every = [np.empty(spec.sample_shape, spec.dtype)] * total
+            for j, at in enumerate(_places(runs, rows).tolist()):
+                every[at] = dests[j]
+        problem = None
+        try:
+            self._read_to(spec.data_key, runs, every, disjoint, split)
+        except (OSError, CorruptDataError) as exc:  # agreed at the pass's end, as _read_field's
+            problem = exc
+        agree(self.backend, problem, later=True)
+        self.stats.read_calls += len(runs)
+        self.stats.bytes_in += total * int(np.prod(spec.sample_shape, dtype=np.int64)) * spec.dtype.itemsize
+        if problem is None:
+            self._checked(spec, rows, dests, runs, disjoint, split)
+
+    def _checked(self, spec: FieldSpec, rows: np.ndarray, data, runs: np.ndarray, disjoint: bool,
+                 split: bool) -> None:
+        """:meth:`_verify` where the field has checksums; a failure is agreed at the pass's end."""
         if self.verify and self._has_checksum[spec.name] and (len(rows) or self.backend.collective):
             # checksums are of the stored bytes; on a collective backend every rank reads them in
             # the same fetch (a collective read), whether or not it has rows to check; a damaged
@@ -238,9 +300,6 @@ class RowReads:
             except (OSError, CorruptDataError) as exc:
                 problem = exc
             agree(self.backend, problem, later=True)
-        if spec.kind == "raw" and not data.dtype.isnative:  # torch holds native byte order only
-            data = data.astype(data.dtype.newbyteorder("="))
-        return data
 
     def _verify(self, spec: FieldSpec, rows: np.ndarray, data, runs: np.ndarray, disjoint: bool,
                 split: bool = True) -> None:

@@ -10,6 +10,7 @@ import torch.utils.data as tud
 
 import solar
 from solar.fetch import Samples, collate
+from solar.passes import FIRST_SAMPLES, in_groups
 
 
 def _loader(path, workers=0, **kw):
@@ -98,6 +99,44 @@ def test_workers_give_the_batches_of_no_workers(h5path, transform):
     assert batch[0].is_shared() is (transform is not None)  # made in a worker: in shared memory
 
 
+def _mark_worker(_):
+    torch.utils.data.get_worker_info()  # (a worker_init_fn: workers must then exist)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_with_nothing_to_do_are_not_started(h5path, persistent):
+    """NOTE [ Workers with nothing to do ]: plain batches with workers iterate in this process,
+    torch's single-process iterator, giving num_workers=0's batches; a worker_init_fn (or a
+    transform) keeps the workers."""
+    want = _epochs(_loader(h5path))
+    loader = _loader(h5path, workers=2, persistent_workers=persistent)
+    _same(_epochs(loader), want)
+    it = iter(loader)
+    assert isinstance(it._it, tud.dataloader._SingleProcessDataLoaderIter) and loader.solar_sampler.shared is False
+    next(it)
+    del it
+    assert loader._batches_stay()
+    kept = _loader(h5path, workers=2, persistent_workers=persistent, worker_init_fn=_mark_worker)
+    _same(_epochs(kept), want)
+    assert isinstance(iter(kept)._it, tud.dataloader._MultiProcessingDataLoaderIter)
+    doubled = _loader(h5path, workers=2, transform=lambda s: tuple(t * 2 for t in s))
+    assert isinstance(iter(doubled)._it, tud.dataloader._MultiProcessingDataLoaderIter)
+
+
+def test_a_persistent_loader_changes_kind_between_epochs(h5path):
+    """A persistent loader whose dataset gains a transform between epochs starts its workers
+    then (and drops them again when it loses it)."""
+    loader = _loader(h5path, workers=2, persistent_workers=True)
+    want = _epochs(_loader(h5path), 1)
+    _same(_epochs(loader, 1), want)
+    loader.dataset.transform = lambda s: tuple(t * 2 for t in s)
+    _same(_epochs(loader, 1), [[t * 2 for t in b] for b in want])
+    assert isinstance(loader._iterator, tud.dataloader._MultiProcessingDataLoaderIter)
+    loader.dataset.transform = None
+    _same(_epochs(loader, 1), want)
+    assert not isinstance(loader._iterator, tud.dataloader._MultiProcessingDataLoaderIter)
+
+
 def test_sieved_rows_are_read_in_place(h5path):
     """Rows read through gaps (sieving) reach the batch from where they were read."""
     sieved = _loader(h5path, sieve_bytes=1 << 30)
@@ -114,3 +153,40 @@ def test_a_worker_loader_left_early_then_run_again_gives_whole_epochs(h5path):
     want = _epochs(_loader(h5path))
     _same(_epochs(loader), want)
     assert np.isfinite(float(want[0][0].sum()))
+
+
+def _steps(n, b):
+    return iter([(list(range(k * b, (k + 1) * b)), None, None, None) for k in range(n)])
+
+
+def test_passes_grow_to_their_size_so_the_first_batch_waits_for_one_step():
+    """NOTE [ First batch ] in solar/passes.py: the first pass holds at most FIRST_SAMPLES
+    samples in whole steps (one at least), each next one twice as many, up to the pass size."""
+    assert FIRST_SAMPLES == 32
+    assert [len(g) for g in in_groups(_steps(20, 32), 8)] == [1, 2, 4, 8, 5]
+    assert [len(g) for g in in_groups(_steps(20, 64), 8)] == [1, 2, 4, 8, 5]
+    assert [len(g) for g in in_groups(_steps(20, 16), 8)] == [2, 4, 8, 6]
+    assert [len(g) for g in in_groups(_steps(12, 8), 4)] == [4, 4, 4]  # small steps: passes as before
+    assert [len(g) for g in in_groups(_steps(3, 32), 1)] == [1, 1, 1]
+    assert list(in_groups(iter([]), 8)) == []
+
+    def failing():
+        yield from _steps(5, 32)
+        raise ValueError("sampler")
+    got = []
+    with pytest.raises(ValueError, match="sampler"):
+        for g in in_groups(failing(), 8):
+            got.append(len(g))
+    assert got == [1, 2, 2]  # every step before the failure, then the error
+
+
+def test_the_first_batch_comes_from_a_small_pass(h5path):
+    loader = _loader(h5path)  # batches of 10: the first pass is 3 steps (30 samples)
+    ds = loader.dataset
+    loader.sampler.set_epoch(0)
+    it = iter(loader)
+    first = next(it)
+    assert len(first[0]) == 10 and ds.stats.steps >= 1
+    rest = list(it)
+    assert len(rest) == len(loader) - 1
+    assert ds.stats.steps == len(list(in_groups(_steps(len(loader), 10), 8))) == 3  # passes of 3, 6, 1 steps
