@@ -51,10 +51,11 @@ MAY_USE = {
     "solar.concat": {"solar.dataset", "solar.subset", "solar.fetch", "solar.collective"},
     "solar.views": {"solar.dataset", "solar.subset", "solar.concat"},
     "solar.passes": {"solar.fetch", "solar.schedule", "solar.failfast"},
+    "solar.iterators": {"solar.fetch", "solar.stats"},  # the loader's iterators around torch's
     "solar.sampler": {"solar.options", "solar.schedule", "solar.passes", "solar.prefetch", "solar.cache",
                       "solar.collective", "solar.dist", "solar.shardplan", "solar.nodeshare", "solar.exchange"},
     "solar.loader": {"solar.sampler", "solar.options", "solar.memory", "solar.schedule", "solar.order", "solar.subset",
-                     "solar.views", "solar.dist", "solar.fetch", "solar.stats"},
+                     "solar.views", "solar.dist", "solar.fetch", "solar.stats", "solar.iterators"},
     # consumers of the data path and of the tiers
     "solar.dali": {"solar.loader", "solar.dist"},
     "solar.checkpoint": {"solar.cache", "solar.fileio"},
