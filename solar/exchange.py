@@ -32,10 +32,16 @@ class Post(NamedTuple):
     counts: np.ndarray
 
 
-def post(rows: np.ndarray, dest: np.ndarray, world_size: int) -> Post:
-    """The :class:`Post` of ``rows`` bound for ``dest`` (stable: a destination gets them in order)."""
+def post(cols, dest: np.ndarray, world_size: int, dtype) -> Post:
+    """The :class:`Post` of records with one column per array of ``cols`` (as ``dtype``), bound
+    for ``dest`` (stable: a destination gets them in order). Each column is gathered into its
+    place: no record array in sending order is made first, whose copy was the largest transient
+    of a plan (NOTE [ Sharded planning ] in solar/shardplan.py)."""
     order = by_rank(dest, world_size)
-    return Post(np.ascontiguousarray(rows[order]), np.bincount(dest, minlength=world_size).astype(np.int64))
+    rows = np.empty((len(order), len(cols)), dtype)
+    for j, c in enumerate(cols):
+        rows[:, j] = np.asarray(c)[order]
+    return Post(rows, np.bincount(dest, minlength=world_size).astype(np.int64))
 
 
 def by_rank(ranks: np.ndarray, world_size: int) -> np.ndarray:

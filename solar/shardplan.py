@@ -311,12 +311,12 @@ class ShardPlanner:
         questions; then each home's first next-epoch position of its samples comes back too."""
         P = self.config.world_size
         ahead = nxt is not None
-        cols = [np.full(len(samples), _ASK), samples, np.zeros(len(samples), self.dtype)]
+        cols = [np.full(len(samples), _ASK, np.int8), samples, np.zeros(len(samples), np.int8)]
         dest = self._home(samples)
         if nxt is not None:
-            cols = [np.concatenate([a, b]) for a, b in zip(cols, (np.full(len(nxt[0]), _NEXT), *nxt))]
+            cols = [np.concatenate([a, b]) for a, b in zip(cols, (np.full(len(nxt[0]), _NEXT, np.int8), *nxt))]
             dest = np.concatenate([dest, self._home(nxt[0])])
-        box = [post(self._rows(*cols), dest, P)]
+        box = [post(cols, dest, P, self.dtype)]
         del cols, dest, nxt
         asked = yield box.pop()  # (nothing posted stays in the frame: NOTE [ Sharded planning ])
         rows = asked.rows
@@ -343,7 +343,7 @@ class ShardPlanner:
         """Apply ``kind`` (``_K_*``, per sample or one for all) at the samples' homes: one exchange."""
         kinds = np.broadcast_to(np.asarray(kind), samples.shape)
         ranks = np.broadcast_to(np.asarray(rank), samples.shape)
-        box = [post(self._rows(samples, kinds, ranks), self._home(samples), self.config.world_size)]
+        box = [post((samples, kinds, ranks), self._home(samples), self.config.world_size, self.dtype)]
         del samples, kinds, ranks
         got = yield box.pop()
         local, kinds, ranks = got.rows[:, 0] - self.home_lo, got.rows[:, 1], got.rows[:, 2]
@@ -388,9 +388,9 @@ class ShardPlanner:
         del own, res
         # each assignment to the rank it names, each occurrence (with its keep) to its home
         n = len(pos)
-        cols = (np.repeat([_RESULT, _SEEN], n), np.concatenate([pos, samples]), np.concatenate([samples, pos]),
+        cols = (np.repeat(np.array([_RESULT, _SEEN], np.int8), n), np.concatenate([pos, samples]), np.concatenate([samples, pos]),
                 np.concatenate([flags, rank]), np.concatenate([np.zeros(n, np.uint8), flags]))
-        box = [post(self._rows(*cols), np.concatenate([rank, self._home(samples)]), P)]
+        box = [post(cols, np.concatenate([rank, self._home(samples)]), P, self.dtype)]
         del cols, pos, samples, rank, flags
         got = yield box.pop()
         mine = got.rows[got.rows[:, 0] == _RESULT]
@@ -459,8 +459,8 @@ class ShardPlanner:
         read = np.flatnonzero(plain & once & (self._own < 0) & (next_step >= 0))
         at = np.concatenate([res, read])
         kind = np.concatenate([np.where(once[res], _RESIDENT, -_RESIDENT), np.full(len(read), _READ)])
-        rows = self._rows(kind, at + self.home_lo, next_step[at], last_pos[at])
-        return post(rows, np.concatenate([self._own[res], reader[read]]), self.config.world_size)
+        cols = (kind, at + self.home_lo, next_step[at], last_pos[at])
+        return post(cols, np.concatenate([self._own[res], reader[read]]), self.config.world_size, self.dtype)
 
     def _swap(self, plan: RankPlan, told: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The swaps of this rank's cells: edits ``plan``; returns (samples, ``_K_*``) for the homes."""
