@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from torch.utils.data import DistributedSampler
@@ -219,6 +220,33 @@ def test_one_ranks_view_without_mpirun_is_refused_when_every_share_would_not_fit
     rc = main(["plan", "--samples", "10000000", "--world-size", "4096", "--batch-size", "32", "--buffer", "1220",
                "--rank", "5", "--json"])
     assert rc == 2 and "GiB of memory" in capsys.readouterr().err
+
+
+def test_one_ranks_view_with_spilled_exchanges_is_the_same(capsys, tmp_path, monkeypatch):
+    """From SPILL_FROM samples on, the simulation spills each exchange round to a file in the
+    temporary directory: the same view, the files gone afterwards, and --plot still draws."""
+    rc, out = _plan(capsys, "--rank", "2")
+    assert rc == 0, out.err
+    kept = json.loads(out.out)
+    monkeypatch.setattr("solar.cli.plan_rank.SPILL_FROM", 100)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    rc, out = _plan(capsys, "--rank", "2", "--plot", str(tmp_path / "r.png"))
+    assert rc == 0, out.err
+    spilled = json.loads(out.out)
+    for r in (kept, spilled):
+        del r["plan_seconds_per_epoch"], r["rank_private_bytes"]
+    assert spilled == kept
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.png"]
+
+
+def test_one_ranks_view_is_refused_when_its_spilled_exchanges_would_not_fit_on_disk(capsys, monkeypatch):
+    monkeypatch.setattr("solar.cli.plan.available_memory", lambda: 1 << 40)
+    monkeypatch.setattr("solar.cli.plan.shutil.disk_usage", lambda where: shutil._ntuple_diskusage(1, 1, 1 << 20))
+    rc = main(["plan", "--samples", "10000000", "--world-size", "4096", "--batch-size", "32", "--buffer", "1220",
+               "--rank", "5", "--json"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "free" in err and "TMPDIR" in err and "mpirun -n 4096" in err
 
 
 @pytest.mark.parametrize("buffer, extra, capacity", [

@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 
 import numpy as np
 import torch  # noqa: F401  (loaded before any timing: its import is not planning time)
 
-from solar.cli.plan_rank import rank_view, simulated_ranks
+from solar.cli.plan_rank import rank_view, simulated_ranks, simulation_bytes, spill_dir
 from solar.errors import ConfigError
 from solar.fileio import write_atomic, write_text_atomic
 from solar.memory import available_memory
@@ -35,9 +36,6 @@ MAX_DUMP_ACCESSES = 2_000_000
 #: bench/plan/memory.json), and per dumped access (nested lists plus the JSON text).
 PLAN_BYTES = {"solar": (40, 80), "lru": (160, 160), "fifo": (160, 160)}
 DUMP_BYTES_PER_ACCESS = 200
-#: Peak bytes per sample of planning every rank's share in one process (``--rank`` without
-#: mpirun; bench/plan/scale.py measured 200 at N = 1e7, P = 4096)
-SHARDED_SIM_BYTES = 250
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -159,6 +157,19 @@ def plan_bytes(cfg, policy: str, accesses: int = 0) -> int:
     return per_sample * cfg.num_samples + per_position * positions + DUMP_BYTES_PER_ACCESS * accesses
 
 
+def check_disk(args: argparse.Namespace, cfg) -> None:
+    """Refuse (ConfigError) a one-rank view whose simulated exchanges would not fit on disk."""
+    where = spill_dir(cfg) if args.rank is not None and simulated_ranks(cfg.world_size) > 1 else None
+    if where is None:
+        return
+    need, free = simulation_bytes(cfg)[1], shutil.disk_usage(where).free
+    if need > free:
+        gib = 2**30
+        raise ConfigError(f"--rank without mpirun simulates every rank's share, spilling about {need / gib:.1f} GiB "
+                          f"of exchanged records to {where}, which has {free / gib:.1f} GiB free; point TMPDIR at a "
+                          f"directory with room, or run it under mpirun -n {cfg.world_size}")
+
+
 def check_memory(args: argparse.Namespace, cfg) -> None:
     """Refuse (ConfigError) a plan whose estimated memory exceeds what is available, before allocating it."""
     avail = available_memory()
@@ -168,7 +179,7 @@ def check_memory(args: argparse.Namespace, cfg) -> None:
     policies = POLICIES if args.plot and args.rank is None else (args.policy,)
     need = max(plan_bytes(cfg, p, accesses if p == args.policy else 0) for p in policies)
     if args.rank is not None:  # one rank's view: this process plans every rank's share, or only its own
-        need = 0 if simulated_ranks(cfg.world_size) == 1 else SHARDED_SIM_BYTES * cfg.num_samples
+        need = 0 if simulated_ranks(cfg.world_size) == 1 else simulation_bytes(cfg)[0]
     if need <= avail:
         return
     fixes = [f"use fewer --samples (N={cfg.num_samples})"]
@@ -218,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
             if path:
                 check_output(option, path)
         check_memory(args, _config(args, args.policy))
+        check_disk(args, _config(args, args.policy))
         dump: list | None = [] if args.dump else None
         if args.rank is not None:
             report = rank_view(args, _config(args, "solar"))

@@ -4,13 +4,19 @@ Under ``mpirun`` with ``--world-size`` ranks every rank plans only its share (it
 O(N/P + C), the order once per node in a shared window, or none with ``--order feistel``) and
 rank R prints. Without mpirun (or on one rank) every rank's share is planned in this process
 (:func:`solar.exchange.run_together`: the same code, the exchanges replaced by their results),
-so this process holds the whole job's state; the figures of rank R are still its own.
+so this process holds the whole job's state; the figures of rank R are still its own. Why every
+share: rank R's plan of an epoch depends on every home's residency, which every rank's plan of
+the epoch before changed. From ``SPILL_FROM`` samples on, each exchange round's records go to a
+file in the temporary directory (``run_together(spill=)``) instead of memory, and the other
+ranks' plans are dropped once counted: at N = 1e8, P = 4096 this process then needs some
+``SPILL_BYTES`` per sample (bench/plan/scale.json) and as much free disk.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import tempfile
 import time
 import tracemalloc
 
@@ -23,7 +29,18 @@ from solar.nodeshare import NodeOrder
 from solar.schedule import PlanConfig
 from solar.shardplan import LocalOrder, RankPlan, ShardPlanner
 
-__all__ = ["rank_view", "simulated_ranks"]
+__all__ = ["rank_view", "simulated_ranks", "spill_dir", "simulation_bytes", "SPILL_FROM"]
+
+#: From this many samples on, the in-process simulation spills each exchange round to a file
+SPILL_FROM = 1 << 22
+#: Peak bytes of the in-process simulation per sample, and per simulated rank, with exchanges
+#: spilled (bench/plan/scale.py: sim_peak_rss_bytes at N = 1e7 and 1e8, P = 4096)
+SPILL_BYTES, SPILL_RANK_BYTES = 48, 320 << 10
+#: Peak bytes per sample of the round files on disk (the largest round and the next one)
+SPILL_DISK_BYTES = 56
+#: Peak bytes per sample with the exchanges in memory (bench/plan/scale.py measured 200 at
+#: N = 1e7, P = 4096)
+SIM_BYTES = 250
 
 
 def _plan_bytes(plan: RankPlan) -> int:
@@ -61,13 +78,30 @@ def _epochs_here(cfg: PlanConfig, epochs: int, rank: int):
     """Every rank's share in this process; the same tuples for ``rank``."""
     order = LocalOrder(cfg) if not (cfg.order == "feistel" and cfg.shuffle) else None
     planners = [ShardPlanner(cfg, q, order) for q in range(cfg.world_size)]
+    spill = spill_dir(cfg)
     for e in range(epochs):
         tracemalloc.start()
-        plans, costs = run_together([p.plan_steps(e) for p in planners], measure=lambda q: q == rank)
+        plans, costs = run_together([p.plan_steps(e) for p in planners], measure=lambda q: q == rank, spill=spill)
         tracemalloc.stop()
-        plan = plans[rank]
+        plan, hits = plans[rank], sum(p.hits for p in plans)
+        del plans
+        for p in planners:
+            p.settle()  # nothing is rewound here: the other ranks' plans go now
         kept = planners[rank].nbytes() + _plan_bytes(plan)
-        yield plan, sum(p.hits for p in plans), costs[rank].seconds, max(kept, costs[rank].peak_bytes)
+        yield plan, hits, costs[rank].seconds, max(kept, costs[rank].peak_bytes)
+
+
+def spill_dir(cfg: PlanConfig) -> str | None:
+    """Where the in-process simulation spills its exchanges (None: in memory)."""
+    return tempfile.gettempdir() if cfg.num_samples >= SPILL_FROM else None
+
+
+def simulation_bytes(cfg: PlanConfig) -> tuple[int, int]:
+    """(memory, disk) the in-process simulation of every rank's share needs at its peak."""
+    n, P = cfg.num_samples, cfg.world_size
+    if spill_dir(cfg) is None:
+        return SIM_BYTES * n, 0
+    return SPILL_BYTES * n + SPILL_RANK_BYTES * P, SPILL_DISK_BYTES * n
 
 
 def simulated_ranks(world_size: int) -> int:
