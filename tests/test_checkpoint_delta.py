@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from solar.checkpoint import CheckpointWriter, load, verify
-from solar.checkpoint.delta import DENSE, apply, changed_leaves, changed_positions, encode, header, SPARSE, XOR
+from solar.checkpoint.delta import (DENSE, SPARSE, SPARSE16, XOR, apply, changed_leaves, changed_positions, encode,
+                                    header, xor_delta)
 from solar.checkpoint.deltastore import delta_key, delta_keys
 from solar.checkpoint.store import CheckpointStore
 from solar.errors import ConfigError
@@ -41,21 +42,37 @@ def test_encode_apply_round_trip_and_size(frac):
     assert enc.changed == int((new.view(torch.int16) != old.view(torch.int16)).sum())
     assert enc.data is not None and len(enc.data) < 3.2 * enc.changed * 2 + 64
     if frac < 0.05:
-        assert header(enc.data).kind == SPARSE
+        assert header(enc.data).kind == SPARSE16  # every gap below 2**16 elements
     out = bytearray(b)
     apply(enc.data, memoryview(out), BASE)
     assert bytes(out) == bytes(a)
 
 
-def test_moderately_dense_changes_may_use_xor_and_dense_ones_are_refused():
+def test_gaps_of_2_to_the_16_elements_or_more_use_wide_positions():
     old = torch.zeros(1 << 18, dtype=torch.int32)
     new = old.clone()
-    new[::5] = 1  # 20% changed, each a tiny XOR: byte planes of zeros but one
+    new[[3, 100_000, 200_000]] = 7
     enc = encode(_bytes(new), _bytes(old), BASE, 4)
-    assert enc.data is not None and header(enc.data).kind == XOR
+    assert header(enc.data).kind == SPARSE
     out = bytearray(_bytes(old))
     apply(enc.data, memoryview(out), BASE)
     assert bytes(out) == bytes(_bytes(new))
+
+
+def test_moderately_dense_changes_encode_the_smaller_form_and_dense_ones_are_refused():
+    g = torch.Generator().manual_seed(4)
+    old = torch.zeros(1 << 18, dtype=torch.int32)
+    new = old.clone()
+    pos = torch.randperm(old.numel(), generator=g)[: old.numel() // 5]
+    new[pos] = torch.randint(1, 8, (len(pos),), generator=g, dtype=torch.int32)  # 20% changed, small XORs
+    enc = encode(_bytes(new), _bytes(old), BASE, 4)
+    xor = xor_delta(_bytes(new), _bytes(old), BASE, 4)
+    assert enc.data is not None and len(enc.data) <= len(xor)
+    assert header(enc.data).kind == (XOR if enc.data == xor else SPARSE16)
+    for data in (enc.data, xor):
+        out = bytearray(_bytes(old))
+        apply(data, memoryview(out), BASE)
+        assert bytes(out) == bytes(_bytes(new))
     dense = old + torch.arange(old.numel(), dtype=torch.int32)
     got = encode(_bytes(dense), _bytes(old), BASE, 4)
     assert got.data is None and got.changed == -1
@@ -120,7 +137,7 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_sparse_increments_write_deltas_and_every_version_restores_bit_exact(tmp_path):
-    saved, results = _series(tmp_path, 6)
+    saved, results = _series(tmp_path, 6, max_chain=8)
     full = results[0].bytes_written
     for r in results[1:]:
         assert r.bytes_written < 0.03 * full, (r.step, r.bytes_written, full)

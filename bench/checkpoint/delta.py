@@ -1,6 +1,7 @@
 """Fine-grained increments (issue 23): SOLAR's ``deltas=True`` writer beside torch.save, DCP and safetensors.
 
-Run: ``.venv/bin/python bench/checkpoint/delta.py [--gib 1] [--rounds 3] [--dir /tmp] [--out bench/checkpoint/delta.json]``
+Run: ``.venv/bin/python bench/checkpoint/delta.py [--gib 1] [--rounds 3] [--dir /tmp]
+[--out bench/checkpoint/delta.json]``
 
 One process, one run, contenders alternated (the machine may be shared: ratios from one run are what
 counts, and the load average is recorded before and after each phase):
@@ -14,10 +15,13 @@ counts, and the load average is recorded before and after each phase):
 * **dense increments**: an fp32 state of the same size with Adam-like changes (every element moves by
   ~1e-3 relative) and the bf16 state with every element changed: SOLAR's increment in bytes and
   seconds against its own full save, and against a writer without deltas;
-* **restore** of the 10th version after 9 sparse increments (``max_chain=9``: every chunk read
-  through 9 deltas) against restoring the full first version, alternated ``--rounds`` times;
+* **restore** of the 10th version after 9 sparse (1%) increments against restoring the full first
+  version, alternated ``--rounds`` times: with the default ``max_chain`` (the writer re-bases
+  chains longer than it as skip-deltas against their anchor), and the worst case, ``max_chain=9``
+  (every chunk read through 9 deltas);
 * **hashing**: XXH3-128 chunk hashing of the state on one thread, GB/s;
-* **blocking**: the time ``save`` blocks the caller (the host copy) against ``torch.save``'s time.
+* **blocking**: the time a second ``save`` blocks the caller (the host copy into the reused staging
+  buffer) against ``torch.save``'s time.
 
 Peak memory (ru_maxrss) is recorded; the state, SOLAR's staging copy and its mirror are three copies.
 """
@@ -145,8 +149,8 @@ def sparse_phase(args, base: str) -> dict:
     numel = sum(t.numel() for t in state.values())
     out: dict = {"numel": numel, "load_before": load_average()}
     for frac in (0.01, 0.001):
-        recs = solar_series(state, base, "sparse", [lambda s, f=frac, i=i: touch_sparse(s, f, 10 + i) for i in range(2)],
-                            deltas=True)
+        touches = [lambda s, f=frac, i=i: touch_sparse(s, f, 10 + i) for i in range(2)]
+        recs = solar_series(state, base, "sparse", touches, deltas=True)
         full = recs[0]["bytes_written"]
         out[f"{frac:g}"] = {"saves": recs, "increment_ratio": [r["bytes_written"] / full for r in recs[1:]]}
         print(f"bf16 {frac:.1%} changed: increments {[f'{r:.4%}' for r in out[f'{frac:g}']['increment_ratio']]} "
@@ -178,24 +182,30 @@ def dense_phase(args, base: str, dtype: torch.dtype) -> dict:
 
 
 def restore_phase(args, base: str) -> dict:
-    state = make_state(args.gib, torch.bfloat16, seed=2)
-    recs = solar_series(state, base, "chain", [lambda s, i=i: touch_sparse(s, 0.01, 30 + i) for i in range(9)],
-                        deltas=True, max_chain=9)
-    del state
-    gc.collect()
-    path = os.path.join(base, "chain")
-    full, tenth = [], []
-    for _r in range(args.rounds):
-        for step, sink in ((0, full), (9, tenth)):
-            gc.collect()
-            s, st = timed(lambda: load(path, step))
-            sink.append(round(s, 3))
-            del st
-    out = {"saves": recs, "full_s": full, "tenth_s": tenth, "ratio": statistics.median(tenth) / statistics.median(full),
-           "load": load_average()}
-    shutil.rmtree(path, ignore_errors=True)
-    print(f"restore of the 10th version (9 deltas per chunk): {out['ratio']:.2f}x a full version "
-          f"({statistics.median(tenth):.2f} s vs {statistics.median(full):.2f} s)", flush=True)
+    out: dict = {}
+    for label, kw in (("default", {}), ("chain9", {"max_chain": 9})):
+        state = make_state(args.gib, torch.bfloat16, seed=2)
+        recs = solar_series(state, base, "chain", [lambda s, i=i: touch_sparse(s, 0.01, 30 + i) for i in range(9)],
+                            deltas=True, **kw)
+        del state
+        gc.collect()
+        path = os.path.join(base, "chain")
+        full, tenth = [], []
+        for _r in range(args.rounds):
+            for step, sink in ((0, full), (9, tenth)):
+                gc.collect()
+                s, st = timed(lambda: load(path, step))
+                sink.append(round(s, 3))
+                del st
+        full_bytes = recs[0]["bytes_written"]
+        out[label] = {"saves": recs, "increment_ratio": [r["bytes_written"] / full_bytes for r in recs[1:]],
+                      "full_s": full, "tenth_s": tenth, "ratio": statistics.median(tenth) / statistics.median(full),
+                      "load": load_average()}
+        shutil.rmtree(path, ignore_errors=True)
+        o = out[label]
+        print(f"restore of the 10th version ({label}): {o['ratio']:.2f}x a full version "
+              f"({statistics.median(tenth):.2f} s vs {statistics.median(full):.2f} s); increments "
+              f"{[f'{r:.2%}' for r in o['increment_ratio']]}", flush=True)
     return out
 
 
@@ -227,7 +237,9 @@ def main() -> None:
         f = result["full"]
         print("full saves (median s, bytes): " + ", ".join(f"{k} {v['median_s']:.2f} s {v['bytes']}"
                                                            for k, v in f.items()), flush=True)
-        blocking = solar_series(state, base, "blocking", [], deltas=True)[0]["blocking_s"]
+        # the second save's: the first one also allocates the staging buffer it reuses afterwards
+        blocking = solar_series(state, base, "blocking", [lambda s: touch_sparse(s, 0.01, 1)], deltas=True)[1][
+            "blocking_s"]
         result["blocking"] = {"solar_s": blocking, "torch_save_s": f["torch_save"]["median_s"],
                               "ratio": blocking / f["torch_save"]["median_s"]}
         del state
@@ -249,7 +261,8 @@ def main() -> None:
         "dense_fp32_time_le_1.2x": result["dense_fp32"]["time_ratio_vs_full"] <= 1.2,
         "dense_bf16_bytes_le_1.02x": result["dense_bf16"]["bytes_ratio_vs_full"] <= 1.02,
         "dense_bf16_time_le_1.2x": result["dense_bf16"]["time_ratio_vs_full"] <= 1.2,
-        "restore_10th_le_1.5x": result["restore"]["ratio"] <= 1.5,
+        "restore_10th_le_1.5x": result["restore"]["default"]["ratio"] <= 1.5,
+        "restore_10th_through_9_deltas_le_1.5x": result["restore"]["chain9"]["ratio"] <= 1.5,
         "hashing_ge_5_gb_s": result["hashing"]["gb_per_s"] >= 5,
         "blocking_le_10pct_torch_save": result["blocking"]["ratio"] <= 0.10,
     }

@@ -4,8 +4,9 @@ A chunk that changed since the previous version is usually changed in a few elem
 weights in fine-tuning: about 1% per step, at random positions), so its 1 MiB are stored as what
 changed against the previous version's chunk at the same place, when that is smaller:
 
-- ``SPARSE``: the changed elements' positions (gaps between them, u32) and values (XOR with the
-  base), each split into byte planes and compressed with zstd: about 2.5 B per changed bf16 element;
+- ``SPARSE`` / ``SPARSE16``: the changed elements' positions (gaps between them, u32, or u16 when
+  every gap fits) and values (XOR with the base), each split into byte planes and compressed with
+  zstd: about 2.5 B per changed bf16 element;
 - ``XOR``: the whole chunk XOR the base, split into byte planes and compressed with zstd (moderately
   dense changes whose high bytes stay the same).
 
@@ -16,7 +17,7 @@ Whichever is smaller is kept, and neither when it would not be clearly smaller t
 A delta object (``deltas/<2 hex>/<target hex><base hex>`` in a root) is::
 
     DELTA_MAGIC (4 B) | kind (u8) | element size (u8) | 0 (2 B) | base digest (16 B) | chunk length (u64)
-        | SPARSE: changed count (u64) | zstd(gap planes + value planes)
+        | SPARSE, SPARSE16: changed count (u64) | zstd(gap planes + value planes)
         | XOR:    zstd(byte planes of chunk XOR base)
 
 Its bytes are not hashed themselves: the chunk it rebuilds is, against the target digest, and so is
@@ -36,11 +37,12 @@ import numpy as np
 import torch
 import zstandard
 
-__all__ = ["SPARSE", "XOR", "DENSE", "Encoded", "encode", "apply", "header", "changed_positions", "changed_leaves",
-           "element_size", "DeltaFormatError"]
+__all__ = ["SPARSE", "SPARSE16", "XOR", "DENSE", "Encoded", "encode", "xor_delta", "apply", "header",
+           "changed_positions", "changed_leaves", "element_size", "DeltaFormatError"]
 
 DELTA_MAGIC = b"SDL\x01"
-SPARSE, XOR = 1, 2
+SPARSE, XOR, SPARSE16 = 1, 2, 3
+_GAP = {SPARSE: (4, np.uint32), SPARSE16: (2, np.uint16)}  # a sparse kind's gap width and type
 _HEAD = struct.Struct("<4sBBxx16sQ")
 _COUNT = struct.Struct("<Q")
 #: above this fraction of changed elements no delta is tried: the chunk is written whole
@@ -143,7 +145,7 @@ def header(obj) -> Header:
     if len(obj) < _HEAD.size:
         raise DeltaFormatError(f"delta object of {len(obj)} B is shorter than its header")
     magic, kind, elem, base, length = _HEAD.unpack_from(obj)
-    if magic != DELTA_MAGIC or kind not in (SPARSE, XOR) or elem not in _WORD or length % elem:
+    if magic != DELTA_MAGIC or kind not in (SPARSE, XOR, SPARSE16) or elem not in _WORD or length % elem:
         raise DeltaFormatError(f"not a delta object (magic {magic!r}, kind {kind}, element size {elem})")
     return Header(kind, elem, base, length)
 
@@ -163,15 +165,25 @@ def encode(new: memoryview, old: memoryview, base: bytes, elem: int) -> Encoded:
     b = np.frombuffer(old, dt)
     head = _HEAD.pack(DELTA_MAGIC, SPARSE, elem, base, n)
     cz = _zstd()[0]
-    gaps = np.diff(pos, prepend=-1).astype(np.uint32) - np.uint32(1)
-    best = head + _COUNT.pack(k) + cz.compress(_planes(gaps, 4) + _planes(a[pos] ^ b[pos], elem))
+    gaps = np.diff(pos, prepend=-1) - 1
+    kind = SPARSE16 if gaps.max() < (1 << 16) else SPARSE
+    width, gtype = _GAP[kind]
+    best = (head[:4] + bytes([kind]) + head[5:] + _COUNT.pack(k)
+            + cz.compress(_planes(gaps.astype(gtype), width) + _planes(a[pos] ^ b[pos], elem)))
     if k >= _TRY_XOR * nelem:
-        xor = head[:4] + bytes([XOR]) + head[5:] + cz.compress(_planes(a ^ b, elem))
+        xor = xor_delta(new, old, base, elem)
         if len(xor) < len(best):
             best = xor
     if len(best) > KEEP_BELOW * n:
         return Encoded(None, k)
     return Encoded(best, k)
+
+
+def xor_delta(new: memoryview, old: memoryview, base: bytes, elem: int) -> bytes:
+    """The ``XOR`` form of the delta turning ``old`` (chunk ``base``) into ``new``."""
+    dt = _NP[elem]
+    x = np.frombuffer(new, dt) ^ np.frombuffer(old, dt)
+    return _HEAD.pack(DELTA_MAGIC, XOR, elem, base, new.nbytes) + _zstd()[0].compress(_planes(x, elem))
 
 
 def apply(obj, out: memoryview, base: bytes) -> None:
@@ -200,14 +212,15 @@ def apply(obj, out: memoryview, base: bytes) -> None:
         (k,) = _COUNT.unpack_from(body)
         if not 0 < k <= nelem:
             raise DeltaFormatError(f"it changes {k} elements of {nelem}")
-        want = k * (4 + h.elem)
+        width, gtype = _GAP[h.kind]
+        want = k * (width + h.elem)
         raw = dz.decompress(body[_COUNT.size:], max_output_size=want)
     except zstandard.ZstdError as exc:
         raise DeltaFormatError(f"its compressed stream is damaged ({exc})") from None
     if len(raw) != want:
         raise DeltaFormatError(f"its sparse stream has {len(raw)} B, not {want} B")
-    pos = np.cumsum(_unplanes(raw[:4 * k], 4, np.uint32), dtype=np.uint64)  # position i: gaps up to i, plus i
-    pos += np.arange(k, dtype=np.uint64)
+    pos = np.cumsum(_unplanes(raw[:width * k], width, gtype), dtype=np.intp)  # position i: gaps up to i, plus i
+    pos += np.arange(k, dtype=np.intp)
     if pos[-1] >= nelem:
         raise DeltaFormatError(f"it changes element {pos[-1]} of a chunk of {nelem}")
-    mine[pos] ^= _unplanes(raw[4 * k:], h.elem, dt)
+    mine[pos] ^= _unplanes(raw[width * k:], h.elem, dt)
