@@ -38,12 +38,9 @@ LANGS = {"python", "bash", "text"}
 NOT_RUN = {
     "git clone <this repository> solar": "the set-up itself: `make test` runs it before these tests",
     "make demo": "tests/test_demo.py runs `solar demo` on a small configuration",
-    "import nvidia.dali.fn as fn": "needs NVIDIA DALI and a GPU (tests/test_dali.py runs DALILoader on a stand-in)",
     "ds = solar.H5Dataset(\"s3://bucket/train.h5\"": "placeholder credentials and hosts "
                                                     "(tests/test_backends_fsspec.py runs S3 and HTTP on 127.0.0.1)",
-    "import aiohttp": "placeholder URL (the timeouts are tested in tests/test_backends_fsspec.py)",
     "#!/bin/bash": "needs Slurm (srun); the same script runs under mpirun in running.md's other blocks",
-    "from solar.testing.codecs import CodecTests": "a class for a third-party codec's own tests",
     "ds = solar.H5Dataset(\"train.h5\", device=\"cuda\")": "needs a CUDA device",
 }
 
@@ -111,7 +108,21 @@ def _storage_page():
     for name in ("run1.h5", "run2.h5"):
         with h5py.File(name, "w") as f:
             f["entry/data"] = rng.standard_normal((24, 8, 8)).astype(np.float32)
-    return {}
+    url = _serve(pathlib.Path.cwd())  # the HTTP example reads the train.h5 the page's ingest writes
+    return {"__rewrite__": [("https://data.example.org", url)]}
+
+
+def _serve(directory: pathlib.Path) -> str:
+    """A file server on 127.0.0.1 for the page's HTTP example, ended with the test process."""
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(directory))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}"
 
 
 def _codec_page():
@@ -191,10 +202,11 @@ def test_page_runs_as_written(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MPLBACKEND", "Agg")
     namespace = {"__name__": "__docs__", **SETUP[page]()}
+    rewrite = REWRITE + namespace.pop("__rewrite__", [])
     for line, lang, code in _blocks(page):
         if lang not in ("python", "bash") or _skipped(code):
             continue
-        for old, new in REWRITE:
+        for old, new in rewrite:
             code = code.replace(old, new)
         where = f"{page}:{line}"
         script = re.match(r"# (\S+\.py)\n", code)
