@@ -183,7 +183,7 @@ run_step() {  # name limit_s command...
 GPU_TESTS=$(grep -l "pytest.mark.gpu" tests/test_*.py | tr '\n' ' ')
 if [[ "$QUICK" == 1 ]]; then
   PYTEST_FILES="tests/test_codec.py"
-  CODEC_ARGS=(--rel 1e-2 --n 32 --reps 1 --no-batch --fields "smooth_sines_32^3")
+  CODEC_ARGS=(--rel 1e-2 --n 32 --reps 1 --no-batch --no-compiled --fields "smooth_sines_32^3")
   LOADER_ARGS=(--samples 64 --size 32 --epochs 2 --batch-size 16 --storage throttled --no-decode-compile)
   L_PYTEST=120 L_CODEC=120 L_LOADER=120
 else

@@ -10,8 +10,9 @@ OpenMP) except the rows named "all threads" (solar's ``cpu-kernel`` over a mini-
 SZ3 with OpenMP), with the compressors interleaved and the best of ``--reps`` timings kept, so
 ratios of speeds are meaningful even on a shared machine. Every solar decoder path runs side by
 side (``auto``, the default, which is ``cpu-kernel`` where numba is installed; ``reference``;
-``cpu-kernel``; compiled), and the overhead rows time one call on tiny blobs (1 and 1,024
-values). Prints, per field and compressor: ratio, max error / bound, PSNR, encode and decode MB/s
+``cpu-kernel``; compiled; ``--no-compiled`` leaves the last out), beside ebq/7's ``bitpack``
+codes (the lossless stage a GPU unpacks itself: its ratio and CPU speed against zstd's), and the
+overhead rows time one call on tiny blobs (1 and 1,024 values). Prints, per field and compressor: ratio, max error / bound, PSNR, encode and decode MB/s
 (of original bytes, 1 MB = 1e6 B); then the targets: geometric-mean ratio vs SZ3 at each bound
 and CPU decode speed vs pysz. With a CUDA device it also prints the GPU decode GB/s of
 ``solar.codec.decode_batch`` (``--device auto``, the default; ``--device cuda`` insists on it and
@@ -383,6 +384,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--fields", nargs="*", help="subset of field names")
     ap.add_argument("--no-batch", action="store_true", help="skip the mini-batch (loader) section")
+    ap.add_argument("--no-compiled", action="store_true",
+                    help="skip the torch.compile-d decoder's rows (a cold inductor compile costs a minute)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="GPU decode figures: auto (when CUDA is there), cuda (required; also the mini-batch "
                          "section on the GPU), cpu (none); the CPU figures are always measured")
@@ -396,7 +399,8 @@ def main(argv=None) -> int:
     solars = [Solar("zstd"), Solar("zstd", decoder="reference")]
     if paths.kernel_available():
         solars.append(Solar("zstd", decoder="cpu-kernel"))
-    comps = [c for c in [*solars, Solar("zstd", compile=True), Solar("bitpack"), Solar("lz4"), PySZ(), H5SZ3(), ZFP(),
+    compiled = [] if args.no_compiled else [Solar("zstd", compile=True)]
+    comps = [c for c in [*solars, *compiled, Solar("bitpack"), Solar("lz4"), PySZ(), H5SZ3(), ZFP(),
                          RawLossless("lz4"), RawLossless("zstd")] if c.available()]
     fields = all_fields(args.n)
     if args.fields:
