@@ -16,7 +16,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE_DIRS = {"solar": "solar", "io_backends": "solar.io_backends", "cache": "solar.cache"}
 PACKAGES = ("solar.io_backends", "solar.cache", "solar.codec", "solar.checkpoint", "solar.ingest", "solar.cli",
-            "solar.testing")
+            "solar.testing", "solar.demo")
 
 #: part -> the parts it may import (besides itself); solar.errors is everyone's
 MAY_USE = {
@@ -63,6 +63,10 @@ MAY_USE = {
                      "solar.layout"},
     "solar.synthetic": {"solar.dist"},
     "solar.testing": {"solar.io_backends", "solar.codec", "solar.schedule", "solar.dist"},
+    # the demo: an application of the whole product (torch's baseline loader from solar.testing); only the CLI
+    # imports it
+    "solar.demo": {"solar", "solar.capabilities", "solar.checkpoint", "solar.dist", "solar.ingest", "solar.io_backends",
+                   "solar.synthetic", "solar.testing"},
     # nothing imports the CLI; it may use every part
     "solar.cli": None,
 }
