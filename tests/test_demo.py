@@ -11,10 +11,15 @@ import re
 import shutil
 
 import matplotlib.image
+import numpy as np
 import pytest
+import torch
 
 from solar.capabilities import h5py_has_mpi
 from solar.cli import main
+from solar.demo.data import statistics
+from solar.demo.model import Surrogate
+from solar.synthetic import ptycho_posed_block
 
 LOADERS = ("torch raw", "solar raw", "solar rel 1e-02", "solar rel 1e-03", "solar rel 1e-04")
 PANELS = ["epoch time per loader", "hit rate against the bound per epoch", "bytes read from storage",
@@ -86,6 +91,23 @@ def test_the_resumed_run_has_the_losses_of_the_uninterrupted_one(demo):
     assert re.search(rf"resume check: resumed from version {start} \(killed at step {check['killed_at']}\)", text)
 
 
+def test_epochs_are_numbered_from_0_by_the_loop_the_loader_and_the_checkpoint(demo):
+    """The loop's epoch (set_epoch), solar.DataLoader's stats.epoch and the checkpoint's epoch are
+    one number, from 0 as torch's set_epoch; the report's table and panels use it too."""
+    out, text = demo
+    runs = out / "runs"
+    for name in ("solar_raw", "solar_rel_1e-02", "torch_raw"):
+        epochs = json.load(open(runs / f"{name}.json"))["epochs"]
+        assert [e["epoch"] for e in epochs] == [0, 1]
+        assert [e["loader_epoch"] for e in epochs] == ([None, None] if name == "torch_raw" else [0, 1])
+    resumed = json.load(open(runs / "solar_raw_resumed.json"))
+    per_epoch = 64 // resumed["world"] // 8  # steps: --samples 64 over the ranks, --batch-size 8
+    first = resumed["first_step"] // per_epoch
+    assert [e["epoch"] for e in resumed["epochs"]] == list(range(first, 2))
+    assert all(e["loader_epoch"] == e["epoch"] for e in resumed["epochs"])
+    assert "epoch 0 s" in text and "mean of epochs >= 1" in text
+
+
 def test_solar_ckpt_log_and_diff_of_two_versions_are_shown(demo):
     _, text = demo
     assert "$ solar-ckpt log" in text and "$ solar-ckpt diff" in text
@@ -107,6 +129,11 @@ def test_the_validation_table_lists_the_three_bounds_and_the_raw_spread(demo):
     report = json.load(open(out / "report.json"))["validation"]
     assert [r["data"] for r in report["bounds"]] == ["rel 1e-02", "rel 1e-03", "rel 1e-04"]
     assert report["raw"]["seeds"] == 2
+    for r in report["bounds"]:  # each bound's verdict against the raw seeds, as printed
+        assert re.search(r"^{}: (inside|above|below|worse|better) ".format(r["data"]), text, re.M)
+        assert f"{r['data']}: {r['verdict']}" in text
+    m = re.search(rf"^mean predictor\s+-\s+{NUM}\s+{NUM}%", text, re.M)
+    assert m and float(m.group(1)) == pytest.approx(report["mean_predictor"], rel=1e-3)
 
 
 def test_report_png_has_the_five_panels(demo):
@@ -121,7 +148,7 @@ def test_report_png_has_the_five_panels(demo):
 
 
 def test_without_mpirun_every_step_runs_in_one_process_and_says_so(tmp_path, capsys, monkeypatch):
-    import solar.cli._demo_data as data
+    import solar.demo.data as data
 
     monkeypatch.setattr(data.shutil, "which", lambda name: None)  # as on a machine without OpenMPI
     assert main(["demo", "--samples", "16", "--val-samples", "4", "--size", "8", "--epochs", "0",
@@ -129,3 +156,25 @@ def test_without_mpirun_every_step_runs_in_one_process_and_says_so(tmp_path, cap
     out = capsys.readouterr().out
     assert "note: 1 process: mpirun or MPI-enabled h5py not found" in out
     assert re.search(r"^  rel 1e-04 .* on 1 rank\(s\)$", out, re.M) and "match" in out
+
+
+def test_the_surrogate_learns_the_demos_data_well_below_the_mean_predictor():
+    """60 Adam steps on 256 samples (16x16) leave under 0.6 of the mean predictor's validation MSE:
+    the demo's quality question compares trained models, not copies of the mean."""
+    x, y = ptycho_posed_block(0, 256, 16)
+    vx, vy = ptycho_posed_block(256, 320, 16)
+    stats = statistics(x, y)
+    mean_loss = float(np.mean((vy - stats["y_mean"]) ** 2))
+    torch.manual_seed(0)
+    model = Surrogate(stats)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    pick = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        idx = torch.randint(0, len(x), (16,), generator=pick)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+        opt.step()
+    with torch.no_grad():
+        val = float(torch.nn.functional.mse_loss(model(torch.from_numpy(vx)), torch.from_numpy(vy)))
+    assert val < 0.6 * mean_loss

@@ -1,6 +1,6 @@
 """The demo's closing figures: the loader table, the validation-loss table against the raw run's
-seed-to-seed spread, and ``report.png`` (five panels) with ``report.json`` beside it (the panels'
-titles as drawn, the tables' rows)."""
+seed-to-seed spread and the mean predictor's loss, and ``report.png`` (five panels) with
+``report.json`` beside it (the panels' titles as drawn, the tables' rows)."""
 
 from __future__ import annotations
 
@@ -93,43 +93,57 @@ def validation_rows(runs: dict[str, dict], ratios: dict[float, float]) -> tuple[
     return spread, rows
 
 
-def print_validation_table(spread: RawSpread, rows: list[ValRow], val_samples: int) -> None:
+def print_validation_table(spread: RawSpread, rows: list[ValRow], val_samples: int, mean_loss: float) -> None:
     print(f"\nvalidation loss (MSE on {val_samples} held-out samples, raw data) of the surrogate trained on "
           "compressed data, against the raw run's seed-to-seed spread")
     head = f"{'trained on':<22}{'ratio':>8}{'val loss':>11}{'vs raw mean':>13}{'in raw std':>12}{'vs raw seed 0':>15}"
     print(head)
     print("-" * len(head))
+    print(f"{'mean predictor':<22}{'-':>8}{mean_loss:>11.5f}{mean_loss / spread.mean - 1:>+13.2%}   (the training "
+          f"set's mean target; the raw runs reach {spread.mean / mean_loss:.1%} of its loss)")
     print(f"{f'raw, {spread.seeds} seeds':<22}{'x1.0':>8}{spread.mean:>11.5f}   +- {spread.std:.5f} "
           f"(std; min {spread.lo:.5f}, max {spread.hi:.5f}; spread {(spread.hi - spread.lo) / spread.mean:.1%})")
     for r in rows:
         print(f"{r.data:<22}{f'x{r.ratio:.1f}':>8}{r.val_loss:>11.5f}{r.vs_mean:>+13.2%}{r.in_std:>12.2f}"
               f"{r.vs_seed0:>+15.2%}")
-    inside = [r.data for r in rows if spread.lo <= r.val_loss <= spread.hi or r.in_std <= 2]
-    print(f"within the raw seeds' spread (inside min..max or within 2 std): {', '.join(inside) or 'none'}")
+    for r in rows:
+        print(f"{r.data}: {verdict(spread, r)}")
 
 
-def _panels(axes, runs: dict[str, dict], ckpt: list[dict], spread: RawSpread, rows: list[ValRow]) -> None:
+def verdict(spread: RawSpread, row: ValRow) -> str:
+    """Where a compressed run's loss falls against the raw seeds: inside their range, outside it
+    but within 2 standard deviations of their mean, or beyond (better or worse)."""
+    if spread.lo <= row.val_loss <= spread.hi:
+        return f"inside the raw seeds' range ({spread.seeds} seeds)"
+    side = "above" if row.val_loss > spread.hi else "below"
+    if row.in_std <= 2:
+        return f"{side} the raw seeds' range, within 2 std of their mean ({row.in_std:.1f} std)"
+    return f"{'worse' if side == 'above' else 'better'} than the raw seeds: {row.in_std:.1f} std from their mean"
+
+
+def _panels(axes, runs: dict[str, dict], ckpt: list[dict], spread: RawSpread, rows: list[ValRow],
+            mean_loss: float) -> None:
     names = loader_names(runs)
     color = {n: f"C{i}" for i, n in enumerate(names)}  # one colour per loader in every panel
     ax = axes[0]
     for n in names:
         ep = runs[n]["epochs"]
-        ax.plot(range(len(ep)), [e["seconds"] for e in ep], marker="o", color=color[n], label=n)
-        ax.plot(range(len(ep)), [e["wait_s"] for e in ep], ls="--", color=color[n])
+        ax.plot([e["epoch"] for e in ep], [e["seconds"] for e in ep], marker="o", color=color[n], label=n)
+        ax.plot([e["epoch"] for e in ep], [e["wait_s"] for e in ep], ls="--", color=color[n])
     ax.set(title="epoch time per loader", xlabel="epoch", ylabel="seconds (dashed: waiting for batches)",
            yscale="log")
     ax.legend(fontsize=7)
     ax = axes[1]
     for n in names[1:]:
         ep = runs[n]["epochs"]
-        ax.plot(range(len(ep)), [e["hits"] / max(1, e["hits"] + e["misses"]) for e in ep], marker="o",
+        ax.plot([e["epoch"] for e in ep], [e["hits"] / max(1, e["hits"] + e["misses"]) for e in ep], marker="o",
                 color=color[n], label=n)
     bound = runs["solar raw"]["bound"]
     ax.axhline(bound, color="k", ls=":", label=f"bound {bound:.2f}")
     ax.set(title="hit rate against the bound per epoch", xlabel="epoch", ylabel="hit rate", ylim=(-0.05, 1.05))
     ax.legend(fontsize=7)
     for ax in axes[:2]:
-        ax.set_xticks(range(len(runs["torch raw"]["epochs"])))
+        ax.set_xticks([e["epoch"] for e in runs["torch raw"]["epochs"]])
     ax = axes[2]
     mib = [sum(e["bytes_read"] for e in runs[n]["epochs"]) / 2**20 for n in names]
     ax.bar(range(len(names)), mib, color=[color[n] for n in names])
@@ -147,12 +161,17 @@ def _panels(axes, runs: dict[str, dict], ckpt: list[dict], spread: RawSpread, ro
                label=f"raw: mean +- std of {spread.seeds} seeds")
     ax.axhline(spread.mean, color="C0")
     ax.plot([float(r.data.split()[1]) for r in rows], [r.val_loss for r in rows], "C3o-", label="compressed")
+    if mean_loss < 3 * max([spread.hi, *(r.val_loss for r in rows)]):  # (else it squeezes the rest flat)
+        ax.axhline(mean_loss, color="k", ls=":", label="mean predictor")
+    else:
+        ax.text(0.02, 0.96, f"mean predictor: {mean_loss:.4g} (off the scale)", transform=ax.transAxes, va="top",
+                fontsize=7)
     ax.set(title="validation loss per bound", xlabel="relative error bound", ylabel="validation MSE", xscale="log")
     ax.legend(fontsize=7)
 
 
 def plot(path: str, runs: dict[str, dict], ckpt: list[dict], spread: RawSpread, rows: list[ValRow],
-         extra: dict) -> list[str]:
+         mean_loss: float, extra: dict) -> list[str]:
     """Write the five-panel ``report.png`` and ``report.json`` beside it; the panels' titles."""
     import matplotlib  # optional (the plot/test/bench extras); only the picture needs it
 
@@ -160,7 +179,7 @@ def plot(path: str, runs: dict[str, dict], ckpt: list[dict], spread: RawSpread, 
     import matplotlib.pyplot as plt  # after choosing the headless backend
 
     fig, axes = plt.subplots(1, 5, figsize=(24, 4.8))
-    _panels(axes, runs, ckpt, spread, rows)
+    _panels(axes, runs, ckpt, spread, rows, mean_loss)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     titles = [ax.get_title() for ax in fig.axes]
@@ -168,5 +187,6 @@ def plot(path: str, runs: dict[str, dict], ckpt: list[dict], spread: RawSpread, 
     plt.close(fig)
     with open(path[:-len(".png")] + ".json", "w") as f:
         json.dump({"png": path, "size_px": size, "panels": titles, "validation": {"raw": spread._asdict(),
-                   "bounds": [r._asdict() for r in rows]}, **extra}, f, indent=1)
+                   "mean_predictor": mean_loss,
+                   "bounds": [dict(r._asdict(), verdict=verdict(spread, r)) for r in rows]}, **extra}, f, indent=1)
     return titles

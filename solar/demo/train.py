@@ -1,7 +1,7 @@
-"""One training run of ``solar demo``: ``python -m solar.cli._demo_train CONFIG.json``, alone or in every
+"""One training run of ``solar demo``: ``python -m solar.demo.train CONFIG.json``, alone or in every
 rank of ``mpirun -n P``.
 
-Trains the small surrogate (diffraction -> amplitude and phase) with torch's DataLoader or with
+Trains the small surrogate (``solar.demo.model``: diffraction -> amplitude and phase) with torch's DataLoader or with
 SOLAR's, on a throttled storage model; gradients are averaged over the ranks with an MPI allreduce
 (the same arithmetic on every rank, so every rank holds the same weights). Measures, per epoch, the
 time the loop waited for a batch (loader-only time) and the time of its steps, and the loader's
@@ -27,6 +27,7 @@ import torch.utils.data as tud
 
 import solar
 from solar.checkpoint import CheckpointWriter, load
+from solar.demo.model import Surrogate
 from solar.dist import mpi_comm
 from solar.io_backends import open_backend
 from solar.io_backends.throttled import ThrottledBackend
@@ -42,12 +43,14 @@ class RunConfig:
     data: str  # the SOLAR HDF5 file (raw or compressed)
     val: str  # the held-out validation set: an .npz with x and y
     out: str  # the JSON of figures rank 0 writes
+    norm: str = ""  # the raw training set's statistics (.npz), which the surrogate normalizes with
     epochs: int = 3
     batch_size: int = 32
     buffer: float = 0.5
     seed: int = 0
     bandwidth: float = 200e6  # bytes/s of one rank's storage share; 0: unthrottled
     latency: float = 1e-3
+    lr: float = 3e-3  # Adam's learning rate
     workers: int = 1  # num_workers of torch's loader
     decoder: str = ""  # SOLAR_CODEC_DECODER for the compressed files; "" leaves the environment's choice
     ckpt: str = ""  # job-wide checkpoint root; "" saves none
@@ -58,8 +61,12 @@ class RunConfig:
 
 @dataclass
 class Epoch:
-    """One epoch's figures, summed over the ranks (times are rank 0's)."""
+    """One epoch's figures, summed over the ranks (times are rank 0's). Epochs are numbered from 0
+    everywhere: the loop's number, the sampler's ``set_epoch``, the checkpoint's ``epoch`` and
+    ``solar.DataLoader``'s ``stats.epoch``."""
 
+    epoch: int = 0  # the number given to the sampler's set_epoch
+    loader_epoch: int | None = None  # the same epoch's number in the SOLAR loader's stats (None: torch's loader)
     seconds: float = 0.0
     wait_s: float = 0.0  # time the loop waited for its batches: the loader's own time
     step_s: float = 0.0  # forward, backward, gradient allreduce, optimizer step
@@ -87,20 +94,6 @@ class Figures:
     ckpt: list[dict] = field(default_factory=list)  # step, bytes written, logical bytes (all ranks)
     resumed_from: int | None = None
     bound: float | None = None  # SOLAR's hit-rate bound min(1, P*C/N) from epoch 1 on
-
-
-class Surrogate(nn.Module):
-    """A PtychoNN-like encoder-decoder: diffraction (1xHxW) -> amplitude and phase (2xHxW)."""
-
-    def __init__(self, width: int = 16) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Conv2d(1, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
-            nn.Upsample(scale_factor=2), nn.Conv2d(width, 2, 3, padding=1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
 
 
 class _Comm:
@@ -170,8 +163,9 @@ class Trainer:
         self.cfg, self.comm = cfg, comm
         self.ds, self.loader = build_loader(cfg, comm)
         torch.manual_seed(cfg.seed)
-        self.model = Surrogate()
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
+        with np.load(cfg.norm) as stats:
+            self.model = Surrogate(dict(stats))
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
         self.figures = Figures(cfg.name, cfg.loader, os.path.basename(cfg.data), cfg.seed, comm.size, len(self.ds))
         self.writer = CheckpointWriter(cfg.ckpt, comm=comm.mpi, keep_last=None) if cfg.ckpt else None
         self.saves: list = []
@@ -190,7 +184,7 @@ class Trainer:
         self.saves.append(self.writer.save(state, self.step, loader=self.loader))
 
     def epoch(self, epoch: int) -> Epoch:
-        cfg, e = self.cfg, Epoch()
+        cfg, e = self.cfg, Epoch(epoch=epoch)
         if epoch != self.start_epoch or not cfg.resume:
             self.loader.sampler.set_epoch(epoch)  # a resumed epoch keeps the one its state carries
         before = _counters(self.ds)
@@ -213,6 +207,8 @@ class Trainer:
                 self.saves[-1].result()  # the version before the kill is committed on every rank
                 os.kill(os.getpid(), signal.SIGKILL)
         e.seconds = time.perf_counter() - t_epoch
+        if isinstance(self.loader, solar.DataLoader):
+            e.loader_epoch = self.loader.stats.epoch
         after = _counters(self.ds)
         e.hits, e.misses, e.bytes_read, e.requests = map(int, self.comm.sum([a - b for a, b in zip(after, before)]))
         return e

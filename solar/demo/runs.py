@@ -1,4 +1,4 @@
-"""The demo's training runs, each a separate launch of ``python -m solar.cli._demo_train`` (under
+"""The demo's training runs, each a separate launch of ``python -m solar.demo.train`` (under
 ``mpirun -n P`` when MPI is here): torch's loader on the raw file, SOLAR on the raw file (seed 0
 with job-wide checkpoints, more seeds for the yardstick), SOLAR on each compressed file, and one
 run killed mid-epoch and resumed from its last checkpoint version. Then the resume check and
@@ -17,8 +17,8 @@ from dataclasses import asdict, replace
 from typing import NamedTuple
 
 from solar.checkpoint import list_versions
-from solar.cli._demo_data import DemoData, Launcher
-from solar.cli._demo_train import RunConfig
+from solar.demo.data import DemoData, Launcher
+from solar.demo.train import RunConfig
 
 
 class Plan(NamedTuple):
@@ -33,6 +33,7 @@ class Plan(NamedTuple):
     seeds: int
     ckpt_every: int
     decoder: str  # "" : the codec's own choice (SOLAR_CODEC_DECODER, else auto)
+    lr: float  # the surrogate's Adam learning rate
 
 
 def steps_per_epoch(samples: int, ranks: int, batch_size: int) -> int:
@@ -57,7 +58,7 @@ def train(run: Launcher, cfg: RunConfig) -> tuple[dict | None, subprocess.Comple
     if os.path.exists(cfg.out):
         os.remove(cfg.out)
     t0 = time.perf_counter()
-    done = run.run("-m", "solar.cli._demo_train", path, quiet=True)
+    done = run.run("-m", "solar.demo.train", path, quiet=True)
     wall = time.perf_counter() - t0
     figures = json.load(open(cfg.out)) if done.returncode == 0 and os.path.exists(cfg.out) else None
     return figures, done, wall
@@ -76,10 +77,10 @@ def _must(name: str, result: tuple[dict | None, subprocess.CompletedProcess, flo
 
 def configs(data: DemoData, plan: Plan, out: str) -> dict[str, RunConfig]:
     """Every uninterrupted run, by name (seed 0 unless the name says otherwise)."""
-    base = RunConfig(name="", loader="solar", data=data.raw, val=data.val, out="", epochs=plan.epochs,
-                     batch_size=plan.batch_size, buffer=plan.buffer, seed=0, bandwidth=plan.bandwidth,
-                     latency=plan.latency, workers=plan.workers, ckpt_every=plan.ckpt_every,
-                     decoder=plan.decoder)
+    base = RunConfig(name="", loader="solar", data=data.raw, val=data.val, out="", norm=data.norm,
+                     epochs=plan.epochs, batch_size=plan.batch_size, buffer=plan.buffer, seed=0,
+                     bandwidth=plan.bandwidth, latency=plan.latency, lr=plan.lr, workers=plan.workers,
+                     ckpt_every=plan.ckpt_every, decoder=plan.decoder)
     runs = {"torch raw": replace(base, loader="torch"),
             "solar raw": replace(base, ckpt=os.path.join(out, "ckpt", "uninterrupted"))}
     for seed in range(1, plan.seeds):

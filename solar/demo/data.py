@@ -1,6 +1,8 @@
-"""The demo's data: a PtychoNN-like training set as .npy files, ingested by ``solar ingest x=X.npy
-y=Y.npy`` (under ``mpirun -n P`` when MPI and parallel HDF5 are here, else in one process) into a
-raw SOLAR file and one compressed file per error bound, plus a held-out validation set."""
+"""The demo's data: a PtychoNN-like training set as .npy files (``solar.synthetic.ptycho_posed_block``:
+the target is a function of the input), ingested by ``solar ingest x=X.npy y=Y.npy`` (under
+``mpirun -n P`` when MPI and parallel HDF5 are here, else in one process) into a raw SOLAR file and
+one compressed file per error bound; a held-out validation set; the raw training set's statistics
+(``norm.npz``), which the surrogate normalizes with, and the mean predictor's validation loss."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import numpy as np
 
 import solar.ingest
 from solar.capabilities import h5py_has_mpi
-from solar.synthetic import ptycho_block, ptycho_sample
+from solar.synthetic import ptycho_posed_block, ptycho_posed_sample
 
 #: OpenMPI as root, more ranks than cores, no CMA (containers forbid it)
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
@@ -55,18 +57,43 @@ class DemoData(NamedTuple):
     ratios: dict[float, float]  # bound -> compression ratio
     val: str  # .npz with x and y
     nbytes: int  # bytes of the training set's samples
+    norm: str  # .npz: the raw training set's statistics (:func:`statistics`)
+    mean_val_loss: float  # validation MSE of the training set's mean target, the floor to beat
 
 
-def write_inputs(out: str, samples: int, val_samples: int, size: int, seed: int) -> tuple[str, str, str]:
-    """X.npy (n, 1, size, size), Y.npy (n, 2, size, size) and val.npz; the validation samples are the
-    generator's next indices, never trained on."""
-    x, y = ptycho_block(0, samples, size, seed)
-    paths = os.path.join(out, "X.npy"), os.path.join(out, "Y.npy"), os.path.join(out, "val.npz")
+def statistics(x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+    """What the surrogate normalizes with (``solar.demo.model``): the per-pixel mean of the inputs
+    and one scale (their per-pixel standard deviation averaged: no pixel's own, which would blow a
+    nearly constant pixel's codec error up), the per-pixel mean and standard deviation of the
+    targets (floored at a thousandth of their average, for pixels no sample changes)."""
+    x_std, y_std = x.std(0, dtype=np.float64), y.std(0, dtype=np.float64)
+    return {"x_mean": x.mean(0, dtype=np.float64).astype(np.float32),
+            "x_scale": np.float32(max(float(x_std.mean()), 1e-12)),
+            "y_mean": y.mean(0, dtype=np.float64).astype(np.float32),
+            "y_scale": (y_std + 1e-3 * y_std.mean() + 1e-12).astype(np.float32)}
+
+
+class Inputs(NamedTuple):
+    x: str  # X.npy
+    y: str  # Y.npy
+    val: str  # val.npz
+    norm: str  # norm.npz
+    mean_val_loss: float
+
+
+def write_inputs(out: str, samples: int, val_samples: int, size: int, seed: int) -> Inputs:
+    """X.npy (n, 1, size, size), Y.npy (n, 2, size, size), val.npz and norm.npz; the validation
+    samples are the generator's next indices, never trained on."""
+    x, y = ptycho_posed_block(0, samples, size, seed)
+    paths = [os.path.join(out, name) for name in ("X.npy", "Y.npy", "val.npz", "norm.npz")]
     np.save(paths[0], x)
     np.save(paths[1], y)
-    vx, vy = ptycho_block(samples, samples + val_samples, size, seed)
+    vx, vy = ptycho_posed_block(samples, samples + val_samples, size, seed)
     np.savez(paths[2], x=vx, y=vy)
-    return paths
+    stats = statistics(x, y)
+    np.savez(paths[3], **stats)
+    mean_loss = float(np.mean((vy.astype(np.float64) - stats["y_mean"]) ** 2))
+    return Inputs(*paths, mean_loss)
 
 
 def ingest(run: Launcher, inputs: tuple[str, str], output: str, bound: float | None) -> dict:
@@ -91,23 +118,24 @@ def check_raw(path: str, size: int, seed: int) -> tuple[list[int], bool]:
     with h5py.File(path, "r") as f:
         n = f["x"].shape[0]
         probe = [0, n // 2, n - 1]
-        return probe, all(np.array_equal(f["x"][i], ptycho_sample(i, size, seed)[0]) and
-                          np.array_equal(f["y"][i], ptycho_sample(i, size, seed)[1]) for i in probe)
+        return probe, all(np.array_equal(f["x"][i], ptycho_posed_sample(i, size, seed)[0]) and
+                          np.array_equal(f["y"][i], ptycho_posed_sample(i, size, seed)[1]) for i in probe)
 
 
 def build(run: Launcher, out: str, samples: int, val_samples: int, size: int, seed: int,
           bounds: list[float]) -> DemoData:
     """Write the inputs and ingest them: raw (``ptycho.h5``) and one file per bound."""
-    x, y, val = write_inputs(out, samples, val_samples, size, seed)
+    inputs = write_inputs(out, samples, val_samples, size, seed)
     raw = os.path.join(out, "ptycho.h5")
-    report = ingest(run, (x, y), raw, None)
+    report = ingest(run, (inputs.x, inputs.y), raw, None)
     print(f"  raw           {raw}: {report['num_samples']} samples, {report['stored_bytes'] / 2**20:.1f} MiB, "
           f"{report['seconds']:.1f} s on {report['world_size']} rank(s)")
     compressed, ratios = {}, {}
     for b in bounds:
         path = os.path.join(out, f"ptycho-rel{b:.0e}.h5")
-        r = ingest(run, (x, y), path, b)
+        r = ingest(run, (inputs.x, inputs.y), path, b)
         compressed[b], ratios[b] = path, float(r["ratio"])
         print(f"  rel {b:<9.0e} {path}: {r['stored_bytes'] / 2**20:.2f} MiB (x{r['ratio']:.1f}), "
               f"{r['seconds']:.1f} s on {r['world_size']} rank(s)")
-    return DemoData(raw, compressed, ratios, val, int(report["input_bytes"]))
+    return DemoData(raw, compressed, ratios, inputs.val, int(report["input_bytes"]), inputs.norm,
+                    inputs.mean_val_loss)
