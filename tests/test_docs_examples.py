@@ -38,8 +38,6 @@ LANGS = {"python", "bash", "text"}
 NOT_RUN = {
     "git clone <this repository> solar": "the set-up itself: `make test` runs it before these tests",
     "make demo": "tests/test_demo.py runs `solar demo` on a small configuration",
-    "ds = solar.H5Dataset(\"s3://bucket/train.h5\"": "placeholder credentials and hosts "
-                                                    "(tests/test_backends_fsspec.py runs S3 and HTTP on 127.0.0.1)",
     "#!/bin/bash": "needs Slurm (srun); the same script runs under mpirun in running.md's other blocks",
     "ds = solar.H5Dataset(\"train.h5\", device=\"cuda\")": "needs a CUDA device",
 }
@@ -69,12 +67,12 @@ def _ptycho(name, n=128, size=16):
     write_ptycho_h5(name, n, size, seed=0, progress=False)
 
 
-def _train_h5():
+def _train_h5(request):
     _ptycho("train.h5")
     return {}
 
 
-def _readme():
+def _readme(request):
     _ptycho("train.h5")
     rng = np.random.default_rng(0)
     for i in range(2):
@@ -88,7 +86,7 @@ def _readme():
     return {}
 
 
-def _loader_page():
+def _loader_page(request):
     from solar.ingest import ingest
 
     _ptycho("train.h5")
@@ -96,7 +94,7 @@ def _loader_page():
     return {}
 
 
-def _storage_page():
+def _storage_page(request):
     rng = np.random.default_rng(0)
     os.makedirs("data")
     for i in range(4):
@@ -109,7 +107,14 @@ def _storage_page():
         with h5py.File(name, "w") as f:
             f["entry/data"] = rng.standard_normal((24, 8, 8)).astype(np.float32)
     url = _serve(pathlib.Path.cwd())  # the HTTP example reads the train.h5 the page's ingest writes
-    return {"__rewrite__": [("https://data.example.org", url)]}
+    bucket, opts = request.getfixturevalue("s3_root")  # the S3 example: moto on 127.0.0.1 (tests/servers.py)
+    import s3fs
+
+    _ptycho("s3-train.h5", 16)
+    s3fs.S3FileSystem(skip_instance_cache=True, **opts).put("s3-train.h5", f"{bucket}/train.h5")
+    return {"__rewrite__": [("https://data.example.org", url), ("s3://bucket", bucket),
+                            ('"key": "...", "secret": "..."', '"key": "testing", "secret": "testing"'),
+                            ("https://s3.example.org", opts["client_kwargs"]["endpoint_url"])]}
 
 
 def _serve(directory: pathlib.Path) -> str:
@@ -125,14 +130,14 @@ def _serve(directory: pathlib.Path) -> str:
     return f"http://127.0.0.1:{server.server_address[1]}"
 
 
-def _codec_page():
+def _codec_page(request):
     rng = np.random.default_rng(1)
     np.save("sample.npy", np.cumsum(rng.standard_normal((32, 32)), axis=0))
     _ptycho("train.h5", 32)
     return {}
 
 
-def _checkpoint_page():
+def _checkpoint_page(request):
     import torch
 
     _ptycho("train.h5")
@@ -147,7 +152,7 @@ def _checkpoint_page():
     return {"model": model, "opt": opt, "train_one_step": train_one_step}
 
 
-def _nothing():
+def _nothing(request):
     return {}
 
 
@@ -198,10 +203,10 @@ def test_every_block_has_a_language_and_every_exception_is_used():
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if _runnable(p)])
-def test_page_runs_as_written(page, tmp_path, monkeypatch):
+def test_page_runs_as_written(page, tmp_path, monkeypatch, request):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    namespace = {"__name__": "__docs__", **SETUP[page]()}
+    namespace = {"__name__": "__docs__", **SETUP[page](request)}
     rewrite = REWRITE + namespace.pop("__rewrite__", [])
     for line, lang, code in _blocks(page):
         if lang not in ("python", "bash") or _skipped(code):
