@@ -84,6 +84,14 @@ class _Owned(NamedTuple):
     deltas: dict  # digest -> DeltaRef of the ones it wrote as deltas
 
 
+class _PartGen(NamedTuple):
+    """The key of the part a save writes: its generation, and those of older parts of the step."""
+
+    step: int
+    gen: int
+    old: list
+
+
 class _NoLock:
     def release(self) -> None:
         pass
@@ -96,6 +104,7 @@ class _JobSink:
     def __init__(self, store: CheckpointStore, lock: Any, known: set[bytes], damaged: set[bytes], rank: int) -> None:
         self.store, self.lock, self.known, self.damaged, self.rank = store, lock, known, damaged, rank
         self.locations: dict = {}  # the known chunks that are packed, and where
+        self.steps: set[int] = set()  # committed, then every step saved (check_new_step)
 
     def add_known(self, digests: set[bytes]) -> None:
         self.known |= digests
@@ -149,7 +158,8 @@ class JobWriter(CheckpointWriter):
         opened = self._open_root(store)
         self._main = _JobSink(store, opened["lock"] if self.rank == 0 else _NoLock(), opened["known"],
                               opened["damaged"], self.rank)
-        self._main.locations = opened["locations"]
+        self._main.locations, self._main.steps = opened["locations"], set(opened["versions"])
+        self._part: _PartGen | None = None  # the part of the save being committed
         self._stage = None
         self._prev_step = opened["latest"]
         self._prev_trees: dict[str, list[np.ndarray]] = {}
@@ -191,7 +201,7 @@ class JobWriter(CheckpointWriter):
                 locations = located([self.jobs.part(jm, r) for jm in valid for r in range(jm.world_size)])
                 latest = self.jobs.latest()
                 out = {"known": known - damaged, "damaged": damaged, "latest": latest.step if latest else None,
-                       "locations": locations}
+                       "locations": locations, "versions": [jm.step for jm in valid]}
             except Exception as e:  # every rank raises it
                 exc = e
                 if lock is not None:
@@ -362,9 +372,13 @@ class JobWriter(CheckpointWriter):
         if self._deltas is not None:
             self._deltas.annotate(m, {**self._main.locations, **new_locs})
         data = encode(m)
-        self.jobs.put_part(m, self.rank, data)
+        # a step saved again (overwrite) gets a new generation key: the committed part stays whole
+        # until the new global manifest replaces the one pinning it
+        old = self.jobs.part_gens(step).get(self.rank, [])
+        self._part = _PartGen(step, max(old) + 1 if old else 0, old)
+        self.jobs.put_part(m, self.rank, data, self._part.gen)
         self._point("after-part", step)
-        return m, PartEntry(self.rank, len(data), part_digest(data), m.root)
+        return m, PartEntry(self.rank, len(data), part_digest(data), m.root, self._part.gen)
 
     def _commit_global(self, step: int, parts: list[PartEntry], mine: list[bytes], pack: list[str]) -> None:
         """Rank 0 writes the global manifest; every rank learns whether it did."""
@@ -380,19 +394,29 @@ class JobWriter(CheckpointWriter):
             except Exception as exc:  # every rank learns of it
                 err = _failure(exc)
                 try:  # a write that failed after its rename must not leave a version whose parts go next
-                    self.jobs.delete_global(step)
-                except OSError:
+                    now = self.jobs.find_global(step)
+                    if now is not None and now.parts == parts:  # ours, not a replaced older one
+                        self.jobs.delete_global(step)
+                except (OSError, CheckpointError):
                     pass
         err = self._bg.bcast(err)
         if err:
             self._undo(step, mine, pack)
             raise CheckpointError(f"rank 0 failed to commit step {step}: {err}; no rank committed it (the last "
                                   "committed version is intact)")
+        done, self._part = self._part, None
+        for g in done.old if done is not None else []:  # parts of an older save of this step, now unpinned
+            try:
+                self.jobs.delete_part(step, self.rank, g)
+            except OSError:  # a repack or gc removes what is left
+                pass
 
     def _undo(self, step: int, mine: list[bytes], pack: list[str]) -> None:
         """Delete what this rank wrote for a save that did not commit (best effort: gc sweeps the rest)."""
         try:
-            self.jobs.delete_part(step, self.rank)
+            done, self._part = self._part, None
+            if done is not None and done.step == step:  # only this save's part, never a committed one
+                self.jobs.delete_part(step, self.rank, done.gen)
             for name in pack:
                 delete_pack(self._main.store, name)
             if self._deltas is not None:

@@ -4,12 +4,13 @@ failure was seen), and the check of a save's ``meta``."""
 from __future__ import annotations
 
 import json
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from solar.errors import ConfigError
 
-__all__ = ["SaveResult", "SaveFuture", "checked_meta"]
+__all__ = ["SaveResult", "SaveFuture", "checked_meta", "check_new_step"]
 
 
 @dataclass
@@ -100,3 +101,26 @@ def checked_meta(meta: dict | None, step: int) -> dict:
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"meta of step {step} is not JSON-serialisable ({exc}); keep plain values (numbers, "
                           f"strings, lists, dicts) in it, or put other objects in the state dict") from exc
+
+
+def check_new_step(saved: set[int], step: int, overwrite: bool | None, root: str) -> None:
+    """What a save of a step the root already holds (or a save in flight) does, before any work.
+
+    ``overwrite=None`` (the default) warns and replaces the version, as ``torch.save`` and DCP's
+    ``save`` (``overwrite=True`` by default) replace what they write over, and as a job relaunched
+    from step S expects when its loop saves step S again; ``True`` replaces it without a warning;
+    ``False`` refuses. The replacement is committed like any save (the old version stays whole
+    until the new one is), and ``saved`` gains ``step``.
+
+    Raises:
+        ConfigError: the step exists and ``overwrite=False``.
+    """
+    if step in saved:
+        if overwrite is False:
+            raise ConfigError(f"step {step} already exists in {root} and overwrite=False; save another step, or pass "
+                              "overwrite=True to replace it (nothing was saved)")
+        if overwrite is None:
+            warnings.warn(f"step {step} already exists in {root}: this save replaces it (the old version stays "
+                          "whole until the new one is committed); pass overwrite=True to replace it without this "
+                          "warning, or overwrite=False to refuse", UserWarning, stacklevel=3)
+    saved.add(step)

@@ -37,7 +37,7 @@ from .jobstore import is_job_root
 from .loaderstate import LOADER_KEY, encode_loader, loader_state_of
 from .manifest import BlobEntry, Location, Manifest
 from .pack import Packer, locate, located, pack_policy
-from .results import SaveResult, checked_meta, SaveFuture
+from .results import SaveResult, check_new_step, checked_meta, SaveFuture
 from .store import CheckpointStore, chunk_key, referenced
 
 __all__ = ["CheckpointWriter", "SaveResult", "JOB_WRITER"]
@@ -52,6 +52,7 @@ class _Sink:
         store.tier.cleanup_temp()  # temporaries of a killed writer; safe under the lock
         manifests = store.valid_manifests(warn=False)
         self.known: set[bytes] = referenced(manifests)
+        self.steps = {m.step for m in manifests}  # committed, then every step saved (check_new_step)
         self.locations: dict[bytes, Location] = located(manifests)  # the known chunks that are packed
         # chunks `verify --repair` found damaged or missing: not trusted, rewritten when produced
         self.damaged = store.damaged_digests()
@@ -222,7 +223,7 @@ class CheckpointWriter:
 
     # -- public API --
     def save(self, state_dict: Any, step: int, *, blocking: bool = False, lazy: bool = False,
-             meta: dict | None = None, loader: Any = None) -> Future:
+             meta: dict | None = None, loader: Any = None, overwrite: bool | None = None) -> Future:
         """Checkpoint ``state_dict`` as version ``step``; return a future of :class:`SaveResult`.
 
         Blocks while the state is copied to host memory (and while all staging buffers are busy
@@ -236,6 +237,9 @@ class CheckpointWriter:
 
         ``loader``: a ``solar.DataLoader`` whose ``state_dict()`` is stored in the same version;
         ``load(root, loader=loader)`` restores it.
+
+        ``overwrite``: a ``step`` the root holds (or a save in flight) is replaced with a warning
+        (``None``), without one (``True``), or refused (``False``).
 
         Raises:
             InputError: a tensor cannot be saved (sparse, meta ...).
@@ -255,6 +259,8 @@ class CheckpointWriter:
         except Exception as exc:  # a job's ranks learn of it together (_agree)
             flat, failure = None, exc
         self._agree(flat, step, failure)
+        # after the agreement: a save the job refused saved nothing, so its step stays new
+        check_new_step((self._stage or self._main).steps, step, overwrite, self.root)
         staged: Future = Future()
         ticket = self._pool.ticket()
         try:
