@@ -318,6 +318,18 @@ def ckpt_sparse(tmp):
         return _raises(lambda: w.save({"emb": torch.zeros(4, 4).to_sparse()}, 1))
 
 
+def ckpt_step_exists(tmp):
+    with CheckpointWriter(tmp / "ck") as w:
+        w.save({"w": torch.zeros(4)}, 1).result()
+        return _warns(lambda: w.save({"w": torch.ones(4)}, 1).result())
+
+
+def ckpt_step_exists_refused(tmp):
+    with CheckpointWriter(tmp / "ck") as w:
+        w.save({"w": torch.zeros(4)}, 1).result()
+        return _raises(lambda: w.save({"w": torch.ones(4)}, 1, overwrite=False))
+
+
 def ckpt_no_version(tmp):
     with CheckpointWriter(tmp / "ck") as w:
         w.save({"w": torch.zeros(4)}, 1)
@@ -337,7 +349,7 @@ TRIGGERS = [missing_package, mpi_backend_outside_mpirun, no_cuda, file_missing, 
             resume_other_dataset, resume_other_seed, resume_then_set_epoch, codec_integer, codec_two_bounds,
             codec_damaged_blob, ingest_output_exists, ingest_shapes_differ, ingest_missing_input, ckpt_locked,
             ckpt_not_a_root, ckpt_untrusted_pickle, ckpt_damaged_chunk, ckpt_export_to_pt, ckpt_meta_not_json,
-            ckpt_sparse, ckpt_no_version, ckpt_verify_damage]
+            ckpt_sparse, ckpt_no_version, ckpt_verify_damage, ckpt_step_exists, ckpt_step_exists_refused]
 
 
 def _quotes() -> list[tuple[int, str]]:
