@@ -12,6 +12,7 @@ import torch
 
 from solar.checkpoint import CheckpointWriter, list_versions, load
 from solar.checkpoint.cli import main
+from solar.checkpoint.report import fmt_bytes
 from solar.checkpoint.store import CheckpointStore, chunk_key
 
 KB = 1024
@@ -544,3 +545,28 @@ def test_export_of_the_newest_version_follows_a_keep_last_writer(tmp_path, capsy
         rc, _text, err = run_cli(capsys, "export", f"{ck}@2", "-o", tmp_path / "y.safetensors")
         _one_line_error(rc, err, f"step 2 of {ck} was removed while it was being read", "keep_last", "[3]")
         assert not (tmp_path / "y.safetensors").exists()
+
+
+def test_log_after_gc_reports_what_is_stored_not_what_every_save_wrote(tmp_path, capsys):
+    """(issue 24) After gc kept the two newest of four versions, the totals are the bytes the root
+    holds for them, not the sum of what their saves wrote (those de-duplicated against the removed
+    first version, whose chunks the kept ones still use)."""
+    from solar.checkpoint import gc
+
+    w = torch.randn(40 * 1024)
+    root = tmp_path / "ck"
+    with CheckpointWriter(root, chunk_size=4 * KB) as wr:
+        for s in range(4):
+            w[s * 1024] += 1  # one chunk of 40 changes per save
+            wr.save({"w": w}, s)
+    before = json.loads(run_cli(capsys, "log", root, "--json")[1])
+    gc(root, keep_last=2)
+    code, out, _ = run_cli(capsys, "log", root, "--json")
+    after = json.loads(out)
+    assert code == 0 and [v["step"] for v in after["versions"]] == [2, 3]
+    assert after["bytes_written"] == 2 * 4 * KB  # what the two kept saves wrote: their changed chunks
+    on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(root) for f in fs if f != ".lock")
+    assert after["stored_bytes"] == on_disk and 160 * KB < on_disk < before["stored_bytes"]
+    assert after["dedup_ratio"] == after["logical_bytes"] / after["stored_bytes"]
+    text = run_cli(capsys, "log", root)[1]
+    assert f"2 versions, {fmt_bytes(after['logical_bytes'])} logical, {fmt_bytes(on_disk)} stored (" in text

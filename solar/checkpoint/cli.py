@@ -29,7 +29,7 @@ from .repack import repack
 from .compare import diff
 from .deltastats import increment
 from .flatten import DTYPES, materialize
-from .jobreport import job_log, job_show
+from .jobreport import job_log, job_show, stored_bytes, totals_line
 from .jobstore import JobStore, is_job_root
 from .reader import Reader
 from .reshard import whole_state, whole_tensors
@@ -95,13 +95,14 @@ def cmd_log(args) -> int:
                      fmt_bytes(m.logical_bytes), fmt_bytes(written),
                      f"{m.stats.get('chunks_written', '?')}/{m.nchunks}",
                      "inf" if ratio is None else f"{ratio:.1f}x", *increment_cells(increment(m.stats))])
+    stored = stored_bytes(store)  # what the root holds now, not what every save once wrote
+    base = stored if stored is not None else total_written
     summary = {"root": store.root, "versions": out, "logical_bytes": total_logical, "bytes_written": total_written,
-               "dedup_ratio": total_logical / total_written if total_written else None}
+               "stored_bytes": stored, "dedup_ratio": total_logical / base if base else None}
     text = table(["step", "created", "tensors", "logical", "written", "new chunks", "dedup", *INCREMENT_HEAD], rows)
     unreadable = f" (+{len(damaged)} unreadable manifests)" if damaged else ""
     if total_written:
-        text += (f"\n{len(manifests)} versions{unreadable}, {fmt_bytes(total_logical)} logical, "
-                 f"{fmt_bytes(total_written)} written ({total_logical / total_written:.1f}x de-duplication)")
+        text += "\n" + totals_line(len(manifests), total_logical, total_written, stored, unreadable)
     elif not rows:
         store.require_root()  # the parent of a root (a mistyped path) is an error, not an empty log
         text = f"no checkpoints in {store.root}"

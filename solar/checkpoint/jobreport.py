@@ -3,6 +3,7 @@ ranks' parts), or one rank's detail with ``--rank``."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -10,8 +11,31 @@ from solar.errors import CorruptDataError
 
 from .jobstore import JobManifest, JobStore
 from .report import fmt_bytes, table
+from .store import CheckpointStore
 
-__all__ = ["job_log", "job_show"]
+__all__ = ["job_log", "job_show", "stored_bytes", "totals_line"]
+
+
+def stored_bytes(store: CheckpointStore) -> int | None:
+    """The bytes the root holds now (chunks, packs, deltas, manifests, parts): what ``log`` reports
+    after a ``gc`` removed versions, rather than the sum of what every save once wrote. ``None``
+    for a remote root (listing every object's size would cost a request per object there)."""
+    if store.local_dir is None:
+        return None
+    total = 0
+    for d, dirs, files in os.walk(store.local_dir):
+        dirs[:] = [x for x in dirs if not x.startswith(".")]
+        total += sum(os.lstat(os.path.join(d, f)).st_size for f in files if not f.startswith("."))
+    return total
+
+
+def totals_line(versions: int, logical: int, written: int, stored: int | None, note: str = "") -> str:
+    """``log``'s last line: what the listed versions hold and what the root stores for them."""
+    if stored is None:  # remote: the saves' own counts, which gc does not lower
+        return (f"{versions} versions{note}, {fmt_bytes(logical)} logical, {fmt_bytes(written)} written by their saves "
+                f"({logical / max(written, 1):.1f}x de-duplication)")
+    return (f"{versions} versions{note}, {fmt_bytes(logical)} logical, {fmt_bytes(stored)} stored "
+            f"({logical / max(stored, 1):.1f}x de-duplication); their saves wrote {fmt_bytes(written)}")
 
 
 def _created(t: float) -> str:
@@ -44,15 +68,16 @@ def job_log(jobs: JobStore, rank: int | None) -> tuple[dict, str]:
                      fmt_bytes(logical), fmt_bytes(written), f"{new}/{chunks}",
                      "inf" if ratio is None else f"{ratio:.1f}x"])
     uncommitted = sorted(set(jobs.part_steps()) - set(jobs.steps()))
+    stored = stored_bytes(jobs.store)
+    base = stored if stored is not None else written_total
     payload = {"root": jobs.root, "job": True, "rank": rank, "versions": out, "logical_bytes": logical_total,
-               "bytes_written": written_total, "uncommitted_parts": uncommitted,
-               "dedup_ratio": logical_total / written_total if written_total else None}
+               "bytes_written": written_total, "stored_bytes": stored, "uncommitted_parts": uncommitted,
+               "dedup_ratio": logical_total / base if base else None}
     if not rows:
         return payload, f"no checkpoints in job root {jobs.root}"
     who = f"rank {rank}" if rank is not None else "all ranks"
     text = table(["step", "created", "ranks", "tensors", "logical", "written", "new chunks", "dedup"], rows)
-    text += f"\njob root, {who}: {len(out)} versions, {fmt_bytes(logical_total)} logical, " \
-            f"{fmt_bytes(written_total)} written"
+    text += f"\njob root, {who}: " + totals_line(len(out), logical_total, written_total, stored)
     if uncommitted:
         text += f"; parts of uncommitted saves (gc removes them): steps {uncommitted}"
     return payload, text
