@@ -147,13 +147,17 @@ def test_the_fast_path_takes_every_covered_fixture_with_the_general_paths_bits(m
         if x is not None:
             taken += 1
             assert same(x, general), entry["blob"]
+            covered, want = blob, general
     assert taken >= 40
+    blob = covered
     assert fast.decode_one(blob, "reference") is None
     monkeypatch.setenv("SOLAR_CODEC_DECODER", "reference")
     assert fast.decode_one(blob, None) is None
     monkeypatch.setenv("SOLAR_CODEC_COMPILE", "1")
     monkeypatch.setenv("SOLAR_CODEC_DECODER", "auto")
     assert fast.decode_one(blob, None) is None
+    assert fast.decode_one(blob, None, compile=True) is None
+    assert same(fast.decode_one(blob, None, compile=False), want)  # compile=False overrides the environment
 
 
 @pytest.mark.skipif(not paths.kernel_available(), reason="needs numba")

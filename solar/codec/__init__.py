@@ -7,6 +7,8 @@ Quick use::
     x = sc.decode(blob, device="cuda")               # torch.Tensor, dtype/shape from the header
     batch = sc.decode_batch(blobs, device="cuda")    # (B, *shape) tensor when shapes match
     sc.header_info(blob)                             # descriptor, dtype, shape, bound, sizes
+    gpu_blob = sc.encode(field, rel_error=1e-3, codec={"id": "ebq", "lossless": "bitpack"})
+    # ebq/7 bitpack: no CPU lossless stage, a GPU unpacks it (a lower ratio than zstd's)
 
 The guarantee: every finite value comes back within ``abs_error`` of the original (checked on the
 encoder side with the decoder's exact arithmetic; misses are stored verbatim); NaN and Inf come
@@ -159,9 +161,9 @@ def decode(blob, *, device="cpu", out=None, compile: bool | None = None, decoder
     ``threads``: the ``cpu-kernel`` path's threads (0: every core); None follows ``SOLAR_CODEC_THREADS``.
     Raises :class:`CorruptDataError` for truncated, corrupted or foreign blobs.
     """
-    if out is None and compile is None and device == "cpu" and type(blob) is bytes:
+    if out is None and not compile and device == "cpu" and type(blob) is bytes:
         decoders.check(decoder, threads)
-        x = _fast().decode_one(blob, decoder)  # one blob on the CPU: no grouping, no option contexts
+        x = _fast().decode_one(blob, decoder, compile)  # one blob on the CPU: no grouping, no option contexts
         if x is not None:
             return x
     p = _parse(blob, "codec blob")

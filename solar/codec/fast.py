@@ -71,12 +71,14 @@ def _scale(dtype: np.dtype, step: float, offset: float) -> tuple[np.ndarray, np.
     return steps, offs
 
 
-def decode_one(blob, decoder: str | None, what: str = "codec blob") -> torch.Tensor | None:
+def decode_one(blob, decoder: str | None, compile: bool | None = None, what: str = "codec blob") -> torch.Tensor | None:
     """``blob`` (bytes) decoded on the CPU by the ``cpu-kernel`` decoder, or None when the general
     path must decode it (numba missing, another path or compiling asked for by the arguments or
-    the environment, a blob the kernel does not cover). Raises :class:`CorruptDataError` as the
-    general path does."""
-    if (decoder or current().decoder) not in ("auto", "cpu-kernel") or fused.enabled() or not paths.kernel_available():
+    the environment, a blob the kernel does not cover). ``decoder`` and ``compile`` None follow the
+    environment, as :func:`solar.codec.decode`'s. Raises :class:`CorruptDataError` as the general
+    path does."""
+    if (decoder or current().decoder) not in ("auto", "cpu-kernel") or (compile is None and fused.enabled()) \
+            or compile or not paths.kernel_available():
         return None
     h = read_header(blob, what)
     if h.codec != "ebq" or h.version not in EBQCodec.decodes or h.version < 2 or not h.size:
