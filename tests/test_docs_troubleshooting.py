@@ -113,6 +113,17 @@ def not_hdf5(tmp):
     return _raises(lambda: solar.H5Dataset(str(tmp / "notes.h5")))
 
 
+def glob_matches_nothing(tmp):
+    return _raises(lambda: solar.H5Dataset(f"{tmp}/shards/train-*.h5"))
+
+
+def files_with_other_fields(tmp):
+    for name, field in (("a1.h5", "x"), ("a2.h5", "z")):
+        with h5py.File(tmp / name, "w") as f:
+            f[field] = np.zeros((4, 2), np.float32)
+    return _raises(lambda: solar.H5Dataset([str(tmp / "a1.h5"), str(tmp / "a2.h5")]))
+
+
 def field_missing(tmp):
     return _raises(lambda: solar.H5Dataset(_ptycho(tmp / "t.h5"), fields=("x", "label")))
 
@@ -342,7 +353,8 @@ def ckpt_verify_damage(tmp):
     return _cli(["verify", str(root)], tmp, code=1, exe=CKPT_CLI, out="stdout")
 
 
-TRIGGERS = [missing_package, mpi_backend_outside_mpirun, no_cuda, file_missing, not_hdf5, field_missing,
+TRIGGERS = [glob_matches_nothing, files_with_other_fields,
+            missing_package, mpi_backend_outside_mpirun, no_cuda, file_missing, not_hdf5, field_missing,
             fields_disagree, index_out_of_range, damaged_sample, http_without_ranges, http_not_found,
             buffer_not_understood, buffer_fraction_out_of_range, buffer_larger_than_memory, spill_needs_bytes,
             spill_dir_missing, distributed_and_sampler, wrapper_dataset, buffer_on_plain_dataset,
