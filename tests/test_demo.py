@@ -106,6 +106,9 @@ def test_epochs_are_numbered_from_0_by_the_loop_the_loader_and_the_checkpoint(de
     assert [e["epoch"] for e in resumed["epochs"]] == list(range(first, 2))
     assert all(e["loader_epoch"] == e["epoch"] for e in resumed["epochs"])
     assert "epoch 0 s" in text and "mean of epochs >= 1" in text
+    own = text[text.index("own statistics, rank 0 (loader.report()"):]
+    assert re.search(r"^epoch\s+batches\s+hits\s+misses\s+hit rate\s+bound", own, re.M)
+    assert [int(m) for m in re.findall(r"^\s*(\d+)\s+\d+\s+\d+\s+\d+\s+[0-9.]+\s+0\.500", own, re.M)] == [0, 1]
 
 
 def test_solar_ckpt_log_and_diff_of_two_versions_are_shown(demo):

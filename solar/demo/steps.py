@@ -50,6 +50,8 @@ def _report(args, data, results, check, launch) -> None:
         "loaders": [r._asdict() for r in rows], "launcher": launch.why,
         "resume": {k: v for k, v in check._asdict().items() if k != "resumed"}})
     report.print_loader_table(rows, args.epochs, args.samples, results["solar raw"]["world"], storage)
+    print("\nthe raw SOLAR run's own statistics, rank 0 (loader.report(); epochs numbered from 0, as set_epoch):")
+    print(results["solar raw"]["loader_report"])
     report.print_validation_table(spread, vrows, args.val_samples, data.mean_val_loss)
     print(f"\nwrote {png} ({len(titles)} panels: {'; '.join(titles)}) and {png[:-4]}.json")
 

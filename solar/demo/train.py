@@ -93,7 +93,8 @@ class Figures:
     val_loss: float = float("nan")
     ckpt: list[dict] = field(default_factory=list)  # step, bytes written, logical bytes (all ranks)
     resumed_from: int | None = None
-    bound: float | None = None  # SOLAR's hit-rate bound min(1, P*C/N) from epoch 1 on
+    bound: float | None = None  # SOLAR's hit-rate bound min(1, P*C/N) from epoch 1 on (its loader's stats.bound)
+    loader_report: str = ""  # rank 0's loader.stats_history.report() (SOLAR's loader)
 
 
 class _Comm:
@@ -239,8 +240,9 @@ class Trainer:
             sums = self.comm.sum([v for r in results for v in (r.bytes_written, r.logical_bytes)])
             f.ckpt = [{"step": r.step, "bytes_written": int(sums[2 * i]), "logical_bytes": int(sums[2 * i + 1])}
                       for i, r in enumerate(results)]
-        if isinstance(self.ds, solar.H5Dataset):
-            f.bound = min(1.0, self.cfg.buffer)
+        if isinstance(self.loader, solar.DataLoader) and self.loader.stats is not None:
+            f.bound = self.loader.stats.bound
+            f.loader_report = self.loader.stats_history.report()
         return f
 
 
