@@ -6,9 +6,10 @@ Run: ``.venv/bin/python bench/plan/scale.py [--samples 1000000 3000000 10000000]
 The simulation holds every rank's state in one process, but not every exchange: each round's
 records go to a file in ``--spill`` (default: the temporary directory) as the ranks post them,
 and come back a few destinations at a time (``run_together(spill=)``). So N = 1e8 at P = 4096
-(``--samples 100000000``) fits in about 5 GiB here and some 10 GB of disk per round written and
-read; a rank of a real job holds only its own share. ``sim_peak_rss_bytes`` is this process's
-peak (all simulated ranks together), for the record.
+(``--samples 100000000``) fits in 5.2 GiB here (with ``MALLOC_MMAP_THRESHOLD_=131072``, so that
+freed arrays go back to the system), with at most 5.5 GB of round files on disk at once; a rank
+of a real job holds only its own share. ``sim_peak_rss_bytes`` is this process's peak (all
+simulated ranks together), for the record.
 
 What it simulates: a job of ``P`` ranks, ``--ranks-per-node`` per node, buffer 50% (``C = N/2P``).
 Every rank's planner runs in this process with :func:`solar.exchange.run_together`: the same
