@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from solar.errors import ConfigError
 
-__all__ = ["DECODERS", "use", "current", "check"]
+__all__ = ["DECODERS", "use", "current", "check", "getenv"]
 
 DECODERS = ("auto", "reference", "cpu-kernel", "triton")
 
@@ -52,12 +52,30 @@ def current() -> _Choice:
     c = _CHOICE.get()
     if c.decoder is not None and c.threads:
         return c
-    env = (os.environ.get("SOLAR_CODEC_DECODER"), os.environ.get("SOLAR_CODEC_THREADS"))
+    env = (getenv("SOLAR_CODEC_DECODER"), getenv("SOLAR_CODEC_THREADS"))
     parsed = _ENV.get(env)
     if parsed is None:
         parsed = _ENV.setdefault(env, _parse_env(*env))
     return _Choice(c.decoder or parsed.decoder, len(os.sched_getaffinity(0)) if c.threads == 0 else c.threads or
                    parsed.threads)
+
+
+_DATA = os.environ._data if isinstance(getattr(os.environ, "_data", None), dict) else None
+_KEYS: dict[str, object] = {}
+
+
+def getenv(name: str) -> str | None:
+    """``os.environ.get(name)`` at a dictionary lookup's cost: on CPython ``os.environ`` keeps
+    its variables in a dict by encoded name (``_data``, which every assignment through
+    ``os.environ`` updates), and ``get`` of an unset variable raises and catches a KeyError,
+    several microseconds of a small blob's decode. Elsewhere, ``os.environ.get``."""
+    if _DATA is None:
+        return os.environ.get(name)
+    key = _KEYS.get(name)
+    if key is None:
+        key = _KEYS.setdefault(name, os.environ.encodekey(name))
+    raw = _DATA.get(key)
+    return None if raw is None else os.environ.decodevalue(raw)
 
 
 #: the environment's choice by its raw strings (decoding runs per mini-batch: parsed once)

@@ -30,7 +30,6 @@ from .ebq_meta import BITPACK, NIBBLES, EbqMeta, code_len
 from .header import Header, payload_of, read_header
 from .predict import Predictor
 from .sections import _sparse_one, check_side
-from .torch_ops import TORCH_DTYPES
 
 __all__ = ["decode_one"]
 
@@ -88,9 +87,9 @@ def decode_one(blob, decoder: str | None, compile: bool | None = None, what: str
         return None
     payload = payload_of(blob, h, what)
     lay = _layout(h.shape, m.fold, m.cubic_levels, m.kshift, h.version, m.qint)
-    x = torch.empty(h.shape, dtype=TORCH_DTYPES[h.dtype.itemsize])
-    _kernel(h, m, payload, lay, x.numpy().reshape(1, h.size), what)
-    return x
+    x = np.empty((1, h.size), h.dtype)  # numpy's allocation and from_numpy cost less than torch.empty's
+    _kernel(h, m, payload, lay, x, what)
+    return torch.from_numpy(x).view(h.shape)
 
 
 def _kernel(h: Header, m: EbqMeta, payload, lay: _Layout, out: np.ndarray, what: str) -> None:

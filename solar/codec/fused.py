@@ -42,6 +42,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from . import predict as pr
+from .decoders import getenv
 
 if TYPE_CHECKING:
     import torch
@@ -55,7 +56,7 @@ def enabled() -> bool:
     """Whether this decode should use the compiled graph (per-call flag, else ``SOLAR_CODEC_COMPILE``)."""
     mode = _MODE.get()
     if mode is None:
-        return os.environ.get("SOLAR_CODEC_COMPILE", "0").strip().lower() in ("1", "true", "yes", "on")
+        return (getenv("SOLAR_CODEC_COMPILE") or "0").strip().lower() in ("1", "true", "yes", "on")
     return mode
 
 
