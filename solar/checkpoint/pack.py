@@ -14,7 +14,8 @@ storm on a parallel file system. ``pack=`` says what goes into packs (:func:`pac
 
 ::
 
-    packs/<2 hex>/<32 hex>    the new chunks' bytes back to back, named by the xxh3-128 of its bytes
+    packs/<2 hex>/<32 hex>    the new chunks' bytes back to back, named by the xxh3-128 of its chunk
+                              table (each chunk's digest and length, in order)
 
 A pack is immutable and published atomically, like a chunk. Which pack holds a chunk, and where,
 is in the manifest of every version that uses the chunk (``Manifest.locations``: digest ->
@@ -145,13 +146,14 @@ def write_pack(store: CheckpointStore, chunks: list[tuple[bytes, memoryview]]) -
     """
     if not chunks:
         return {}, 0
-    buf = bytearray(sum(v.nbytes for _d, v in chunks))
     spans, at = [], 0
     for d, v in chunks:
-        buf[at:at + v.nbytes] = v
         spans.append((d, at, v.nbytes))
         at += v.nbytes
-    name = xxhash.xxh3_128_hexdigest(buf)
+    buf = b"".join(v for _d, v in chunks)  # one copy, no zero-fill first
+    # named by its chunk table: each digest names its chunk's bytes, so this names the pack's bytes
+    # without hashing them again
+    name = xxhash.xxh3_128_hexdigest(b"".join(d + n.to_bytes(8, "little") for d, _a, n in spans))
     try:
         ok = store.tier.put(pack_key(name), buf)
     except OSError as exc:
