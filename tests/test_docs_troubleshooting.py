@@ -272,6 +272,23 @@ def ingest_missing_input(tmp):
     return _cli(["ingest", "run7.npy", "-o", "out.h5", "--no-progress"], tmp)
 
 
+class _Stop(Exception):
+    pass
+
+
+def _stop_after_a_commit(batch, committed):
+    if committed:
+        raise _Stop
+
+
+def ingest_interrupted(tmp):
+    np.save(tmp / "X.npy", np.zeros((64, 4), np.float32))
+    with contextlib.chdir(tmp), pytest.raises(_Stop):  # a run that ends after its first committed batch
+        ingest(["X.npy"], "out.h5", batch_size=16, commit_interval=0, progress=False,
+               on_batch_written=_stop_after_a_commit)
+    return _cli(["ingest", "X.npy", "-o", "out.h5", "--no-progress"], tmp)
+
+
 def ckpt_locked(tmp):
     w = CheckpointWriter(tmp / "ck")
     try:
@@ -359,7 +376,8 @@ TRIGGERS = [glob_matches_nothing, files_with_other_fields,
             buffer_not_understood, buffer_fraction_out_of_range, buffer_larger_than_memory, spill_needs_bytes,
             spill_dir_missing, distributed_and_sampler, wrapper_dataset, buffer_on_plain_dataset,
             resume_other_dataset, resume_other_seed, resume_then_set_epoch, codec_integer, codec_two_bounds,
-            codec_damaged_blob, ingest_output_exists, ingest_shapes_differ, ingest_missing_input, ckpt_locked,
+            codec_damaged_blob, ingest_output_exists, ingest_shapes_differ, ingest_missing_input,
+            ingest_interrupted, ckpt_locked,
             ckpt_not_a_root, ckpt_untrusted_pickle, ckpt_damaged_chunk, ckpt_export_to_pt, ckpt_meta_not_json,
             ckpt_sparse, ckpt_no_version, ckpt_verify_damage, ckpt_step_exists, ckpt_step_exists_refused]
 
