@@ -1,10 +1,11 @@
 """docs/troubleshooting.md quotes the messages users meet; each quote is the real message.
 
 Every ```text block of the page is a message, with ``…`` where the message names your file, value
-or number, wrapped over lines for reading (runs of whitespace compare equal). Each trigger below makes SOLAR raise (or warn) for real, on small real files, and the
-test checks that its message matches exactly one block of the page; every block must be matched
-by some trigger. So a message that changes, or a page entry whose error no longer exists, fails
-here. Messages that need several MPI ranks are produced by the tests named in TESTED_ELSEWHERE,
+or number, wrapped over lines for reading (runs of whitespace compare equal). Each trigger below
+makes SOLAR raise (or warn) for real, on small real files, and the test checks that its message
+matches exactly one block of the page; every block must be matched by some trigger. So a message
+that changes, or a page entry whose error no longer exists, fails here. Messages that need several
+MPI ranks (or a user without root's rights) are produced by the tests named in TESTED_ELSEWHERE,
 and their blocks are checked against the library's source instead.
 """
 
