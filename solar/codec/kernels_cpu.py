@@ -308,27 +308,49 @@ def _interp(G, R, plan, cubic_mask, K, W, X, st):
 
 
 @numba.njit(nogil=True, cache=True)
-def _lorenzo(G, R, dims):
-    """In place on ``G``: inclusive prefix sums of ``R`` along every axis of the padded shape."""
+def _lorenzo(G, R, dims, X, st):
+    """Inclusive prefix sums of ``R`` along every axis of the padded shape, in place on ``G``;
+    the last axis's sums go dequantized into the floats ``X`` (``float(q)``, then ``* st``) row
+    by row while they are in cache."""
     n = G.shape[0]
     is32 = np.iinfo(G.dtype).bits == 32
-    m = dims[dims.shape[0] - 1]
+    nd = dims.shape[0]
+    last = -1  # the outer axis summed last (the outermost longer than 1); -1: only the innermost
+    for ax in range(nd - 1):
+        if dims[ax] > 1:
+            last = ax
+            break
+    m = dims[nd - 1]
     for o in range(n // m):  # innermost axis: a running sum per line
-        line, src = G[o * m:(o + 1) * m], R[o * m:(o + 1) * m]
+        line, src, xl = G[o * m:(o + 1) * m], R[o * m:(o + 1) * m], X[o * m:(o + 1) * m]
         acc = np.int64(0)
         for i in range(m):
             acc = _wrap(acc + np.int64(src[i]), is32)
             line[i] = acc
+        if last < 0:
+            for i in range(m):
+                xl[i] = line[i]
+                xl[i] *= st
     inner = m
-    for ax in range(dims.shape[0] - 2, -1, -1):
+    for ax in range(nd - 2, -1, -1):
         m = dims[ax]
         if m > 1:
             for o in range(n // (m * inner)):
+                if ax == last:  # the block's first row is final already
+                    first, x0 = G[o * m * inner:(o * m + 1) * inner], X[o * m * inner:(o * m + 1) * inner]
+                    for i in range(inner):
+                        x0[i] = first[i]
+                        x0[i] *= st
                 for k in range(1, m):
                     row = (o * m + k) * inner
                     cur, prev = G[row:row + inner], G[row - inner:row]
                     for i in range(inner):
                         cur[i] = np.int64(cur[i]) + np.int64(prev[i])
+                    if ax == last:
+                        xr = X[row:row + inner]
+                        for i in range(inner):
+                            xr[i] = cur[i]
+                            xr[i] *= st
         inner *= m
 
 
@@ -355,11 +377,10 @@ def decode_rows(b0, b1, n, lead, dims, lorenzo, plan, masks, K, proto, kinds, sl
         for r in range(lead):
             x = out[b, r * nr:(r + 1) * nr]
             st = steps[b]
-            if lorenzo or plan.shape[0] == 0:
-                if lorenzo:
-                    _lorenzo(G, R[r * nr:(r + 1) * nr], dims)
-                else:
-                    G[0] = _wrap(np.int64(R[r * nr]) * K, is32)
+            if lorenzo:  # the last sums dequantize into x
+                _lorenzo(G, R[r * nr:(r + 1) * nr], dims, x, st)
+            elif plan.shape[0] == 0:  # one value: the anchor
+                G[0] = _wrap(np.int64(R[r * nr]) * K, is32)
                 for i in range(nr):
                     x[i] = G[i]
                     x[i] *= st
