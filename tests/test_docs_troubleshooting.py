@@ -12,13 +12,11 @@ and their blocks are checked against the library's source instead.
 from __future__ import annotations
 
 import contextlib
-import http.server
 import os
 import pathlib
 import re
 import subprocess
 import sys
-import threading
 import warnings
 
 import h5py
@@ -31,6 +29,7 @@ import solar
 import solar.codec as sc
 from solar.checkpoint import CheckpointWriter, load, verify
 from solar.ingest import ingest
+from servers import python_http_server
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "troubleshooting.md"
@@ -74,19 +73,6 @@ def _cli(args, cwd, code=2, exe=SOLAR_CLI, out="stderr"):
     r = subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
     assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
     return getattr(r, out).strip()
-
-
-@contextlib.contextmanager
-def _http(directory):
-    """Python's own file server on 127.0.0.1: it answers Range requests with the whole file."""
-    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(directory), **k)  # noqa: E731
-    handler.log_message = lambda *a: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
 
 
 # ---- the triggers: each returns the message a user sees ---------------------------------------
@@ -150,13 +136,19 @@ def damaged_sample(tmp):
 
 def http_without_ranges(tmp):
     _ptycho(tmp / "t.h5", 64, 64)  # 3 MiB: more than one block of the HTTP block cache
-    with _http(tmp) as url:
+    with python_http_server(str(tmp)) as url:  # Python's file server answers a Range request with the file
         return _raises(lambda: solar.H5Dataset(f"{url}/t.h5")[0])
 
 
 def http_not_found(tmp):
-    with _http(tmp) as url:
+    with python_http_server(str(tmp)) as url:
         return _raises(lambda: solar.H5Dataset(f"{url}/missing.h5"))
+
+
+def http_forbidden(tmp):
+    _ptycho(tmp / "t.h5")
+    with python_http_server(str(tmp), forbidden=("t.h5",)) as url:
+        return _raises(lambda: solar.H5Dataset(f"{url}/t.h5"))
 
 
 def buffer_not_understood(tmp):
@@ -373,7 +365,7 @@ def ckpt_verify_damage(tmp):
 
 TRIGGERS = [glob_matches_nothing, files_with_other_fields,
             missing_package, mpi_backend_outside_mpirun, no_cuda, file_missing, not_hdf5, field_missing,
-            fields_disagree, index_out_of_range, damaged_sample, http_without_ranges, http_not_found,
+            fields_disagree, index_out_of_range, damaged_sample, http_without_ranges, http_not_found, http_forbidden,
             buffer_not_understood, buffer_fraction_out_of_range, buffer_larger_than_memory, spill_needs_bytes,
             spill_dir_missing, distributed_and_sampler, wrapper_dataset, buffer_on_plain_dataset,
             resume_other_dataset, resume_other_seed, resume_then_set_epoch, codec_integer, codec_two_bounds,
