@@ -29,6 +29,7 @@ gone, and is told to load again.
 from __future__ import annotations
 
 import dataclasses
+import os
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
@@ -77,8 +78,6 @@ def _versions(store: CheckpointStore, jobs: JobStore | None) -> list[_Version]:
 
 def _pack_size(store: CheckpointStore, name: str) -> int:
     if store.local_dir is not None:
-        import os  # local roots only
-
         try:
             return os.path.getsize(store.tier.path(pack_key(name)))
         except OSError:
