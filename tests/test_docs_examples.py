@@ -18,6 +18,7 @@ does a NOT_RUN entry that no block matches any more.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -26,6 +27,7 @@ import sys
 
 import numpy as np
 import pytest
+from servers import python_http_server
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VENV_BIN = pathlib.Path(sys.executable).parent
@@ -106,7 +108,9 @@ def _storage_page(request):
     for name in ("run1.h5", "run2.h5"):
         with h5py.File(name, "w") as f:
             f["entry/data"] = rng.standard_normal((24, 8, 8)).astype(np.float32)
-    url = _serve(pathlib.Path.cwd())  # the HTTP example reads the train.h5 the page's ingest writes
+    stack = contextlib.ExitStack()  # the HTTP example reads the train.h5 the page's ingest writes
+    request.addfinalizer(stack.close)
+    url = stack.enter_context(python_http_server(os.getcwd()))
     bucket, opts = request.getfixturevalue("s3_root")  # the S3 example: moto on 127.0.0.1 (tests/servers.py)
     import s3fs
 
@@ -115,19 +119,6 @@ def _storage_page(request):
     return {"__rewrite__": [("https://data.example.org", url), ("s3://bucket", bucket),
                             ('"key": "...", "secret": "..."', '"key": "testing", "secret": "testing"'),
                             ("https://s3.example.org", opts["client_kwargs"]["endpoint_url"])]}
-
-
-def _serve(directory: pathlib.Path) -> str:
-    """A file server on 127.0.0.1 for the page's HTTP example, ended with the test process."""
-    import functools
-    import http.server
-    import threading
-
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(directory))
-    handler.log_message = lambda *a: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}"
 
 
 def _codec_page(request):
