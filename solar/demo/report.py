@@ -117,8 +117,8 @@ def verdict(spread: RawSpread, row: ValRow) -> str:
         return f"inside the raw seeds' range ({spread.seeds} seeds)"
     side = "above" if row.val_loss > spread.hi else "below"
     if row.in_std <= 2:
-        return f"{side} the raw seeds' range, within 2 std of their mean ({row.in_std:.1f} std)"
-    return f"{'worse' if side == 'above' else 'better'} than the raw seeds: {row.in_std:.1f} std from their mean"
+        return f"{side} the raw seeds' range, within 2 std of their mean ({row.in_std:.2f} std)"
+    return f"{'worse' if side == 'above' else 'better'} than the raw seeds: {row.in_std:.2f} std from their mean"
 
 
 def _panels(axes, runs: dict[str, dict], ckpt: list[dict], spread: RawSpread, rows: list[ValRow],

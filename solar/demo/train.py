@@ -146,15 +146,19 @@ def _counters(ds) -> list[float]:
     return [st.hits, st.misses, st.bytes_in, st.read_calls]
 
 
-def _mean_grads(model: nn.Module, comm: _Comm) -> None:
+def _mean_grads(model: nn.Module, comm: _Comm, loss: float) -> float:
+    """Average the gradients over the ranks, the step's loss in the same allreduce (one collective
+    per step: on a loaded machine each is a wait for the other ranks to be scheduled); the mean loss."""
     if comm.size == 1:
-        return
+        return loss
     grads = [p.grad for p in model.parameters()]
-    flat = comm.mean_(torch.cat([g.reshape(-1) for g in grads]).double().numpy())
+    flat = comm.mean_(torch.cat([g.reshape(-1).double() for g in grads] + [torch.tensor([loss], dtype=torch.float64)])
+                      .numpy())
     at = 0
     for g in grads:
         g.copy_(torch.from_numpy(flat[at:at + g.numel()]).view_as(g))
         at += g.numel()
+    return float(flat[-1])
 
 
 class Trainer:
@@ -218,10 +222,10 @@ class Trainer:
         self.opt.zero_grad()
         loss = nn.functional.mse_loss(self.model(x), y)
         loss.backward()
-        _mean_grads(self.model, self.comm)
+        mean_loss = _mean_grads(self.model, self.comm, float(loss.detach()))
         self.opt.step()
         self.step += 1
-        self.figures.losses.append(float(self.comm.mean_(np.array([float(loss.detach())]))[0]))
+        self.figures.losses.append(mean_loss)
 
     def validate(self) -> float:
         with np.load(self.cfg.val) as f:
