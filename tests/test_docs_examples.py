@@ -162,6 +162,7 @@ SETUP = {
     "docs/troubleshooting.md": _nothing,
     "docs/schedule.md": _nothing,
     "docs/codec-internals.md": _nothing,
+    "docs/internals.md": _train_h5,
 }
 
 # Site paths a reader replaces with their own; here they point into the test's directory.
