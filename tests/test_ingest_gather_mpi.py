@@ -12,40 +12,39 @@ import pickle
 import h5py
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from solar.ingest import ingest, verify_file
 
 pytestmark = pytest.mark.mpi
 
 
-class _Recording(MPI.Intracomm):
-    """The communicator itself (h5py's mpio driver takes it), noting the pickled size of every
-    object passed to a collective of mpi4py's object interface."""
+def _recording(comm, seen):
+    """``comm`` itself (h5py's mpio driver takes it), noting the pickled size of every object
+    passed to a collective of mpi4py's object interface. (mpi4py is imported here: importing
+    it with this module would initialize MPI in a unit-test run, which test_cli checks never
+    happens.)"""
+    from mpi4py import MPI
 
-    def __new__(cls, comm, seen):
-        self = super().__new__(cls, comm)
-        self.seen = seen
-        return self
+    class Recording(MPI.Intracomm):
+        def _note(self, name, obj):
+            seen.append((name, len(pickle.dumps(obj))))
 
-    def _note(self, name, obj):
-        self.seen.append((name, len(pickle.dumps(obj))))
+        def allgather(self, obj):
+            self._note("allgather", obj)
+            return super().allgather(obj)
 
-    def allgather(self, obj):
-        self._note("allgather", obj)
-        return super().allgather(obj)
+        def gather(self, obj, root=0):
+            self._note("gather", obj)
+            return super().gather(obj, root)
 
-    def gather(self, obj, root=0):
-        self._note("gather", obj)
-        return super().gather(obj, root)
+        def bcast(self, obj, root=0):
+            self._note("bcast", obj)
+            return super().bcast(obj, root)
 
-    def bcast(self, obj, root=0):
-        self._note("bcast", obj)
-        return super().bcast(obj, root)
+        def allreduce(self, obj, op=MPI.SUM):
+            self._note("allreduce", obj)
+            return super().allreduce(obj, op)
 
-    def allreduce(self, obj, op=MPI.SUM):
-        self._note("allreduce", obj)
-        return super().allreduce(obj, op)
+    return Recording(comm)
 
 
 def _largest(comm, d, n, bound):
@@ -55,7 +54,7 @@ def _largest(comm, d, n, bound):
     comm.Barrier()
     seen: list = []
     out = os.path.join(d, f"out{n}-{bound}.h5")
-    rep = ingest([src], out, abs_error=bound, batch_size=16, comm=_Recording(comm, seen), progress=False)
+    rep = ingest([src], out, abs_error=bound, batch_size=16, comm=_recording(comm, seen), progress=False)
     assert rep.num_samples == n and verify_file(out, comm=comm) > 0
     with h5py.File(out, "r") as f:
         compressed = isinstance(f["x"], h5py.Group)
