@@ -55,3 +55,16 @@ def test_reserve_prepares_the_buffer_the_first_save_copies_into(tmp_path):
         assert w._pool._bufs[0] is buf  # the save used it instead of allocating its own
         w.save(state(1), 1)
     assert same(load(tmp_path / "ck", 1), state(1))
+
+
+def test_a_save_whose_last_pack_is_refused_leaves_no_pack_and_no_version(tmp_path):
+    import pytest
+
+    from solar.cache.disk import DiskTier
+    from solar.errors import CheckpointError
+
+    tier = DiskTier(str(tmp_path / "ck"), capacity_bytes=3 * PACK)  # room for three packs of the five
+    with pytest.raises(CheckpointError, match="over its byte budget writing pack"):
+        with CheckpointWriter(tier, chunk_size=CHUNK, pack=PACK) as w:
+            w.save(state(0), 0).result()
+    assert count(tmp_path / "ck", "packs") == 0 and count(tmp_path / "ck", "manifests") == 0
