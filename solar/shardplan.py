@@ -388,8 +388,9 @@ class ShardPlanner:
         del own, res
         # each assignment to the rank it names, each occurrence (with its keep) to its home
         n = len(pos)
-        cols = (np.repeat(np.array([_RESULT, _SEEN], np.int8), n), np.concatenate([pos, samples]), np.concatenate([samples, pos]),
-                np.concatenate([flags, rank]), np.concatenate([np.zeros(n, np.uint8), flags]))
+        cols = (np.repeat(np.array([_RESULT, _SEEN], np.int8), n), np.concatenate([pos, samples]),
+                np.concatenate([samples, pos]), np.concatenate([flags, rank]),
+                np.concatenate([np.zeros(n, np.uint8), flags]))
         box = [post(cols, np.concatenate([rank, self._home(samples)]), P, self.dtype)]
         del cols, pos, samples, rank, flags
         got = yield box.pop()
