@@ -12,8 +12,9 @@ ratios of speeds are meaningful even on a shared machine. Every solar decoder pa
 side (``auto``, the default, which is ``cpu-kernel`` where numba is installed; ``reference``;
 ``cpu-kernel``; compiled; ``--no-compiled`` leaves the last out), beside ebq/7's ``bitpack``
 codes (the lossless stage a GPU unpacks itself: its ratio and CPU speed against zstd's), and the
-overhead rows time one call on tiny blobs (1 and 1,024 values). Prints, per field and compressor: ratio, max error / bound, PSNR, encode and decode MB/s
-(of original bytes, 1 MB = 1e6 B); then the targets: geometric-mean ratio vs SZ3 at each bound
+overhead rows time one call on tiny blobs (1 and 1,024 values). Prints, per field and
+compressor: ratio, max error / bound, PSNR, encode and decode MB/s (of original bytes,
+1 MB = 1e6 B); then the targets: geometric-mean ratio vs SZ3 at each bound
 and CPU decode speed vs pysz. With a CUDA device it also prints the GPU decode GB/s of
 ``solar.codec.decode_batch`` (``--device auto``, the default; ``--device cuda`` insists on it and
 also decodes the mini-batch section on the GPU, ``--device cpu``

@@ -314,13 +314,13 @@ def _lorenzo(G, R, dims, X, st):
     by row while they are in cache."""
     n = G.shape[0]
     is32 = np.iinfo(G.dtype).bits == 32
-    nd = dims.shape[0]
+    naxes = dims.shape[0]
     last = -1  # the outer axis summed last (the outermost longer than 1); -1: only the innermost
-    for ax in range(nd - 1):
+    for ax in range(naxes - 1):
         if dims[ax] > 1:
             last = ax
             break
-    m = dims[nd - 1]
+    m = dims[naxes - 1]
     for o in range(n // m):  # innermost axis: a running sum per line
         line, src, xl = G[o * m:(o + 1) * m], R[o * m:(o + 1) * m], X[o * m:(o + 1) * m]
         acc = np.int64(0)
@@ -332,7 +332,7 @@ def _lorenzo(G, R, dims, X, st):
                 xl[i] = line[i]
                 xl[i] *= st
     inner = m
-    for ax in range(nd - 2, -1, -1):
+    for ax in range(naxes - 2, -1, -1):
         m = dims[ax]
         if m > 1:
             for o in range(n // (m * inner)):
