@@ -187,10 +187,11 @@ class EBQCodec(Codec):
         if predictor != "auto" and predictor not in pr.PREDICTOR_IDS or predictor == "raw":
             raise ConfigError("ebq predictor must be 'auto', 'fine', 'interp', 'cubic', 'linear' or 'lorenzo', "
                               f"got {predictor!r}")
+        source = "lossless=" if lossless else "SOLAR_CODEC_LOSSLESS"
         lossless = lossless or ll.default_lossless()
         if lossless not in ll.LOSSLESS_IDS and lossless != "bitpack":
             raise ConfigError(f"ebq lossless must be one of {sorted(ll.LOSSLESS_IDS) + ['bitpack']}, got "
-                              f"{lossless!r}")
+                              f"{lossless!r} (from {source})")
         if level is not None and not isinstance(level, int):
             raise ConfigError(f"ebq level must be an int, got {level!r}")
         self.predictor, self.lossless, self.level = predictor, lossless, level
