@@ -74,3 +74,25 @@ def test_a_cnn_with_adam_saved_six_times_makes_a_pack_and_a_part_per_rank_per_sa
     assert len(chunk_files) >= 6 * comm.size * tensors // 2
     assert sum(size < 1024 for size in chunk_files) >= len(chunk_files) // 2
     assert len(pack_files) <= 6 * comm.size and len(chunk_files) >= 10 * len(pack_files)
+
+
+def test_keep_last_retention_of_a_job_repacks_and_every_rank_reads_the_new_packs(comm, shared_tmp):
+    from solar.checkpoint import verify
+    from solar.checkpoint.repack import repack_store
+    from solar.checkpoint.store import CheckpointStore
+
+    root = os.path.join(shared_tmp, "job")
+    big = torch.randn(64 * 1024, generator=torch.Generator().manual_seed(comm.rank))  # 64 chunks of 4 KiB
+    with CheckpointWriter(root, comm=comm, chunk_size=4096, pack=64 * 1024, keep_last=1) as w:
+        for s in range(6):
+            if s == 1:  # a quarter of the first pack's chunks change once: that pack is a quarter dead
+                big[:4 * 1024] += 1
+            w.save({"big": big, "step": torch.tensor(s)}, s, blocking=True)
+        w.save({"big": big, "step": torch.tensor(29)}, 29, blocking=True)  # saves go on over the new packs
+    got = load(root, comm=comm)
+    assert got["big"].equal(big) and int(got["step"]) == 29
+    comm.barrier()
+    if comm.rank == 0:
+        assert repack_store(CheckpointStore(root), dry_run=True).packs_rewritten == []
+        assert verify(root).ok
+    comm.barrier()

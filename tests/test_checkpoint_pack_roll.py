@@ -68,3 +68,21 @@ def test_a_save_whose_last_pack_is_refused_leaves_no_pack_and_no_version(tmp_pat
         with CheckpointWriter(tier, chunk_size=CHUNK, pack=PACK) as w:
             w.save(state(0), 0).result()
     assert count(tmp_path / "ck", "packs") == 0 and count(tmp_path / "ck", "manifests") == 0
+
+
+def test_keep_last_retention_repacks_so_no_pack_stays_a_quarter_dead(tmp_path):
+    from solar.checkpoint.repack import repack_store
+    from solar.checkpoint.store import CheckpointStore
+
+    root = tmp_path / "ck"
+    with CheckpointWriter(root, chunk_size=CHUNK, pack=PACK, keep_last=1) as w:
+        for s in range(40):  # one chunk of `big` (of 64) and one small tensor change per save
+            st = state(s % 16)
+            st["layer3.bias"] = st["layer3.bias"] + s
+            w.save(st, s)
+    left = repack_store(CheckpointStore(root), dry_run=True)
+    assert left.packs_rewritten == []  # retention compacted every pack that reached a quarter dead
+    assert same(load(root), {**state(39 % 16), "layer3.bias": state(0)["layer3.bias"] + 39})
+    on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(root / "packs") for f in fs)
+    assert on_disk < 1.34 * sum(t.nbytes for t in state(0).values()) + 40 * PACK // 64  # live + under a third dead
+    assert verify(root).ok

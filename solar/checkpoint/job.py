@@ -50,6 +50,7 @@ from .host import HostPool
 from .jobstore import JobManifest, JobStore, PartEntry, part_digest
 from .manifest import encode
 from .pack import PACK_BYTES, Packer, delete_pack, locate, located, pack_policy
+from .repack import repack_store
 from .store import CheckpointStore
 from .writer import JOB_WRITER, CheckpointWriter, SaveResult
 
@@ -433,15 +434,18 @@ class JobWriter(CheckpointWriter):
         if self.rank == 0:
             try:
                 live = collect_job(self.jobs, self.keep_last, full_sweep=False, protect=frozenset({step})).live
-                removed = self._main.known - live
+                # then the packs the kept versions use only partly; every rank learns the new places
+                removed = (self._main.known - live, repack_store(self.jobs.store).moved)
             except Exception as exc:  # the version is committed; retention is retried after the next save
                 removed = _failure(exc)
         removed = self._bg.bcast(removed)
         if isinstance(removed, str):
             raise CheckpointError(f"step {step} is committed, but rank 0's keep_last retention failed: {removed}")
+        removed, moved = removed
         self._main.known -= removed
         for d in removed:
             self._main.locations.pop(d, None)
+        self._main.locations.update(moved)
         if self._deltas is not None:
             self._deltas.retain(self._main.known | self._main.damaged)
 

@@ -58,9 +58,10 @@ class RepackReport:
     bytes_copied: int = 0
     versions_rewritten: list[int] = field(default_factory=list)
     damaged_packs: list[str] = field(default_factory=list)  # left alone: a chunk in them fails its digest
+    moved: dict = field(default_factory=dict, repr=False)  # digest -> its new Location (a writer's map)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "moved"}
 
 
 class _Version(NamedTuple):
@@ -212,6 +213,7 @@ def repack_store(store: CheckpointStore, *, min_dead: float = MIN_DEAD, limit: f
     if not chosen:
         return report
     point("after-packs")
+    report.moved = dict(new)
     for v in versions:
         if _rewrite(store, jobs, v, chosen, new):
             report.versions_rewritten.append(v.step)

@@ -37,6 +37,7 @@ from .jobstore import is_job_root
 from .loaderstate import LOADER_KEY, encode_loader, loader_state_of
 from .manifest import BlobEntry, Location, Manifest
 from .pack import Packer, locate, located, pack_policy
+from .repack import repack_store
 from .results import SaveResult, check_new_step, checked_meta, SaveFuture
 from .store import CheckpointStore, chunk_key, referenced
 
@@ -70,6 +71,8 @@ class _Sink:
             # marked chunks stay untrusted until a save rewrites them (add_known clears them)
             rep = collect(self.store, keep_last, full_sweep=False, protect=protect)
             self.known, self.locations = rep.live - self.damaged, rep.locations
+            # then the packs the kept versions use only partly (it writes once one is a quarter dead)
+            self.locations.update(repack_store(self.store).moved)
 
 
 class _Plan(NamedTuple):
