@@ -21,7 +21,9 @@ tests kill the process there):
    version reads the old packs, which still exist;
 3. the old packs are deleted (``after-delete``): no version locates anything in them any more.
 
-The caller holds the root's writer lock (``solar-ckpt gc`` does), so no save runs meanwhile. A
+The caller holds the root's writer lock (``solar-ckpt gc`` does, and a writer's ``keep_last``
+retention runs it after each commit's collection, in the thread that writes the root, then hands
+the chunks' new locations to every rank), so no save runs meanwhile. A
 reader that opened a version before step 2 and reads its chunks after step 3 finds the old pack
 gone, and is told to load again.
 """
