@@ -270,8 +270,9 @@ class FetchPass:
 
     def _to_slots(self, spec: FieldSpec, disjoint: bool, split: bool) -> "SlotRows":
         """NOTE [ One copy into the batch ]: the pass's step tensors of raw field ``spec``, made
-        now, and each row read straight into the first batch slot that wants it (the other
-        slots, hits and repeats, are filled by :meth:`finish`)."""
+        now, each row read straight into the first batch slot that wants it, and the hits copied
+        from the buffer into theirs on this thread while the request threads read (the slots of
+        samples the pass holds twice are filled by :meth:`finish`)."""
         steps, shared = self.layout
         bounds = np.r_[0, np.cumsum(steps, dtype=np.int64)]
         dtype, in_shm = torch_dtype(spec.dtype), bool(shared) and not isinstance(shared, Stay)
@@ -285,7 +286,14 @@ class FetchPass:
         # (a row of a 1-D field is a number: its place is a 0-d view, writable as rows are)
         dests = [arrays[s][k:k + 1].reshape(spec.sample_shape)
                  for s, k in zip(step.tolist(), (first - bounds[step]).tolist())]
-        self.dataset._read_rows_to(spec, self.read, dests, disjoint, split)
+        hit_at = np.flatnonzero(src < 0)
+        hit_step = np.searchsorted(bounds, hit_at, side="right") - 1
+        name, held, inv = spec.name, self.held, self.inv
+
+        def copy_hits() -> None:  # on this thread, while the request threads read the misses
+            for s, j, u in zip(hit_step.tolist(), (hit_at - bounds[hit_step]).tolist(), inv[hit_at].tolist()):
+                arrays[s][j] = held[u][name]
+        self.dataset._read_rows_to(spec, self.read, dests, disjoint, split, meanwhile=copy_hits)
         return SlotRows(tensors, bounds.tolist(), dests, first, in_shm)
 
     def finish(self, buffer, shared: bool, steps: Sequence[int] | None = None) -> StoredBatch:
@@ -456,14 +464,14 @@ class SlotRows:
         return self.dests[j]
 
     def fill(self, hits: dict, mrank: np.ndarray, inv: np.ndarray, steps, in_shm: bool):
-        """The batch laid out as ``finish`` asks (``steps``, ``in_shm``): the other slots filled,
-        hits from the buffer and repeats from their first slot, one copy each; None when it asks
-        for another layout than the one read into."""
+        """The batch laid out as ``finish`` asks (``steps``, ``in_shm``): the repeats copied from
+        their first slot (the hits were copied from the buffer while the misses were read); None
+        when it asks for another layout than the one read into."""
         bounds = [0, len(inv)] if steps is None else np.r_[0, np.cumsum(steps)].tolist()
         if bounds != self.bounds or in_shm != self.in_shm:
             return None
         src = mrank[inv]
-        rest = np.ones(len(inv), dtype=bool)
+        rest = src >= 0  # (the hits are in)
         rest[self.first] = False
         arrays = [t.numpy() for t in self.tensors]
         ks = np.flatnonzero(rest)

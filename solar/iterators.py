@@ -140,9 +140,11 @@ class InProcessIter(tud_loader._SingleProcessDataLoaderIter):
     persistent loader reuses it as it would its workers' iterator.
 
     With workers it takes steps from the batch sampler as far ahead as they would (``depth`` =
-    ``prefetch_factor * num_workers`` before the first batch, one more per batch returned), so
-    the sampler, and where an early stop leaves the read-ahead (NOTE [ Early stop ] in
-    solar/sampler.py), see what they see with workers."""
+    ``prefetch_factor * num_workers`` steps out, and one more per batch returned), so the
+    sampler, and where an early stop leaves the read-ahead (NOTE [ Early stop ] in
+    solar/sampler.py), see what they see with workers. Taking a step from SOLAR's batch sampler
+    waits for its pass to be read, so the first batch is taken alone (NOTE [ First batch ] in
+    solar/passes.py) and the steps ahead with the second."""
 
     def __init__(self, loader: Any, depth: int) -> None:
         super().__init__(_NoWorkers(loader))
@@ -150,31 +152,26 @@ class InProcessIter(tud_loader._SingleProcessDataLoaderIter):
         self._depth = depth
         self._ahead: collections.deque = collections.deque()
         self._drawn_all = False
-        self._draw()
-
-    def _draw(self) -> None:
-        while len(self._ahead) < self._depth and not self._drawn_all:
-            try:
-                self._ahead.append(next(self._sampler_iter))
-            except StopIteration:
-                self._drawn_all = True
+        self._given = 0
 
     def _next_index(self) -> Any:
         if not self._depth:
             return super()._next_index()
-        if not self._ahead:
-            self._draw()
+        want = 1 if not self._given else self._depth + 1  # (the step returned now, and those out)
+        while len(self._ahead) < want and not self._drawn_all:
+            try:
+                self._ahead.append(next(self._sampler_iter))
+            except StopIteration:
+                self._drawn_all = True
         if not self._ahead:
             raise StopIteration
-        index = self._ahead.popleft()
-        self._draw()  # torch's iterator sends a worker the next index when a batch comes back
-        return index
+        self._given += 1
+        return self._ahead.popleft()
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(_NoWorkers(loader), first_iter)
         self._ahead.clear()
-        self._drawn_all = False
-        self._draw()
+        self._drawn_all, self._given = False, 0
 
 
 def in_process_iterator(loader: Any) -> InProcessIter:

@@ -317,7 +317,8 @@ class DataLoader(tud.DataLoader[T_co]):
         forget_held(self._stay_key)
         stay = self._batches_stay()
         # NOTE [ Workers with nothing to do ] in solar/iterators.py
-        self._in_process = self._plain() and (self.num_workers == 0 or self.worker_init_fn is None)
+        # (num_workers=0 with a timeout: torch's own iterator, which refuses it)
+        self._in_process = self._plain() and (self.worker_init_fn is None if self.num_workers else self.timeout == 0)
         self.solar_sampler.shared = False if self._in_process else Stay(self._stay_key) if stay else \
             self.num_workers > 0
 

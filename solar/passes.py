@@ -9,7 +9,9 @@ call per pass, with what the plan says to keep and evict, split back into one
 from __future__ import annotations
 
 import itertools
+import os
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, NamedTuple
 
 import numpy as np
@@ -27,6 +29,9 @@ __all__ = ["PassFetcher", "PassGeometry", "in_groups", "drop_frame_locals", "rai
 DATA_ERRORS = (IndexError, OSError, SolarError)
 #: samples the first pass of an iteration holds at most, in whole steps (NOTE [ First batch ])
 FIRST_SAMPLES = 32
+#: a pass decoded ahead is decoded step by step, in parallel, from steps of this many samples
+#: (NOTE [ Decoding ahead in parallel ])
+DECODE_STEP_SAMPLES = 16
 
 
 class PassGeometry(NamedTuple):
@@ -66,7 +71,9 @@ def in_groups(steps: Iterator, size: int) -> Iterator[list]:
     steps as fit in ``FIRST_SAMPLES`` samples (one step at least), and each next pass twice as
     many, up to ``size``: each is read while the consumer works through the one before it,
     which is half its size. The sizes depend only on ``size`` and the steps' lengths, so every
-    rank of a collective backend cuts its passes alike."""
+    rank of a collective backend cuts its passes alike. The pass avoids numpy's set functions
+    (``np.setdiff1d``, ``np.union1d``): their first call imports ``numpy.ma``, which cost the
+    first batch more than its reads."""
     first = next(steps, None)
     if first is None:
         return
@@ -88,6 +95,18 @@ def in_groups(steps: Iterator, size: int) -> Iterator[list]:
             yield group
             raise
         yield group
+
+
+def _minus(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``np.setdiff1d(a, b)``: the sorted distinct values of ``a`` not in ``b``. (numpy's set
+    functions check for masked arrays, and the first check imports ``numpy.ma``: tens of ms,
+    hundreds on a loaded machine, paid by the first pass: NOTE [ First batch ].)"""
+    a = np.sort(a)
+    a = a[np.r_[True, a[1:] != a[:-1]]] if len(a) else a
+    if not len(b) or not len(a):
+        return a
+    b = np.sort(b)
+    return a[b[np.minimum(np.searchsorted(b, a), len(b) - 1)] != a]
 
 
 def raise_failed(batch: Any) -> None:
@@ -151,6 +170,18 @@ class PassFetcher:
                 out.append(_failed(g, exc))
         return out
 
+    def _decode_by_step(self, lengths: tuple) -> bool:
+        """NOTE [ Decoding ahead in parallel ]: without workers a compressed pass is decoded on
+        the read-ahead thread, off the training thread. One ``decode_batch`` of the whole pass
+        runs on one core; where the process may use several, a pass of steps of at least
+        ``DECODE_STEP_SAMPLES`` samples each is decoded step by step on as many threads (the
+        codec's CPU kernel releases the GIL), each step's tensors its own. Not on a backend
+        whose ranks agree on a damaged blob (every rank must raise it at the same pass: there
+        fetch_steps decodes, and agrees, as before), and not for smaller steps, where a
+        thread's hand-off costs more than it saves."""
+        return (not self.must_agree and len(lengths) > 1 and min(lengths) >= DECODE_STEP_SAMPLES
+                and _cores() > 1)
+
     def _keep(self, group: list[tuple]):
         """``(keep(miss) -> bool mask, samples to evict)`` for the pass. Schedule mode: what the
         plan says this rank keeps and evicts (ownership moves: see
@@ -164,7 +195,7 @@ class PassFetcher:
             return owned, None
         evict = np.concatenate([g[2] for g in group])
         # a group spans steps: what the buffer must hold after them is (kept - evicted)
-        wanted = np.setdiff1d(np.concatenate([g[1] for g in group]), evict)
+        wanted = _minus(np.concatenate([g[1] for g in group]), evict)
 
         def keep(miss: np.ndarray) -> np.ndarray:  # np.isin, by binary search in the sorted
             # ``wanted`` (it is asked once per file of a pass: isin sorted both)
@@ -183,15 +214,37 @@ class PassFetcher:
         disjoint = tag is not None and max(g[3][1] for g in group) < tag[0]
         # in step only over a DistributedSampler (every rank gets as many batches); with any
         # other sampler ranks may differ, or one rank may iterate alone (a validation loop)
-        lengths = tuple(len(s) for s in steps)  # (decoded ahead: the pass is laid out as one batch)
-        keep = LaidOut(keep, PassLayout((sum(lengths),) if self.decode else lengths, self.shared))
+        lengths = tuple(len(s) for s in steps)
+        by_step = self.decode and self._decode_by_step(lengths)  # NOTE [ Decoding ahead in parallel ]
+        one = self.decode and not by_step  # decoded in fetch_steps: the pass laid out as one batch
+        keep = LaidOut(keep, PassLayout((sum(lengths),) if one else lengths, self.shared))
         stored = self.dataset.fetch_steps(steps, buffer=self.buffer, keep=keep, shared=self.shared, evict=evict,
                                           disjoint=disjoint, lockstep=self.in_step,
-                                          **({"decode": True} if self.decode else {}))
+                                          **({"decode": True} if one else {}))
+        if by_step:
+            pool = _decode_pool()
+            for st, dec in zip(stored, list(pool.map(self.dataset.decode, stored))):
+                st.decoded = dec
         out = [StepBatch(indices) for indices in steps]
         for batch, st in zip(out, stored):
             batch.stored = st
         return out
+
+
+def _decode_pool() -> ThreadPoolExecutor:
+    """The process's threads for decoding passes step by step (NOTE [ Decoding ahead in parallel ]);
+    a forked child makes its own."""
+    global _DECODE_POOL
+    if _DECODE_POOL is None or _DECODE_POOL[0] != os.getpid():
+        _DECODE_POOL = (os.getpid(), ThreadPoolExecutor(_cores(), thread_name_prefix="solar-decode"))
+    return _DECODE_POOL[1]
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+_DECODE_POOL: tuple[int, ThreadPoolExecutor] | None = None
 
 
 def _failed(step: tuple, exc: BaseException) -> StepBatch:

@@ -15,6 +15,7 @@ import os
 import pickle
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
 
@@ -163,15 +164,20 @@ class RowReads:
         self._on_threads([(lambda b, p=p, a=a, z=z: b.read_ranges(key, p, out[a:z])) for p, a, z in shares])
         return out
 
-    def _read_to(self, key: str, ranges: np.ndarray, dests: list, disjoint: bool = False, split: bool = True) -> None:
+    def _read_to(self, key: str, ranges: np.ndarray, dests: list, disjoint: bool = False, split: bool = True,
+                 meanwhile: Callable[[], None] | None = None) -> None:
         """:meth:`_read`, each row straight into its own place (``dests``: one row array per
-        row of ``ranges``; :meth:`HDF5Backend.read_rows_to`), split over the request threads alike."""
+        row of ``ranges``; :meth:`HDF5Backend.read_rows_to`), split over the request threads
+        alike; ``meanwhile()`` runs on this thread while they read (after the read, unsplit)."""
         total = len(dests)
         shares = self._shares(key, ranges, total, disjoint, split)
         if shares is None:
             self.backend.read_rows_to(key, ranges, dests)
+            if meanwhile is not None:
+                meanwhile()
             return
-        self._on_threads([(lambda b, p=p, a=a, z=z: b.read_rows_to(key, p, dests[a:z])) for p, a, z in shares])
+        self._on_threads([(lambda b, p=p, a=a, z=z: b.read_rows_to(key, p, dests[a:z])) for p, a, z in shares],
+                         meanwhile)
 
     def _shares(self, key: str, ranges: np.ndarray, total: int, disjoint: bool, split: bool):
         """How one read of ``ranges`` (``total`` rows) is split over the request threads: a list
@@ -186,7 +192,8 @@ class RowReads:
         if t <= 1:
             return None
         cut = np.linspace(0, total, t + 1).round().astype(np.int64)  # output rows of each thread
-        edges = np.union1d(starts, cut)  # pieces: the ranges, cut where a thread's share ends
+        edges = np.sort(np.concatenate([starts, cut]))  # pieces: the ranges, cut where a thread's share ends
+        edges = edges[np.r_[True, edges[1:] != edges[:-1]]]  # (np.union1d: NOTE [ First batch ] in passes.py)
         lo, hi = edges[:-1], edges[1:]
         r = np.searchsorted(starts, lo, side="right") - 1
         pieces = np.stack([ranges[r, 0] + lo - starts[r], ranges[r, 0] + hi - starts[r]], axis=1)
@@ -194,8 +201,9 @@ class RowReads:
         return [(pieces[a:b], int(cut[i]), int(cut[i + 1])) for i, (a, b) in enumerate(zip(first[:-1], first[1:]))
                 if b > a]
 
-    def _on_threads(self, calls: list) -> None:
-        """Run ``calls[i](backend)`` on request thread ``i``, each with its own backend clone.
+    def _on_threads(self, calls: list, meanwhile: Callable[[], None] | None = None) -> None:
+        """Run ``calls[i](backend)`` on request thread ``i``, each with its own backend clone
+        (and ``meanwhile()`` on this thread while they run).
 
         One split read at a time per dataset: the clones' handles (an fsspec file's position)
         must not be shared by two readers, e.g. two loaders or iterators over one dataset."""
@@ -208,6 +216,8 @@ class RowReads:
                 self._clones = [pickle.loads(pickle.dumps(self.backend)) for _ in range(self.io_threads)]
             futs = [self._pool.submit(call, self._clones[i]) for i, call in enumerate(calls)]
             try:
+                if meanwhile is not None:
+                    meanwhile()
                 for f in futs:
                     f.result()
             finally:  # the clones' counters belong to ds.backend.stats
@@ -263,11 +273,11 @@ class RowReads:
                 and bool(scatter(spec.data_key)))
 
     def _read_rows_to(self, spec: FieldSpec, rows: np.ndarray, dests: list, disjoint: bool = False,
-                      split: bool = True) -> None:
+                      split: bool = True, meanwhile: Callable[[], None] | None = None) -> None:
         """Raw field ``spec``'s sorted unique ``rows`` straight into ``dests`` (one row array each,
         in ``rows`` order; :meth:`reads_to_places`): sieved and split over the request threads as
         :meth:`_read_field` reads, checked against the checksums in place. Rows read through
-        sieved gaps land in one scratch row."""
+        sieved gaps land in one scratch row. ``meanwhile``: see :meth:`_read_to`."""
         runs = self._runs(spec, rows)
         total = int((runs[:, 1] - runs[:, 0]).sum()) if len(runs) else 0
         every = list(dests)
@@ -277,7 +287,7 @@ class RowReads:
                 every[at] = dests[j]
         problem = None
         try:
-            self._read_to(spec.data_key, runs, every, disjoint, split)
+            self._read_to(spec.data_key, runs, every, disjoint, split, meanwhile)
         except (OSError, CorruptDataError) as exc:  # agreed at the pass's end, as _read_field's
             problem = exc
         agree(self.backend, problem, later=True)

@@ -190,3 +190,13 @@ def test_the_first_batch_comes_from_a_small_pass(h5path):
     rest = list(it)
     assert len(rest) == len(loader) - 1
     assert ds.stats.steps == len(list(in_groups(_steps(len(loader), 10), 8))) == 3  # passes of 3, 6, 1 steps
+
+
+def test_no_workers_with_a_timeout_is_torchs_iterator_as_before(h5path):
+    """torch's single-process iterator refuses timeout= without workers; the loader leaves that
+    case to it rather than iterating in its own (NOTE [ Workers with nothing to do ])."""
+    ds = solar.H5Dataset(h5path)
+    with pytest.raises(AssertionError, match="timeout == 0"):
+        next(iter(tud.DataLoader(ds, batch_size=4, timeout=1)))
+    with pytest.raises(AssertionError, match="timeout == 0"):
+        next(iter(solar.DataLoader(ds, batch_size=4, timeout=1)))

@@ -295,3 +295,40 @@ def test_two_ranks_collective_compressed_reads_within_bound_and_more_hits(comm, 
         hits[path] = comm.allreduce(ds.stats.hits)
         ds.close()
     assert hits[comp] > hits[raw] > 0
+
+
+def test_passes_of_large_steps_are_decoded_step_by_step_in_parallel(files, monkeypatch):
+    """NOTE [ Decoding ahead in parallel ] in solar/passes.py: steps of DECODE_STEP_SAMPLES samples
+    or more are decoded one ``decode`` each, on the decode threads, to the same batches as one
+    decode per pass."""
+    import threading
+
+    import solar.passes as passes
+
+    _, comp = files
+
+    def epochs(step_samples):
+        monkeypatch.setattr(passes, "DECODE_STEP_SAMPLES", step_samples)
+        monkeypatch.setattr(passes, "_cores", lambda: 2)
+        ds = CountingDataset(comp, backend="hdf5", io_threads=1)
+        threads = set()
+        decode = ds.decode
+
+        def seen(stored):
+            threads.add(threading.current_thread().name.split("_")[0])
+            return decode(stored)
+        ds.decode = seen
+        loader = solar.DataLoader(ds, batch_size=BATCH, buffer="1MB", prefetch=4,
+                                  sampler=tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=SEED))
+        got = []
+        for e in range(2):
+            loader.sampler.set_epoch(e)
+            got += [[t.clone() for t in b] for b in loader]
+        ds.close()
+        return got, ds.decode_calls, threads
+
+    whole, whole_calls, whole_threads = epochs(1 << 20)
+    by_step, step_calls, step_threads = epochs(BATCH)
+    assert whole_calls == 2 * (N // BATCH // 4) and step_calls == 2 * N // BATCH
+    assert whole_threads == {"solar-prefetch"} and step_threads == {"solar-decode"}
+    assert len(whole) == len(by_step) and all(torch.equal(a, b) for x, y in zip(whole, by_step) for a, b in zip(x, y))
