@@ -174,12 +174,12 @@ def test_zero_epochs_is_a_usage_error(capsys, epochs):
 
 
 def test_one_epoch_has_no_hit_rate_to_report(capsys):
-    """The reported hit rate is that of epochs >= 2 (docs/loader.md); with one epoch there is none."""
+    """The reported hit rate is that of epochs >= 1, numbered from 0 as set_epoch; with one epoch there is none."""
     rc, out = _run_plan(capsys, "--epochs", "1", "--json")
     rep = json.loads(out.out)
     assert rc == 0 and rep["hit_rate"] is None and len(rep["epochs"]) == 1
     rc, out = _run_plan(capsys, "--epochs", "1")
-    assert rc == 0 and "hit rate (epochs >= 2): n/a" in out.out
+    assert rc == 0 and "hit rate (epochs >= 1): n/a" in out.out
 
 
 @pytest.mark.parametrize("rank", [0, 3])
