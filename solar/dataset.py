@@ -192,8 +192,8 @@ class H5Dataset(RowReads, Dataset):
         device: where batches are built (``"cpu"``, ``"cuda"`` ...): compressed fields are decoded
             there, raw fields are moved there.
         decode_compile: decode compressed fields with the ``torch.compile``-d decoder graph
-            (:mod:`solar.codec.fused`): up to about 2x faster per batch once compiled (1.0-1.3x
-            per epoch in ``bench/loader``), at a one-time compile of seconds per sample shape; None
+            (:mod:`solar.codec.fused`): faster per batch once compiled (``bench/loader`` measures
+            by how much), at a one-time compile of seconds per sample shape; None
             (default) follows ``SOLAR_CODEC_COMPILE``.
         verify: check stored xxh3 checksums of read samples when the file has them (default True).
         sieve_bytes: read through gaps of at most this many bytes between two runs of wanted rows

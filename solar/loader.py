@@ -54,7 +54,7 @@ from solar.iterators import InProcessIter, SkipOnce, TrackedIter, in_process_ite
 from solar.memory import check_buffer_memory
 from solar.options import parse_buffer, parse_spill
 from solar.order import epoch_positions
-from solar.sampler import SolarBatchSampler, is_storage_backed
+from solar.sampler import SolarBatchSampler, is_storage_backed, mean_stored_bytes
 from solar.stats import EpochMeter, EpochStats, StatsHistory
 from solar.subset import StoredSubset
 from solar.views import refresh, stored_concat, stored_subset
@@ -179,11 +179,10 @@ class DataLoader(tud.DataLoader[T_co]):
         spec = ss.buffer_spec
         if _zero(spec):
             return
-        sizes = self.dataset.sample_nbytes()
-        if not len(sizes):
+        if not len(self.dataset):
             return
         samples = ss.plan_config().capacity if ss.mode == "schedule" else ss.capacity(1, ss.batch_size or 1)
-        mean = float(sizes.mean())
+        mean = mean_stored_bytes(self.dataset)
         fills = int(samples * mean)
         in_memory = fills if spec.nbytes is None else min(spec.nbytes, fills)
         option = f"buffer={buffer!r}" if buffer is not DEFAULT_BUFFER else f"the default buffer={buffer!r}"
