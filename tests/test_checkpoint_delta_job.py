@@ -49,6 +49,9 @@ def test_job_delta_saves_load_bit_exact_and_write_each_delta_once(comm, shared_t
     comm.barrier()
     jobs = JobStore(CheckpointStore(root))
     jm = jobs.read_global(3)
+    # a version whose parts read deltas names the feature, so a SOLAR without deltas refuses it
+    assert jm.features == ["deltas"] and all(p.deltas for p in jm.parts)
+    assert jobs.read_global(0).features == [] and not any(p.deltas for p in jobs.read_global(0).parts)
     parts = [jobs.part(jm, r) for r in range(comm.size)]
     rep_chunks = {bytes(d) for d in parts[0].blob_digests(0)}
     # the replicated tensor's chunks are deltas in every rank's part, each stored once

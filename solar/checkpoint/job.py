@@ -379,7 +379,7 @@ class JobWriter(CheckpointWriter):
         self._part = _PartGen(step, max(old) + 1 if old else 0, old)
         self.jobs.put_part(m, self.rank, data, self._part.gen)
         self._point("after-part", step)
-        return m, PartEntry(self.rank, len(data), part_digest(data), m.root, self._part.gen)
+        return m, PartEntry(self.rank, len(data), part_digest(data), m.root, self._part.gen, bool(m.deltas))
 
     def _commit_global(self, step: int, parts: list[PartEntry], mine: list[bytes], pack: list[str]) -> None:
         """Rank 0 writes the global manifest; every rank learns whether it did."""
@@ -387,6 +387,7 @@ class JobWriter(CheckpointWriter):
         if self.rank == 0:
             jm = JobManifest(step=step, world_size=self.world_size, hash=self.hash, chunk_size=self.chunk_size,
                              parts=parts, created=time.time(), parent=self._prev_step,
+                             features=["deltas"] if any(p.deltas for p in parts) else [],
                              root=merkle.combine([bytes.fromhex(p.root) for p in parts], self._digest).hex())
             try:
                 self._point("before-global", step)

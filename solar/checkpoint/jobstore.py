@@ -16,9 +16,10 @@ Global manifest (``solar-ckpt-job/1``), little-endian, sealed like a part (:func
 
     JOB_MAGIC (16 B) | header length (u64) | JSON header | xxh3-128 of all before (16 B) | END (8 B)
 
-The header's ``features`` lists the extensions a reader must understand to load the version
-(none today; fine-grained deltas will add one). A reader refuses a version naming a feature it
-does not know, rather than misreading it.
+The header's ``features`` lists the extensions a reader must understand to load the version:
+``deltas`` when any rank's part stores chunks as deltas (:mod:`.delta`; such a part is
+``solar-ckpt/2`` and its entry says ``deltas: true``). A reader refuses a version naming a feature
+it does not know, rather than misreading it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ MARKER = "JOB"
 _VERSIONS = "versions/"
 _PARTS = "parts/"
 #: extensions this SOLAR reads (a version naming another is refused, not misread)
-KNOWN_FEATURES: frozenset[str] = frozenset()
+KNOWN_FEATURES: frozenset[str] = frozenset({"deltas"})
 
 
 @dataclass
@@ -56,14 +57,17 @@ class PartEntry:
     digest: str  # hex xxh3-128 of the part's encoded bytes
     root: str  # the part's Merkle root (hex)
     gen: int = 0  # which key holds the part: 0 as saved, then one more per rewrite by a repack
+    deltas: bool = False  # the part stores chunks as deltas (the version then names the feature)
 
 
 def _entry(p: PartEntry) -> dict:
-    """A part's entry as the global manifest stores it (``gen`` only when nonzero: the manifests
-    of versions never repacked keep their exact bytes)."""
+    """A part's entry as the global manifest stores it (``gen`` only when nonzero, ``deltas`` only
+    when true: the manifests of versions without them keep their exact bytes)."""
     out = asdict(p)
     if not p.gen:
         del out["gen"]
+    if not p.deltas:
+        del out["deltas"]
     return out
 
 
@@ -103,7 +107,7 @@ def decode_job(data: bytes, where: str = "global manifest") -> JobManifest:
         m = JobManifest(**h)
         ok = (isinstance(m.step, int) and m.step >= 0 and isinstance(m.world_size, int)
               and [p.rank for p in m.parts] == list(range(m.world_size))
-              and all(isinstance(p.gen, int) and p.gen >= 0 for p in m.parts))
+              and all(isinstance(p.gen, int) and p.gen >= 0 and isinstance(p.deltas, bool) for p in m.parts))
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise CorruptDataError(f"{where} has an unreadable header: {exc}") from exc
     if not ok:
