@@ -120,6 +120,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._auto_epoch = False
         self._log_stats = bool(log_stats)
         self._history = StatsHistory()
+        self._epochs_done = 0  # completed epochs, also those of the run a state came from
         if isinstance(dataset, (tud.Subset, tud.ConcatDataset)) and not is_storage_backed(dataset) and \
                 (batch_size is not None or batch_sampler is not None):
             # NOTE [ Subsets ] in solar/subset.py, NOTE [ Several files ] in solar/concat.py
@@ -218,6 +219,7 @@ class DataLoader(tud.DataLoader[T_co]):
         """An iteration has returned its last batch: its epoch's record joins the history."""
         record = meter.finish(self._progress["batches"] - meter.skipped, self._bound())
         self._history = StatsHistory((*self._history, record))
+        self._epochs_done += 1
         if self._log_stats:
             _LOG.info("solar.DataLoader %s", record.summary())
 
@@ -287,7 +289,7 @@ class DataLoader(tud.DataLoader[T_co]):
             if next(it, _END) is _END:
                 break
         epoch = self._progress["epoch"]
-        meter.epoch = int(epoch) if epoch is not None else len(self._history)
+        meter.epoch = int(epoch) if epoch is not None else self._epochs_done
         meter.skipped = self._progress["batches"]  # a resumed passthrough epoch counts those before
         meter.wait = time.perf_counter() - meter.start  # the wait for iter(loader) itself
         return TrackedIter(it, self, meter)
@@ -410,7 +412,8 @@ class DataLoader(tud.DataLoader[T_co]):
         else:
             state.update(batches=int(p["batches"]) if p["started"] else 0, epoch_done=bool(p["done"]),
                          rng=p["rng"] if p["started"] else None,
-                         shuffle=isinstance(self._order_sampler(), tud.RandomSampler), seed=self._seed)
+                         shuffle=isinstance(self._order_sampler(), tud.RandomSampler), seed=self._seed,
+                         epochs_done=self._epochs_done)
             if p["done"] and p.get("next_rng") is not None:
                 state["next_rng"] = p["next_rng"]
         return state
@@ -431,6 +434,8 @@ class DataLoader(tud.DataLoader[T_co]):
                               "was saved")
         if mode == "passthrough":
             self._check_passthrough_state(state)
+            # without a sampler's epoch, stats number epochs by this count: it goes on from the run saved
+            self._epochs_done = int(state.get("epochs_done", 0))
         for key, value in self._sampler_classes().items():  # (version 1 states lack them: not checked)
             if key in state and state[key] != value:
                 raise ConfigError(f"load_state_dict: the state is from a loader whose {key} is {state[key]} but "

@@ -176,6 +176,33 @@ def test_a_resumed_epoch_counts_the_batches_it_returned():
     assert b.stats.batches == 3 and np.isfinite(b.stats.wait_s)
 
 
+def test_epochs_without_a_sampler_epoch_go_on_counting_after_a_resume():
+    """Without a DistributedSampler, epochs are numbered by the loader's completed epochs from 0,
+    as torch's set_epoch would number them; a loader resumed from a state goes on from the run
+    it was saved in, whether the state was taken mid-epoch or after an epoch's end."""
+    ds = tud.TensorDataset(torch.arange(20.0))
+
+    def make():
+        return solar.DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
+
+    a = make()
+    list(a), list(a)
+    it = iter(a)
+    next(it)
+    mid, ended = a.state_dict(), None
+    list(it)
+    ended = a.state_dict()
+    assert [r.epoch for r in a.stats_history] == [0, 1, 2]
+    b = make()
+    b.load_state_dict(mid)
+    list(b), list(b)
+    assert [r.epoch for r in b.stats_history] == [2, 3]
+    c = make()
+    c.load_state_dict(ended)
+    list(c)
+    assert [r.epoch for r in c.stats_history] == [3]
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_decode_time_is_counted_where_this_process_decodes(tmp_path, workers):
     """On a compressed file each epoch's decode time is the codec's time in this process (> 0,
