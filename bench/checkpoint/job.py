@@ -139,6 +139,8 @@ def main() -> None:
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if not os.path.isdir(args.dir):  # every rank refuses alike, before any collective can wait on rank 0
+        ap.error(f"--dir {args.dir} is not a directory; create it or pass an existing one")
     comm = MPI.COMM_WORLD
     port = None
     if comm.rank == 0:
