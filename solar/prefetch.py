@@ -11,6 +11,7 @@ every loader shares.
 from __future__ import annotations
 
 import collections
+import threading
 from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Callable, Iterable, Iterator, TypeVar
@@ -88,7 +89,11 @@ def prefetch(items: Iterable[T], fn: Callable[[T], R], depth: int = 2, cancel: b
         if cancel:  # (collective passes are never cancelled: another rank may run them, stalled or not)
             for fut in pending:
                 fut.cancel()
+        # An abandoned generator is closed by the garbage collector wherever a collection happens
+        # to run, also in a new thread's start-up inside threading's own locks (the thread is then
+        # still a _DummyThread), where joining a thread deadlocks on those locks: then nothing waits.
+        can_wait = not (stalled or isinstance(threading.current_thread(), threading._DummyThread))
         if executor is None:
-            pool.shutdown(wait=not stalled)
-        elif not (stalled or on_mpi_thread()):  # (a generator collected on that thread cannot wait for it)
+            pool.shutdown(wait=can_wait)
+        elif can_wait and not on_mpi_thread():  # (a generator collected on that thread cannot wait for it)
             wait(pending)

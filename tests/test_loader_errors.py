@@ -69,6 +69,32 @@ def test_prefetch_order_errors_and_early_close(cancel):
     assert ran == sorted(ran) and set(ran) <= {0, 1, 2} and (cancel or ran == [0, 1, 2])
 
 
+def test_a_read_ahead_closed_by_the_garbage_collector_inside_threadings_locks_does_not_deadlock():
+    """An abandoned read-ahead generator is closed wherever a garbage collection runs, also in a
+    new thread's start-up while it holds threading's shutdown-locks lock (seen as a hang in the
+    DALI tests: the loop waited forever for a thread to start). Joining the read-ahead's thread
+    there needs that lock again; the close must return without waiting."""
+    import _thread
+    import threading
+
+    from solar.prefetch import prefetch
+
+    lock = getattr(threading, "_shutdown_locks_lock", None)
+    if lock is None:
+        pytest.skip("this Python's threading has no _shutdown_locks_lock")
+    gen = prefetch(range(10), lambda i: i, depth=2)
+    assert next(gen) == 0
+    done = threading.Event()
+
+    def unregistered():  # as a thread in its start-up: threading does not know it yet
+        with lock:
+            gen.close()
+        done.set()
+
+    _thread.start_new_thread(unregistered, ())
+    assert done.wait(20), "closing the read-ahead deadlocked on threading's shutdown-locks lock"
+
+
 def test_two_prefetches_on_the_shared_mpi_thread_run_in_submission_order():
     """Collective passes of every loader share one thread (NOTE [ SOLAR's own MPI traffic ]):
     their fetches run in the order the consumer submitted them, interleaved across loaders, and
