@@ -94,10 +94,13 @@ def _residuals(b, R, n, kinds, slots, nib, i8, wide, bpw, bp_at, marks, side, es
         _unpack(R, bpw, bp_at[j], n)
         return
     if kind == 0:  # nibbles: 4-bit two's complement pairs, low nibble first; markers take side values
-        for i in range(n):
-            v = np.int64(nib[j, i >> 1])
-            v = (v >> 4) if i & 1 else (v & 15)
-            R[i] = v - 16 if v >= 8 else v
+        row = nib[j]
+        for k in range(n >> 1):  # a byte per pair, no branch: the loop vectorizes
+            v = np.int64(row[k])
+            R[2 * k] = ((v & 15) ^ 8) - 8
+            R[2 * k + 1] = ((v >> 4) ^ 8) - 8
+        if n & 1:
+            R[n - 1] = ((np.int64(row[n >> 1]) & 15) ^ 8) - 8
         w2 = 2 * nib.shape[1]
         lo = np.searchsorted(marks, j * w2)
         hi = np.searchsorted(marks, (j + 1) * w2)
@@ -311,10 +314,13 @@ def _interp(G, R, plan, cubic_mask, K, W, X, st):
 def _lorenzo(G, R, dims, X, st):
     """Inclusive prefix sums of ``R`` along every axis of the padded shape, in place on ``G``;
     the last axis's sums go dequantized into the floats ``X`` (``float(q)``, then ``* st``) row
-    by row while they are in cache."""
+    by row while they are in cache. A row of at most two axes takes :func:`_lorenzo2`."""
     n = G.shape[0]
     is32 = np.iinfo(G.dtype).bits == 32
     naxes = dims.shape[0]
+    if naxes == 4 and dims[0] == 1 and dims[1] == 1:
+        _lorenzo2(G, R, dims[2], dims[3], X, st)
+        return
     last = -1  # the outer axis summed last (the outermost longer than 1); -1: only the innermost
     for ax in range(naxes - 1):
         if dims[ax] > 1:
@@ -352,6 +358,48 @@ def _lorenzo(G, R, dims, X, st):
                             xr[i] = cur[i]
                             xr[i] *= st
         inner *= m
+
+
+@numba.njit(nogil=True, cache=True)
+def _lorenzo2(G, R, rows, m, X, st):
+    """:func:`_lorenzo` of a ``rows x m`` grid, four rows at a time: the column sums of four rows
+    (vectorized loops, into ``G``'s first ``4 m`` values), then the four rows' running sums in
+    one loop, converted to floats, then ``* st`` while they are in cache. Sums along both axes in
+    either order give the same integers (two's complement adds commute modulo the width), and
+    four independent running sums keep the adder busy where one would wait on its own previous
+    sum each step. Every sum is cast to the grid's type ``c`` (the reference's wrap), so an int32
+    sum stays a 32-bit add."""
+    c = G.dtype.type
+    T = G[:4 * m].reshape((4, m)) if rows >= 4 else G[:m].reshape((1, m))
+    last = T.shape[0] - 1  # the column sums of the latest row finished
+    for i in range(m):
+        T[last, i] = 0
+    k = 0
+    while k + 4 <= rows:
+        r4 = R[k * m:(k + 4) * m].reshape((4, m))
+        for r in range(4):  # the column sums: row r's from row r - 1's (row 0's from the last block's row 3)
+            q = 3 if r == 0 else r - 1
+            for i in range(m):
+                T[r, i] = c(T[q, i] + r4[r, i])
+        x4 = X[k * m:(k + 4) * m].reshape((4, m))
+        a0 = a1 = a2 = a3 = c(0)
+        for i in range(m):  # four independent running sums, as floats (float(q)) into the output
+            a0, a1, a2, a3 = c(a0 + T[0, i]), c(a1 + T[1, i]), c(a2 + T[2, i]), c(a3 + T[3, i])
+            x4[0, i], x4[1, i], x4[2, i], x4[3, i] = a0, a1, a2, a3
+        for r in range(4):  # then * st, vectorized, while the rows are in cache
+            for i in range(m):
+                x4[r, i] *= st
+        k += 4
+    while k < rows:  # the last rows one at a time
+        src, xl = R[k * m:(k + 1) * m], X[k * m:(k + 1) * m]
+        for i in range(m):
+            T[last, i] = c(T[last, i] + src[i])
+        acc = c(0)
+        for i in range(m):
+            acc = c(acc + T[last, i])
+            xl[i] = acc
+            xl[i] *= st
+        k += 1
 
 
 @numba.njit(nogil=True, cache=True)
