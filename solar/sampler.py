@@ -48,6 +48,7 @@ from solar.collective import agree_iteration
 from solar.dist import collective_call, mpi_executor
 from solar.errors import ConfigError
 from solar.exchange import run_mpi
+from solar.firststeps import Rest, rest_after_first_pass
 from solar.nodeshare import NodeOrder
 from solar.options import BufferSpec, parse_buffer, parse_spill
 from solar.passes import PassFetcher, PassGeometry, drop_frame_locals, in_groups, raise_failed
@@ -153,6 +154,7 @@ class SolarBatchSampler(BatchSampler):
         self._live: Any = _no_iteration  # weakref to the newest iteration's generator
         self._capacities: dict[tuple[int, int, int], int] = {}
         self._ahead: tuple | None = None  # (planner it was copied from, epoch, future): NOTE [ Planning ahead ]
+        self._rest: Rest | None = None  # the plan of an epoch whose head was handed out first (NOTE [ First steps ])
         self._last_epoch: int | None = None  # the epoch the last scheduled iteration planned
         #: plan the next epoch in the background (NOTE [ Planning ahead ]); False saves its memory
         self.plan_ahead = True
@@ -165,7 +167,7 @@ class SolarBatchSampler(BatchSampler):
         # the plan made ahead is a cache holding a Future (a lock): copies and pickles go without
         # it; a buffer spilled to disk is a directory of this process: a copy starts over
         state = self.__dict__.copy()
-        state["_ahead"] = None
+        state["_ahead"] = state["_rest"] = None
         state["_live"] = _no_iteration  # a generator is of this process
         if self.spill_spec is not None:
             state["buffer"], state["_key"], state["_planner"] = None, None, None
@@ -297,22 +299,33 @@ class SolarBatchSampler(BatchSampler):
             if resume and resume.get("mode") == "schedule" and resume["epoch"] == epoch:
                 # a state saved with more padding (another world size) may lie past this epoch's end
                 start = min(int(resume["position"]), self._planner.config.epoch_length)
-            plan = self._planned_ahead(epoch, start)
-            if plan is None:  # a sharded plan is collective: on the MPI thread
+            plan, head = self._planned_ahead(epoch, start), None
+            if plan is None and self._sharded:  # NOTE [ First steps ]: the head, the rest behind the first pass
+                head = collective_call(self._planner.head, epoch, start)
+                self._rest = Rest(self._planner, epoch, start) if head is not None else None
+            if plan is None and head is None:  # a sharded plan is collective: on the MPI thread
                 plan = collective_call(self._planner.plan, epoch, start) if self._sharded else \
                     self._planner.plan(epoch, start)
-            self.current = {"mode": "schedule", "epoch": epoch, "start": start, "global_batch": plan.global_batch,
+            shown = plan if head is None else head
+            self.current = {"mode": "schedule", "epoch": epoch, "start": start, "global_batch": shown.global_batch,
                             "world_size": P, "plan": plan}
             # the next iteration's epoch: the next one, or this one again where the epoch does not
             # advance (a loader whose sampler never gets set_epoch, e.g. for validation)
             last, self._last_epoch = self._last_epoch, epoch
             ahead = epoch if last == epoch else epoch + 1
-            twin = plan.twin_steps()
-            first = self.group_size(self._geometry()[2])  # the steps of the first pass
+            twin = shown.twin_steps()
+            k0 = 0 if head is None else head.num_steps
+            # planned ahead once the first pass is on its way (a sharded plan queues behind it),
+            # and after the plan it copies
+            first = max(k0, self.group_size(self._geometry()[2]))
+            if head is not None:
+                for k, (step, (keep, evict)) in enumerate(head.iter_steps(rank)):
+                    yield step.tolist(), keep, evict, (k, int(twin[k]))
+                plan = self._take_rest()
             lazy = getattr(plan, "iter_steps", None)  # a RankPlan: each step as it is asked for
-            steps = lazy(rank) if lazy is not None else zip(plan.rank_steps(rank), plan.rank_actions(rank))
-            for k, (step, (keep, evict)) in enumerate(steps):
-                if k == first:  # once the first pass is on its way (a sharded plan would queue before it)
+            steps = lazy(rank, k0) if lazy is not None else zip(plan.rank_steps(rank), plan.rank_actions(rank))
+            for k, (step, (keep, evict)) in enumerate(steps, k0):
+                if k == first:
                     self._plan_ahead(ahead)
                 yield step.tolist(), keep, evict, (k, int(twin[k]))
             if plan.num_steps <= first:
@@ -348,6 +361,7 @@ class SolarBatchSampler(BatchSampler):
         fetch = PassFetcher(self.dataset, buffer, PassGeometry(P, rank, b, self._capacity), shared=self.shared,
                             in_step=in_step, decode=self._decode_ahead, must_agree=in_lockstep and P > 1)
         groups = in_groups(self._steps(resume, P, rank), self.group_size(b))
+        groups = rest_after_first_pass(groups, lambda: self._rest)
         handed = 0
         # passes in step make collective calls: on the process's one MPI thread, shared by every
         # loader (NOTE [ SOLAR's own MPI traffic ] in solar/dist.py)
@@ -405,6 +419,18 @@ class SolarBatchSampler(BatchSampler):
         thread = mpi_executor() if self._sharded else _plan_thread()
         self._ahead = (planner, epoch, thread.submit(lambda: (spec, spec.plan(epoch))))
 
+    def _take_rest(self):
+        """The plan of the epoch whose head the last iteration handed out (NOTE [ First steps ]),
+        made now if it was not submitted (collective: every rank's iteration got as far); it
+        becomes the iteration's plan. None where there is none pending."""
+        rest, self._rest = self._rest, None
+        if rest is None:
+            return None
+        plan = rest.take()  # (submitted from this thread where it was not: never the MPI thread's)
+        if self.current.get("mode") == "schedule" and self.current.get("plan") is None:
+            self.current["plan"] = plan
+        return plan
+
     def _planned_ahead(self, epoch: int, start: int):
         """The plan made ahead for ``epoch`` (from position 0) if it still applies; it then
         replaces the planner with the copy it was made on. ``None``: plan inline."""
@@ -456,6 +482,7 @@ class SolarBatchSampler(BatchSampler):
         early stop: a peek before the training loop (torch's tutorial does
         ``dataiter = iter(loader); next(dataiter)``) is an early stop like any other, not an error.
         """
+        self._take_rest()
         plan = self.current.get("plan") if self.current.get("mode") == "schedule" else None
         if self._open and plan is not None and self._handed >= plan.num_steps:
             # every step was handed out: the iteration ran to its end, whether or not its loop

@@ -32,6 +32,21 @@ NOTE [ Rebalancing with the next epoch's order ]
     grows, no hit of epoch ``e`` is lost, and the plan lists the evictions so each rank's buffer
     follows them exactly. If the next epoch turns out different, nothing becomes invalid.
 
+NOTE [ First steps ]
+    An epoch's plan needs the whole epoch (the rebalancing pairs residents with reads anywhere in
+    it, by the next epoch's order): with a sharded plan at N = 2e7 that is seconds before the
+    first batch wherever no plan was made ahead (the first epoch, a resumed run). The assignment
+    itself is step-local (:func:`assign_pinned`): a step needs only the owners and residency of
+    its own samples, as the epoch starts. So the rebalancing leaves the epoch's first
+    :attr:`PlanConfig.head_steps` steps alone (it drops residents used from that step on; each
+    drop's adoption is at or after its step): the plan of those steps is the pinned one, and
+    ``ShardPlanner.plan_head`` makes it with three exchanges of O(head * G / P) records, without
+    the next epoch's order. The sampler hands them out while the epoch's plan is made on the MPI
+    thread behind the first pass (solar/firststeps.py); the loader reads two passes before its
+    first batch, of up to 32 and 64 samples per rank (NOTE [ First batch ] in solar/passes.py),
+    which the head covers (``HEAD_SAMPLES``). The head is at most an eighth of the epoch (none
+    below 8 steps), so the swaps keep most of the epoch and the hit rate its bound.
+
 NOTE [ Resumed tail ]
     A run resumed with another world size ``P`` (or per-rank batch) continues from a global
     position saved under the old ``G``, so its last step may hold a count of positions that ``P``
@@ -61,6 +76,8 @@ __all__ = ["PlanConfig", "EpochPlan", "Planner", "global_order", "index_dtype", 
            "epoch_positions", "owner_of", "capacity_for_bytes", "POLICIES"]
 
 POLICIES = ("solar", "lru", "fifo")
+#: samples per rank at the head of every epoch that the rebalancing leaves alone (NOTE [ First steps ])
+HEAD_SAMPLES = 96
 INT64_MAX = 2**63 - 1
 
 
@@ -138,6 +155,11 @@ class PlanConfig:
     def steps_per_epoch(self) -> int:
         n = self.per_rank
         return n // self.batch_size if self.drop_last_batch else -(-n // self.batch_size)
+
+    @property
+    def head_steps(self) -> int:
+        """The first steps of an epoch the rebalancing leaves alone (NOTE [ First steps ])."""
+        return min(max(3, HEAD_SAMPLES // self.batch_size), self.steps_per_epoch() // 8)
 
     @property
     def bound(self) -> float:
@@ -432,7 +454,8 @@ class Planner:
         first_pos[samples] = np.arange(len(samples), dtype=dt)  # position of each (once-appearing) sample
         this_step = np.where(first_pos >= 0, first_pos // G, -1)  # and its step, this epoch
         # drop candidates: residents of overflowing next-epoch cells, earliest used this epoch first
-        cand = res[(room[cell] < 0) & once[res] & (this_step[res] >= 0)]
+        # (after the head)
+        cand = res[(room[cell] < 0) & once[res] & (this_step[res] >= c.head_steps)]  # NOTE [ First steps ]
         drop_cell = next_step[cand] * P + self._owner[cand]
         o = np.lexsort((this_step[cand], drop_cell))
         cand, drop_cell = cand[o], drop_cell[o]

@@ -43,6 +43,10 @@ NOTE [ Sharded planning ]
       it has delivered it (:func:`solar.exchange.run_together` with ``spill=`` writes every
       rank's posts to a file and keeps only the records of the ranks it is delivering to).
 
+    * **The head first.** :meth:`ShardPlanner.plan_head` plans the epoch's first steps alone, with
+      three small exchanges and no next epoch's order (NOTE [ First steps ] in solar/schedule.py):
+      the loader's first batch then waits for those, not for the epoch.
+
     Five exchanges per epoch (two more per part where padding repeats a sample): questions to
     the homes, with the next epoch's positions; their answers; the assignments to their ranks,
     with every occurrence and keep to its home; the homes' answers to owners and readers; the
@@ -58,7 +62,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
-from typing import Generator, NamedTuple, Protocol
+from typing import Generator, Protocol
 
 import numpy as np
 
@@ -66,11 +70,11 @@ from solar.errors import ConfigError
 from solar.exchange import Post, by_rank, post
 from solar.order import index_dtype, permutation_into
 from solar.permute import FeistelOrder
+from solar.rankplan import _HIT, _KEEP, Layout, RankPlan
 from solar.schedule import PlanConfig, assign_pinned, grouped_accept, owner_of
 
 __all__ = ["ShardPlanner", "RankPlan", "OrderSource", "LocalOrder", "Layout"]
 
-_HIT, _KEEP = 1, 2  # assignment flags
 #: what a home does with a sample (in this order when one exchange carries several): kept on its
 #: owner; owned by the sender and kept (an adoption, a rewind's re-applied keep); dropped by its
 #: owner (a rebalancing drop, an eviction); released (no owner)
@@ -108,80 +112,6 @@ class LocalOrder:
 
     def perm_at(self, epoch: int, idx: np.ndarray) -> np.ndarray:
         return self.perm(epoch)[idx]
-
-
-class Layout(NamedTuple):
-    """The positions an epoch's plan covers (the Planner's ``_tail``), the same on every rank."""
-
-    epoch: int
-    start: int  # first position of the epoch's order
-    length: int  # positions planned (the resumed tail evened out: NOTE [ Resumed tail ])
-    order_length: int  # the epoch's order (epoch_length)
-    first_dup: int  # where DistributedSampler's padding starts, relative to start
-    pad_at: int  # where the padding added for a resumed tail starts (== length: none)
-
-    def steps(self, G: int) -> int:
-        return -(-self.length // G)
-
-    def parts(self, G: int) -> list[tuple[int, int]]:
-        """Runs of positions planned one after the other (a repeat sees the keeps before it)."""
-        n = self.length
-        cuts = sorted({0, n} | {(d // G) * G for d in (self.first_dup, self.pad_at) if 0 <= d < n})
-        return [(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
-
-
-class RankPlan:
-    """One rank's part of an :class:`~solar.schedule.EpochPlan`: its positions, in order, and
-    its buffer's evictions; the same answers as the EpochPlan gives for that rank."""
-
-    def __init__(self, layout: Layout, G: int, P: int, rank: int, pos: np.ndarray, samples: np.ndarray,
-                 flags: np.ndarray) -> None:
-        self.layout, self.epoch, self.start = layout, layout.epoch, layout.start
-        self.global_batch, self.world_size, self.rank = G, P, rank
-        self.pos, self.samples, self.flags = pos, samples, flags
-        self.evict_step = self.evict_sample = self.release_sample = self.release_step = np.empty(0, np.int64)
-        self.twins: np.ndarray = np.empty(0, np.int64)
-        self.undo: tuple | None = None  # (this rank's held set before the plan), see ShardPlanner.rewind
-
-    @property
-    def num_steps(self) -> int:
-        return self.layout.steps(self.global_batch)
-
-    @property
-    def hits(self) -> int:
-        return int(np.count_nonzero(self.flags & _HIT))
-
-    def rank_steps(self, rank: int) -> list[np.ndarray]:
-        return [step for step, _ in self.iter_steps(rank)]
-
-    def rank_actions(self, rank: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """As ``EpochPlan.rank_actions``: per step, (samples held after reading, samples evicted)."""
-        return [actions for _, actions in self.iter_steps(rank)]
-
-    def iter_steps(self, rank: int):
-        """Per step, as asked for: ``(samples, (held after reading, evicted))``, what
-        :meth:`rank_steps` and :meth:`rank_actions` list. The first step comes without the
-        O(steps) work of listing them all (156,250 steps at N = 2e7 on 4 ranks, seconds of
-        Python before the first batch)."""
-        self._mine(rank)
-        S = self.num_steps
-        cuts = np.concatenate([[0], np.searchsorted(self.pos, np.arange(1, S) * self.global_batch), [len(self.pos)]])
-        o = np.argsort(self.evict_step, kind="stable")
-        e_sample = self.evict_sample[o]
-        e_cuts = np.concatenate([[0], np.searchsorted(self.evict_step[o], np.arange(1, S)), [len(o)]])
-        for k in range(S):
-            step = self.samples[cuts[k]:cuts[k + 1]]
-            keep = step[(self.flags[cuts[k]:cuts[k + 1]] & (_HIT | _KEEP)) != 0]
-            e = e_sample[e_cuts[k]:e_cuts[k + 1]]
-            # a hit may be the step's eviction (served first, then dropped): not held afterwards
-            yield step, (np.setdiff1d(keep, e) if len(e) else keep, e)
-
-    def twin_steps(self) -> np.ndarray:
-        return self.twins
-
-    def _mine(self, rank: int) -> None:
-        if rank != self.rank:
-            raise ConfigError(f"this plan is rank {self.rank}'s share; rank {rank}'s is planned on rank {rank}")
 
 
 class ShardPlanner:
@@ -242,6 +172,9 @@ class ShardPlanner:
 
     def rewind(self, plan: RankPlan, steps: int) -> None:
         self._drive(self.rewind_steps(plan, steps))
+
+    def head(self, epoch: int, start: int = 0) -> RankPlan | None:
+        return self._drive(self.plan_head(epoch, start))
 
     def _drive(self, gen: Generator):
         if self.exchange is None:
@@ -414,6 +347,35 @@ class ShardPlanner:
         plan.undo = before[2]
         return plan
 
+    def plan_head(self, epoch: int, start: int = 0):
+        """Generator (collective): this rank's :class:`RankPlan` of the epoch's first
+        ``head_steps`` steps, the same as :meth:`plan_steps` gives for them (NOTE [ First steps ]
+        in solar/schedule.py), or None where the epoch has no head (decided alike on every rank,
+        before any exchange). Changes nothing: :meth:`plan_steps` still plans the whole epoch."""
+        c = self.config
+        P, G = c.world_size, c.global_batch
+        lay = self.layout(epoch, start)
+        n = min(c.head_steps * G, lay.parts(G)[0][1] if lay.length else 0) // G * G  # before any repeat
+        if n == 0 or n >= lay.length:
+            return None
+        prepare = getattr(self.order, "prepare", None)
+        if prepare is not None:
+            prepare((epoch,))
+        pos = np.arange(*self._share(n, G), dtype=self.dtype)
+        samples = self.samples_at(lay, pos)
+        own, res, _ = yield from self._ask_homes(samples)
+        rank, flags = np.zeros(len(pos), own.dtype), np.zeros(len(pos), np.uint8)
+        if len(pos):
+            rank, hit, keep = assign_pinned(samples, G, P, own, res)
+            flags = hit * _HIT | keep * _KEEP
+        box = [post((pos, samples, flags), rank, P, self.dtype)]
+        del pos, samples, rank, flags, own, res
+        mine = (yield box.pop()).rows
+        plan = RankPlan(lay._replace(length=n), G, P, self.rank, mine[:, 0].copy(), mine[:, 1].copy(),
+                        mine[:, 2].astype(np.uint8))
+        plan.twins = self._twin_steps(lay)
+        return plan
+
     def _twin_steps(self, lay: Layout) -> np.ndarray:
         """``EpochPlan.twin_steps`` from the only positions a repeat can be at: the order's head
         (copied by the padding) and the padded tail, O(P) of them."""
@@ -475,7 +437,7 @@ class ShardPlanner:
         if room.min(initial=0) >= 0:
             return none
         this_step = np.where(res[:, 3] >= 0, res[:, 3] // G, -1)
-        m = (room[res[:, 2]] < 0) & (res[:, 0] == _RESIDENT) & (this_step >= 0)
+        m = (room[res[:, 2]] < 0) & (res[:, 0] == _RESIDENT) & (this_step >= c.head_steps)  # NOTE [ First steps ]
         cand, cell, t_step, t_pos = res[m, 1], res[m, 2], this_step[m], res[m, 3]
         o = np.lexsort((t_step, cell))
         cand, cell, t_step, t_pos = cand[o], cell[o], t_step[o], t_pos[o]

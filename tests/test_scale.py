@@ -99,6 +99,50 @@ def test_larger_plans_match_and_reach_the_bound(n, P, b, frac):
     assert min(rates[1:]) >= 0.97 * c.bound
 
 
+def assert_head(heads, plans, ref_plan):
+    """Each rank's head (NOTE [ First steps ] in solar/schedule.py) is its plan's first steps:
+    batches, buffer actions and twins; the rebalancing evicts and releases nothing there."""
+    k = heads[0].num_steps
+    for q, (head, plan) in enumerate(zip(heads, plans)):
+        assert head.num_steps == k and head.twin_steps().tolist() == plan.twin_steps().tolist()
+        assert [a.tolist() for a in head.rank_steps(q)] == [a.tolist() for a in plan.rank_steps(q)[:k]]
+        assert [(sorted(a.tolist()), sorted(e.tolist())) for a, e in head.rank_actions(q)] == \
+            [(sorted(a.tolist()), sorted(e.tolist())) for a, e in plan.rank_actions(q)[:k]], f"rank {q}"
+    assert (ref_plan.evict_step >= k).all() and (ref_plan.release_step >= k).all()
+
+
+@pytest.mark.parametrize("n,P,b,frac,bound", [(20_000, 16, 8, 0.5, True), (9_973, 7, 5, 0.3, True),
+                                              (4_000, 4, 1, 0.25, False)])  # (b = 1 overflows, head or not)
+def test_the_head_of_an_epoch_is_its_plans_first_steps_and_changes_nothing(n, P, b, frac, bound):
+    """``plan_head`` gives every rank the first ``head_steps`` of the epoch's plan (fresh,
+    planned after other epochs, resumed, after a rewind), and the plans made after it are the
+    Planner's, with evictions (the rebalancing still runs) and hits at the bound."""
+    c = PlanConfig(n, P, b, int(frac * n / P), seed=11)
+    ref, planners = Planner(c), shard_planners(c)
+    evicted, rates, want, plans = 0, [], None, []
+    for e, start in ((0, 0), (1, 0), (2, 0), (3, c.epoch_length // 3), (4, 0)):
+        if e == 4:  # after a rewind
+            ref.rewind(want, 7)
+            run_together([p.rewind_steps(plan, 7) for p, plan in zip(planners, plans)])
+        heads, _ = run_together([p.plan_head(e, start) for p in planners])
+        assert heads[0].num_steps == c.head_steps > 0
+        want = ref.plan(e, start)
+        plans = plan_all(planners, e, start)
+        assert_same(want, ref, plans, planners)
+        assert_head(heads, plans, want)
+        evicted += len(want.evict_sample) + len(want.release_sample)
+        rates.append(want.hit_rate)
+    assert evicted > 0 and (min(rates[1:3]) >= 0.97 * c.bound or not bound)
+
+
+def test_an_epoch_of_few_steps_has_no_head():
+    c = PlanConfig(100, 2, 5, 10)  # 10 steps: a head of an eighth would be one step; none below 8 steps x 3
+    assert c.head_steps == 1
+    c = PlanConfig(60, 2, 5, 10)  # 6 steps
+    assert c.head_steps == 0
+    assert run_together([p.plan_head(0) for p in shard_planners(c)])[0] == [None, None]
+
+
 @pytest.mark.parametrize("chunk", [1, 4096, 1 << 30])
 def test_exchanges_spilled_to_files_deliver_the_same_records(tmp_path, monkeypatch, chunk):
     """run_together(spill=): each round's posts in a file, read back ``chunk`` bytes of records

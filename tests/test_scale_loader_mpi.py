@@ -62,3 +62,46 @@ def test_the_loader_plans_its_share_and_its_buffers_hit_as_planned(comm, shared_
         promised = comm.allreduce(loader.solar_sampler.current["plan"].hits)
         assert 0.9 * promised <= served <= promised, (e, served, promised)
     ds.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("prefetch", [8, 0])
+def test_the_first_steps_come_from_the_head_and_the_buffers_follow_the_plan(comm, shared_tmp, monkeypatch, prefetch):
+    """An epoch not planned ahead hands out its head first (NOTE [ First steps ] in
+    solar/schedule.py), its plan made behind the first pass; an iteration stopped inside the
+    head (a peek) has its plan made when the next one settles it. Every step is still
+    DistributedSampler's global batch and the buffers serve the hits the plans promised."""
+    monkeypatch.setenv("SOLAR_PLANNER", "sharded")
+    heads = []
+    real_head = ShardPlanner.head
+    monkeypatch.setattr(ShardPlanner, "head", lambda self, *a: heads.append(real_head(self, *a)) or heads[-1])
+    n, P, b = 600, comm.size, 2
+    path = os.path.join(shared_tmp, f"head{prefetch}.h5")
+    write_ptycho_h5(path, n, 4, seed=3, comm=comm, progress=False)
+    comm.Barrier()
+    ds = solar.H5Dataset(path)
+    sampler = tud.DistributedSampler(ds, num_replicas=P, rank=comm.rank, seed=6)
+    loader = solar.DataLoader(ds, batch_size=b, sampler=sampler, buffer=0.5, prefetch=prefetch)
+    y_ref = np.stack([ptycho_sample(i, 4, 3)[1] for i in range(n)])
+    next(iter(loader))  # a peek: stopped inside epoch 0's head
+    planned = served = 0
+    for e in range(3):
+        sampler.set_epoch(e)
+        hits0 = ds.stats.hits
+        mine = [y.numpy() for _, y in loader]
+        plan = loader.solar_sampler.current["plan"]
+        assert isinstance(plan, RankPlan) and plan.num_steps == len(mine)
+        planned += comm.allreduce(plan.hits)
+        served += comm.allreduce(ds.stats.hits - hits0)
+        everyone = comm.allgather(mine)
+        order = global_order(n, P, 6, e)
+        for k in range(len(mine)):
+            want = y_ref[order[k * P * b:(k + 1) * P * b]].reshape(P * b, -1)
+            got = np.concatenate([everyone[r][k] for r in range(P)]).reshape(P * b, -1)
+            assert sorted(map(bytes, got)) == sorted(map(bytes, want)), f"epoch {e} step {k}"
+    # the peek, epoch 0 after it (rewound) and epoch 1 begin with their heads (after two
+    # iterations of epoch 0 the sampler plans epoch 0 ahead); epoch 2 was planned ahead, except
+    # without read-ahead (prefetch=0), where every epoch is planned inline
+    assert len(heads) == (3 if prefetch else 4) and all(h is not None for h in heads)
+    assert 0 < planned and 0.9 * planned <= served <= planned
+    ds.close()
