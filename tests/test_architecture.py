@@ -34,7 +34,9 @@ MAY_USE = {
     "solar.collective": {"solar.failfast"},
     "solar.schedule": {"solar.order", "solar.ownership", "solar.permute"},
     # sharded planning (NOTE [ Sharded planning ]): each rank plans its share; the order once per node
-    "solar.shardplan": {"solar.schedule", "solar.order", "solar.permute", "solar.exchange"},
+    "solar.rankplan": set(),
+    "solar.shardplan": {"solar.schedule", "solar.order", "solar.permute", "solar.exchange", "solar.rankplan"},
+    "solar.firststeps": {"solar.dist"},  # an epoch's head first, its plan behind the first pass
     "solar.nodeshare": {"solar.order"},
     "solar.prefetch": {"solar.dist"},
     "solar.capabilities": {"solar", "solar.dist"},
@@ -53,7 +55,8 @@ MAY_USE = {
     "solar.passes": {"solar.fetch", "solar.schedule", "solar.failfast"},
     "solar.iterators": {"solar.fetch", "solar.stats"},  # the loader's iterators around torch's
     "solar.sampler": {"solar.options", "solar.schedule", "solar.passes", "solar.prefetch", "solar.cache",
-                      "solar.collective", "solar.dist", "solar.shardplan", "solar.nodeshare", "solar.exchange"},
+                      "solar.collective", "solar.dist", "solar.shardplan", "solar.nodeshare", "solar.exchange",
+                      "solar.firststeps"},
     "solar.loader": {"solar.sampler", "solar.options", "solar.memory", "solar.schedule", "solar.order", "solar.subset",
                      "solar.views", "solar.dist", "solar.fetch", "solar.stats", "solar.iterators"},
     # consumers of the data path and of the tiers
