@@ -22,6 +22,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from solar.errors import CorruptDataError
+
 from . import bitpack, fused, paths
 from . import lossless as ll
 from .decoders import current
@@ -29,7 +31,7 @@ from .ebq import EBQCodec, _Layout
 from .ebq_meta import BITPACK, NIBBLES, EbqMeta, code_len
 from .header import Header, payload_of, read_header
 from .predict import Predictor
-from .sections import _sparse_one, check_side
+from .sections import _ESCAPE_RANGE, _UNORDERED
 
 __all__ = ["decode_one"]
 
@@ -93,10 +95,11 @@ def decode_one(blob, decoder: str | None, compile: bool | None = None, what: str
 
 
 def _kernel(h: Header, m: EbqMeta, payload, lay: _Layout, out: np.ndarray, what: str) -> None:
-    """One blob's sections, checked as :func:`~solar.codec.sections.gather` checks them, straight
-    into the kernel (:func:`solar.codec.kernels_cpu.decode_rows` with a group of one)."""
+    """One blob's sections, lossless-decoded here, checked and decoded by one kernel call
+    (:func:`solar.codec.kernels_cpu.decode_blob`): the checks of
+    :func:`~solar.codec.sections.gather` there, whose refusals raise here with its messages."""
     n, w, c_end = h.size, m.width, m.codes_len
-    nib, i8, wide, bpw, marks, side = paths._I8, paths._I8, paths._WIDE, paths._U32, paths._I64, paths._U8
+    codes, side, bpw = paths._U8, paths._U8, paths._U32
     if w == BITPACK:
         bitpack.check(payload[:c_end], n, m.qint, what)
         buf = np.zeros(c_end + bitpack.PAD, np.uint8)  # word-aligned, padded: as a group's buffer
@@ -106,30 +109,44 @@ def _kernel(h: Header, m: EbqMeta, payload, lay: _Layout, out: np.ndarray, what:
         nb = code_len(w, n)
         raw = np.frombuffer(ll.decompress(payload[:c_end], ll.LOSSLESS[m.lossless], nb + m.n_side, what), np.uint8)
         kind = 0 if w == NIBBLES else 1 if w == 1 else 2
-        if kind == 0:
-            nib = raw[:nb].reshape(1, nb)
-            marks, side = check_side(nib, raw[nb:], what)
-            marks = _ro(marks)
-        elif kind == 1:
-            i8 = raw.reshape(1, n)
-        else:
-            wide = raw.reshape(1, w, n)
-    esc_pos = esc_val = out_pos = paths._I64
-    out_val = paths._EMPTY[h.dtype]
+        codes, side = raw[:nb], raw[nb:]
     name, e_end = ll.LOSSLESS[m.lossless], c_end + m.esc_len
-    if m.n_esc:
-        esc_pos, esc_val = _sparse_one((payload[c_end:e_end], name, m.n_esc, what, 0), np.dtype("<i8"), n,
-                                       1 << 31 if m.qint == 4 else None)
-        esc_pos = _ro(esc_pos)
-    if m.n_out:
-        out_pos, out_val = _sparse_one((payload[e_end:], name, m.n_out, what, 0), h.dtype, n, None)
-        out_pos = _ro(out_pos)
+    esc_d, esc_val = _sparse(payload[c_end:e_end], name, m.n_esc, _I8, what)
+    out_d, out_val = _sparse(payload[e_end:], name, m.n_out, h.dtype, what)
     dims, plan = paths._geometry(tuple(lay.inner_shape), lay.reverse)
     steps, offs = _scale(h.dtype, m.step, m.offset)
-    paths._KERNELS.decode_rows(0, 1, n, lay.lead, dims, m.predictor == Predictor.LORENZO, plan, lay.masks, lay.K,
-                               paths._PROTO[m.qint], _KINDS[kind], _SLOT, nib, i8, wide, bpw, _SLOT, marks, side,
-                               esc_pos, esc_val, kind < 2 and m.predictor.per_level, out_pos, out_val, steps, offs,
-                               m.offset != 0.0, out)
+    info = np.zeros(1, np.int64)
+    bad = paths._KERNELS.decode_blob(
+        n, lay.lead, dims, m.predictor == Predictor.LORENZO, plan, lay.masks, lay.K, paths._PROTO[m.qint], kind,
+        codes, side, bpw, esc_d, esc_val, kind < 2 and m.predictor.per_level, 1 << 31 if m.qint == 4 else 0, out_d,
+        out_val, steps, offs, m.offset != 0.0, out, info)
+    if bad:
+        raise CorruptDataError(f"{what}: {_refused(bad, int(info[0]), side.size, n)}; corrupted payload")
+
+
+_I8 = np.dtype("<i8")
+
+
+def _sparse(section, name: str, count: int, vdtype: np.dtype, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """A sparse section's position deltas and values (read-only views of its decompressed bytes;
+    empty without entries)."""
+    if not count:
+        return paths._I64, paths._EMPTY.get(vdtype, paths._I64)
+    raw = ll.decompress(section, name, count * (8 + vdtype.itemsize), what)
+    return np.frombuffer(raw, _I8, count), np.frombuffer(raw, vdtype, count, offset=8 * count)
+
+
+def _refused(code: int, markers: int, sides: int, n: int) -> str:
+    """What :func:`~solar.codec.kernels_cpu.decode_blob`'s refusal ``code`` means (the group
+    path's words for the same check)."""
+    k = paths._KERNELS
+    if code == k.SIDE_COUNT:
+        return f"nibble stream has {markers} side markers for {sides} side values"
+    if code in (k.ESC_UNORDERED, k.OUT_UNORDERED):
+        return _UNORDERED
+    if code in (k.ESC_RANGE, k.OUT_RANGE):
+        return f"sparse position out of range for {n} values"
+    return _ESCAPE_RANGE
 
 
 def _ro(a: np.ndarray) -> np.ndarray:
@@ -137,9 +154,3 @@ def _ro(a: np.ndarray) -> np.ndarray:
     compiles one specialization per dtype pair, not one per combination of flags."""
     a.setflags(write=False)
     return a
-
-
-_SLOT = np.zeros(1, np.int64)
-_KINDS = [np.full(1, k, np.int8) for k in range(4)]
-for _a in (_SLOT, *_KINDS):
-    _a.setflags(write=False)

@@ -442,3 +442,78 @@ def decode_rows(b0, b1, n, lead, dims, lorenzo, plan, masks, K, proto, kinds, sl
         hi = np.searchsorted(out_pos, (b + 1) * n)
         for k in range(lo, hi):
             out[b, out_pos[k] - b * n] = out_val[k]
+
+
+#: :func:`decode_blob`'s answers other than 0 (decoded): what the checks refused
+SIDE_COUNT, ESC_UNORDERED, ESC_RANGE, ESC_VALUE, OUT_UNORDERED, OUT_RANGE = 1, 2, 3, 4, 5, 6
+
+
+@numba.njit(nogil=True, cache=True)
+def _positions(d, n, pos):
+    """``pos``: the running sums of the deltas ``d`` (a blob's sparse section), checked as
+    :func:`solar.codec.sections._sparse_one` checks them -> 0, or 1 for deltas out of order or
+    range (a first delta below 0, a later one below 1, any at ``n`` or more), 2 for a sum past
+    ``n`` (every delta is below ``n`` by then, so no sum wraps before one passes ``n``)."""
+    for k in range(d.shape[0]):
+        if d[k] < (1 if k else 0) or d[k] >= n:
+            return 1
+    s = np.int64(0)
+    for k in range(d.shape[0]):
+        s += d[k]
+        if s >= n:
+            return 2
+        pos[k] = s
+    return 0
+
+
+@numba.njit(nogil=True, cache=True)
+def _markers(packed, marks):
+    """Flat positions of the -8 markers (nibble 8) in ``packed``'s nibble pairs, low nibble first,
+    into ``marks`` while it has room -> how many there are (:func:`~solar.codec.sections.check_side`'s
+    count: the padding nibble of an odd count included)."""
+    k = 0
+    for j in range(packed.shape[0]):
+        b = packed[j]
+        if (b & 15) == 8 or (b >> 4) == 8:  # rare: one byte in tens
+            for h in range(2):
+                if (b >> (4 * h)) & 15 == 8:
+                    if k < marks.shape[0]:
+                        marks[k] = 2 * j + h
+                    k += 1
+    return k
+
+
+@numba.njit(nogil=True, cache=True)
+def decode_blob(n, lead, dims, lorenzo, plan, masks, K, proto, kind, codes, side, bpw, esc_d, esc_val, esc_add,
+                esc_limit, out_d, out_val, steps, offs, add_off, out, info):
+    """One blob (:func:`decode_rows` of a group of one) from its lossless-decoded sections, with
+    the checks the group path makes in numpy before its kernel (side marker count, sparse
+    positions, escape values within ``[-esc_limit, esc_limit)`` when ``esc_limit``) -> 0, or the
+    refused check's code (``info[0]``: the marker count for :data:`SIDE_COUNT`), before any value
+    is written. ``codes``: the codes section (nibble pairs, int8 codes, or ``kind`` 2's byte
+    planes); bitpack codes are the words ``bpw``. ``esc_d``/``out_d``: the sparse sections'
+    position deltas, ``esc_val``/``out_val`` their values."""
+    marks = np.empty(side.shape[0] if kind == 0 else 0, np.int64)
+    if kind == 0:
+        info[0] = _markers(codes, marks)
+        if info[0] != side.shape[0]:
+            return SIDE_COUNT
+    esc_pos = np.empty(esc_d.shape[0], np.int64)
+    bad = _positions(esc_d, n, esc_pos)
+    if bad:
+        return ESC_UNORDERED if bad == 1 else ESC_RANGE
+    if esc_limit:
+        for k in range(esc_val.shape[0]):
+            if esc_val[k] < -esc_limit or esc_val[k] >= esc_limit:
+                return ESC_VALUE
+    out_pos = np.empty(out_d.shape[0], np.int64)
+    bad = _positions(out_d, n, out_pos)
+    if bad:
+        return OUT_UNORDERED if bad == 1 else OUT_RANGE
+    L = codes.shape[0]
+    w = L // n if kind == 2 else 1
+    one = np.zeros(1, np.int64)
+    decode_rows(0, 1, n, lead, dims, lorenzo, plan, masks, K, proto, np.full(1, kind, np.int8), one,
+                codes.reshape((1, L)), codes.reshape((1, L)), codes.reshape((1, w, L // w)), bpw, one, marks, side,
+                esc_pos, esc_val, esc_add, out_pos, out_val, steps, offs, add_off, out)
+    return 0
