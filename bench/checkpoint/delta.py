@@ -13,12 +13,21 @@ counts, and the load average is recorded before and after each phase):
   by 1-7 units in the last place, as visible fine-tuning updates are): SOLAR's increment in bytes
   against its full save (the others rewrite everything: their increment is a full save);
 * **dense increments**: an fp32 state of the same size with Adam-like changes (every element moves by
-  ~1e-3 relative) and the bf16 state with every element changed: SOLAR's increment in bytes and
-  seconds against its own full save, and against a writer without deltas;
+  ~1e-3 relative) and the bf16 state with every element changed. Each of ``--rounds`` rounds saves
+  the state into a fresh root (the full save: a new writer's first save), changes every element
+  and saves again (the increment), once with ``deltas=True`` and once without (``plain``), so full
+  saves and increments alternate. Reported: each save's seconds and bytes, and the medians' ratios
+  ``time_ratio_vs_full_median`` (the bar: increment <= 1.2x a full save) and
+  ``time_ratio_vs_plain_increment_median``, with the ratios within each round. (Before, the
+  ``time_ratio_vs_full`` and ``time_ratio_vs_plain_increment`` keys divided the slower of two
+  increments by one first save: single samples of fsync-bound saves, whose spread on one calm run
+  was 0.99-2.19 s.) ``bytes_ratio_vs_full`` is the largest increment's bytes over its round's full save;
 * **restore** of the 10th version after 9 sparse (1%) increments against restoring the full first
   version, alternated ``--rounds`` times: with the default ``max_chain`` (the writer re-bases
   chains longer than it as skip-deltas against their anchor), and the worst case, ``max_chain=9``
-  (every chunk read through 9 deltas);
+  (every chunk read through 9 deltas). Wall seconds (``ratio``: of the medians) and the process's
+  CPU seconds (``cpu_ratio``: less sensitive to a shared machine; the reader runs several threads,
+  so CPU seconds may exceed wall seconds);
 * **hashing**: XXH3-128 chunk hashing of the state on one thread, GB/s per wall second and per CPU
   second of the thread (per core);
 * **blocking**: the time a second ``save`` blocks the caller (the host copy into the reused staging
@@ -162,23 +171,33 @@ def sparse_phase(args, base: str) -> dict:
 
 
 def dense_phase(args, base: str, dtype: torch.dtype) -> dict:
-    out: dict = {"load_before": load_average()}
-    for deltas in (True, False):
-        state = make_state(args.gib, dtype, seed=1)
-        touch = (lambda s: touch_dense(s, 5)) if dtype == torch.float32 else (lambda s: touch_sparse(s, 1.0, 5))
-        recs = solar_series(state, base, "dense", [touch, touch], deltas=deltas)
-        out["deltas" if deltas else "plain"] = recs
-        del state
-        gc.collect()
+    """Full saves (a fresh root each) and dense increments, alternated over ``--rounds`` rounds."""
+    out: dict = {"load_before": load_average(), "deltas": [], "plain": []}
+    state = make_state(args.gib, dtype, seed=1)
+    for r in range(args.rounds):
+        touch = (lambda s, r=r: touch_dense(s, 5 + r)) if dtype == torch.float32 else \
+            (lambda s, r=r: touch_sparse(s, 1.0, 5 + r))
+        for deltas in (True, False):
+            gc.collect()
+            out["deltas" if deltas else "plain"].append(solar_series(state, base, "dense", [touch], deltas=deltas))
+    del state
+    gc.collect()
     d, p = out["deltas"], out["plain"]
-    out["bytes_ratio_vs_full"] = max(r["bytes_written"] for r in d[1:]) / d[0]["bytes_written"]
-    out["time_ratio_vs_full"] = max(r["seconds"] for r in d[1:]) / d[0]["seconds"]
-    out["time_ratio_vs_plain_increment"] = max(r["seconds"] for r in d[1:]) / max(r["seconds"] for r in p[1:])
-    out["load_after"] = load_average()
+    full, inc = [rr[0]["seconds"] for rr in d], [rr[1]["seconds"] for rr in d]
+    plain_inc = [rr[1]["seconds"] for rr in p]
+    out.update({
+        "full_s": full, "increment_s": inc, "plain_full_s": [rr[0]["seconds"] for rr in p],
+        "plain_increment_s": plain_inc,
+        "bytes_ratio_vs_full": max(rr[1]["bytes_written"] / rr[0]["bytes_written"] for rr in d),
+        "time_ratio_vs_full_median": statistics.median(inc) / statistics.median(full),
+        "time_ratio_vs_full_per_round": [round(i / f, 3) for i, f in zip(inc, full)],
+        "time_ratio_vs_plain_increment_median": statistics.median(inc) / statistics.median(plain_inc),
+        "time_ratio_vs_plain_increment_per_round": [round(i / q, 3) for i, q in zip(inc, plain_inc)],
+        "load_after": load_average()})
     shutil.rmtree(os.path.join(base, "dense"), ignore_errors=True)
     print(f"{dtype} dense: increment {out['bytes_ratio_vs_full']:.4f}x a full save in bytes, "
-          f"{out['time_ratio_vs_full']:.2f}x in time ({out['time_ratio_vs_plain_increment']:.2f}x a writer "
-          "without deltas)", flush=True)
+          f"{out['time_ratio_vs_full_median']:.2f}x in time, medians (rounds {out['time_ratio_vs_full_per_round']}; "
+          f"{out['time_ratio_vs_plain_increment_median']:.2f}x a writer without deltas)", flush=True)
     return out
 
 
@@ -191,21 +210,26 @@ def restore_phase(args, base: str) -> dict:
         del state
         gc.collect()
         path = os.path.join(base, "chain")
-        full, tenth = [], []
+        full, tenth, full_cpu, tenth_cpu = [], [], [], []
         for _r in range(args.rounds):
-            for step, sink in ((0, full), (9, tenth)):
+            for step, sink, cpu in ((0, full, full_cpu), (9, tenth, tenth_cpu)):
                 gc.collect()
+                c0 = time.process_time()
                 s, st = timed(lambda: load(path, step))
+                cpu.append(round(time.process_time() - c0, 3))
                 sink.append(round(s, 3))
                 del st
         full_bytes = recs[0]["bytes_written"]
         out[label] = {"saves": recs, "increment_ratio": [r["bytes_written"] / full_bytes for r in recs[1:]],
                       "full_s": full, "tenth_s": tenth, "ratio": statistics.median(tenth) / statistics.median(full),
-                      "load": load_average()}
+                      "ratio_per_round": [round(t / f, 3) for t, f in zip(tenth, full)],
+                      "full_cpu_s": full_cpu, "tenth_cpu_s": tenth_cpu,
+                      "cpu_ratio": statistics.median(tenth_cpu) / statistics.median(full_cpu), "load": load_average()}
         shutil.rmtree(path, ignore_errors=True)
         o = out[label]
         print(f"restore of the 10th version ({label}): {o['ratio']:.2f}x a full version "
-              f"({statistics.median(tenth):.2f} s vs {statistics.median(full):.2f} s); increments "
+              f"({statistics.median(tenth):.2f} s vs {statistics.median(full):.2f} s; rounds {o['ratio_per_round']}; "
+              f"CPU {o['cpu_ratio']:.2f}x); increments "
               f"{[f'{r:.2%}' for r in o['increment_ratio']]}", flush=True)
     return out
 
@@ -265,9 +289,9 @@ def main() -> None:
         "sparse_1pct_increment_le_3pct": max(s["0.01"]["increment_ratio"]) <= 0.03,
         "sparse_0.1pct_increment_le_0.5pct": max(s["0.001"]["increment_ratio"]) <= 0.005,
         "dense_fp32_bytes_le_1.02x": result["dense_fp32"]["bytes_ratio_vs_full"] <= 1.02,
-        "dense_fp32_time_le_1.2x": result["dense_fp32"]["time_ratio_vs_full"] <= 1.2,
+        "dense_fp32_time_le_1.2x": result["dense_fp32"]["time_ratio_vs_full_median"] <= 1.2,
         "dense_bf16_bytes_le_1.02x": result["dense_bf16"]["bytes_ratio_vs_full"] <= 1.02,
-        "dense_bf16_time_le_1.2x": result["dense_bf16"]["time_ratio_vs_full"] <= 1.2,
+        "dense_bf16_time_le_1.2x": result["dense_bf16"]["time_ratio_vs_full_median"] <= 1.2,
         "restore_10th_le_1.5x": result["restore"]["default"]["ratio"] <= 1.5,
         "restore_10th_through_9_deltas_le_1.5x": result["restore"]["chain9"]["ratio"] <= 1.5,
         "hashing_ge_5_gb_per_core_s": result["hashing"]["gb_per_cpu_s"] >= 5,

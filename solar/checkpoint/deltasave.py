@@ -16,6 +16,10 @@ stores revisions), or, once that is no longer clearly smaller, written whole: th
 
 A writer opened on an existing root starts without a mirror: its first save writes changed chunks
 whole (reading the old bytes back would cost a full read of the previous version).
+
+The mirror is refreshed chunk by chunk in the I/O threads, as each new chunk is stored (there its
+copy overlaps the other threads' writes and fsyncs), and after the save for the chunks no I/O
+thread stored (packed, repeated or already known ones).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import numpy as np
 
 from solar.errors import ConfigError, CorruptDataError
 
-from .chunking import chunk_spans
+from .chunking import chunk_count, chunk_spans
 from .delta import element_size, encode
 from .deltastore import delete_delta, put_delta
 from .manifest import MAX_CHAIN, DeltaRef, Manifest
@@ -88,6 +92,11 @@ class DeltaSaver:
             name = flat.tensors[blob.tensors[0]].name if blob.tensors else f"<blob {i}>"
             itemsize = flat.tensors[blob.tensors[0]].itemsize if blob.tensors else 1
             self._blobs[name] = _Blob(element_size(self.chunk_size, itemsize), blob.nbytes)
+            mirror = self._mirror.get(name)
+            if mirror is None or mirror.data.nbytes != blob.nbytes:
+                # filled as the chunks are stored; a zero row holds no chunk (never a known digest)
+                self._mirror[name] = _Mirror(np.empty(blob.nbytes, np.uint8),
+                                             np.zeros((chunk_count(blob.nbytes, self.chunk_size), 16), np.uint8))
 
     def _chain(self, d: bytes) -> tuple[int, bytes]:
         """The delta bytes read on top of the whole chunk to rebuild ``d``, and that chunk (the anchor)."""
@@ -129,6 +138,15 @@ class DeltaSaver:
         base = mirror.digests[j].tobytes()
         return base if base in known else None
 
+    def _keep(self, name: str, j: int, d: bytes, view: memoryview) -> None:
+        """The mirror of blob ``name`` holds new chunk ``d`` (bytes ``view``) at position ``j`` from now on."""
+        mirror = self._mirror.get(name)
+        a = j * self.chunk_size
+        if mirror is None or a + view.nbytes > mirror.data.nbytes:
+            return  # not a blob of this save: written() leaves it out
+        mirror.data[a:a + view.nbytes] = np.frombuffer(view, np.uint8)
+        mirror.digests[j] = np.frombuffer(d, np.uint8)
+
     def put(self, sink, d: bytes, view: memoryview, name: str, j: int) -> int:
         """Store new chunk ``d`` (position ``j`` of blob ``name``): as a delta if that pays, else whole."""
         written = self.try_delta(sink, d, view, name, j)
@@ -136,7 +154,12 @@ class DeltaSaver:
 
     def try_delta(self, sink, d: bytes, view: memoryview, name: str, j: int) -> int | None:
         """Store new chunk ``d`` (position ``j`` of blob ``name``) as a delta if that pays and return
-        the bytes written; ``None``: the caller writes it whole."""
+        the bytes written; ``None``: the caller writes it whole. Either way the mirror keeps its bytes."""
+        written = self._try_delta(sink, d, view, name, j)
+        self._keep(name, j, d, view)
+        return written
+
+    def _try_delta(self, sink, d: bytes, view: memoryview, name: str, j: int) -> int | None:
         n = view.nbytes
         blob = self._blobs.get(name)
         elem = element_size(n, blob.elem if blob else 1)
@@ -193,6 +216,7 @@ class DeltaSaver:
             if mirror is None or mirror.data.nbytes != src.nbytes:
                 self._mirror[name] = _Mirror(src.copy(), rows.copy())
                 continue
+            # only the chunks no I/O thread kept (_keep): packed, repeated or already known ones
             differ = np.flatnonzero((mirror.digests != rows).any(axis=1))
             for j in differ.tolist():
                 a, e = chunk_spans(src.nbytes, self.chunk_size)[j]

@@ -10,9 +10,10 @@ and the versions that read the first one keep reading it. Published atomically (
 temporary + rename), so a killed writer leaves either nothing or the whole object under its name.
 
 :func:`rebuild` reads one chunk of a manifest and checks every piece on the way: a whole chunk
-against its digest; a delta's base (recursively) against the base's digest before the delta is
-applied, and the rebuilt chunk against its own. A delta whose base is missing or damaged is
-reported naming the chunk and the base.
+against its digest; a delta chunk once rebuilt, against its own digest (taken from the verified
+manifest, that one check covers the base and every delta applied to it). Only when it fails is the
+chain replayed with the base and every step hashed, to name what is wrong: a delta whose base is
+missing or damaged is reported naming the chunk and the base.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def delta_keys(store: CheckpointStore) -> Iterator[tuple[bytes, bytes]]:
 
 
 def _whole(store: CheckpointStore, m: Manifest, d: bytes, out: memoryview,
-           digest: Callable[[memoryview], bytes]) -> int:
+           digest: Callable[[memoryview], bytes] | None) -> int:
+    """Read whole chunk ``d`` into ``out``, checked against its digest unless ``digest`` is ``None``."""
     loc = m.locations.get(d) if m.locations else None
     try:
         n = read_packed(store, d, loc, out) if loc else store.read_chunk_into(d, out)
@@ -107,7 +109,7 @@ def _whole(store: CheckpointStore, m: Manifest, d: bytes, out: memoryview,
         raise ChunkReadError("is missing or has the wrong size") from None
     if n != out.nbytes:
         raise ChunkReadError(f"has {n} B instead of {out.nbytes} B")
-    if digest(out) != d:
+    if digest is not None and digest(out) != d:
         raise ChunkReadError("fails its hash (the stored bytes changed)")
     return n
 
@@ -118,14 +120,16 @@ class _Link(NamedTuple):
 
 
 def rebuild(store: CheckpointStore, m: Manifest, d: bytes, out: memoryview,
-            digest: Callable[[memoryview], bytes]) -> int:
+            digest: Callable[[memoryview], bytes], *, verify: bool = True) -> int:
     """Read chunk ``d`` of version ``m`` into ``out`` (exactly its size), checked; return the bytes read.
 
-    A delta chunk: the whole chunk its chain ends in is read and checked against its digest, every
-    delta of the chain is applied (each checks it is a delta against the base the manifest names),
-    and the result is checked against ``d``. The chunks between are not hashed (the last check
-    covers them); only if that check fails is the chain replayed, hashing each step, to name the
-    delta that is wrong.
+    A whole chunk is checked against its digest (its size only, with ``verify=False``).
+
+    A delta chunk: the whole chunk its chain ends in is read (its size checked), every delta of the
+    chain is applied (each checks it is a delta against the base the manifest names), and the result
+    is checked against ``d``: one hash per chunk, as for a whole chunk. The base and the chunks
+    between are not hashed (a wrong byte in any of them makes the last check fail); only if that
+    check fails is the chain replayed, hashing the base and each step, to name what is wrong.
 
     Raises:
         ChunkReadError: the chunk, its delta or a base of it is missing or damaged (says which).
@@ -136,18 +140,24 @@ def rebuild(store: CheckpointStore, m: Manifest, d: bytes, out: memoryview,
         chain.append(_Link(x, m.deltas[x]))
         x = m.deltas[x].base
     if not chain:
-        return _whole(store, m, d, out, digest)
-    try:
-        n = _whole(store, m, x, out, digest)
-    except ChunkReadError as exc:
-        via = "" if x == chain[0].ref.base else f" (its chain of {len(chain)} deltas starts at whole chunk {x.hex()})"
-        raise ChunkReadError(f"is a delta against base chunk {chain[0].ref.base.hex()}{via}, and base chunk "
-                             f"{x.hex()} {exc.what}") from None
+        return _whole(store, m, d, out, digest if verify else None)
+    n = _base(store, m, x, chain, out, None)
     for link in reversed(chain):
         n += _apply(store, link, out, d)
     if digest(out) != d:
         _name_bad_delta(store, m, x, chain, out, digest, d)
     return n
+
+
+def _base(store: CheckpointStore, m: Manifest, x: bytes, chain: list[_Link], out: memoryview,
+          digest: Callable[[memoryview], bytes] | None) -> int:
+    """Read whole chunk ``x`` a chain starts from into ``out`` (hashed if ``digest``), naming it as the base."""
+    try:
+        return _whole(store, m, x, out, digest)
+    except ChunkReadError as exc:
+        via = "" if x == chain[0].ref.base else f" (its chain of {len(chain)} deltas starts at whole chunk {x.hex()})"
+        raise ChunkReadError(f"is a delta against base chunk {chain[0].ref.base.hex()}{via}, and base chunk "
+                             f"{x.hex()} {exc.what}") from None
 
 
 def _apply(store: CheckpointStore, link: _Link, out: memoryview, d: bytes) -> int:
@@ -168,8 +178,9 @@ def _apply(store: CheckpointStore, link: _Link, out: memoryview, d: bytes) -> in
 
 
 def _name_bad_delta(store, m, x: bytes, chain: list[_Link], out: memoryview, digest, d: bytes) -> None:
-    """The rebuilt chunk failed its hash: replay the chain hashing each step, and raise naming the first wrong one."""
-    _whole(store, m, x, out, digest)
+    """The rebuilt chunk failed its hash: replay the chain hashing the base and each step, and raise
+    naming the first wrong one."""
+    _base(store, m, x, chain, out, digest)
     for link in reversed(chain):
         _apply(store, link, out, d)
         if digest(out) != link.target:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Callable, TypeVar
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -32,12 +33,22 @@ from .flatten import materialize, unflatten
 from .jobstore import JobManifest, JobStore, is_job_root
 from .loaderstate import LOADER_KEY, decode_loader
 from .manifest import Manifest
-from .pack import read_packed
 from .store import CheckpointStore
 
 __all__ = ["load", "list_versions", "Reader", "LATEST_RETRIES", "agreed_step"]
 
 T = TypeVar("T")
+
+#: threads one blob's chunks are read by
+READ_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+class _Got(NamedTuple):
+    """One chunk read: its bytes, or (``what`` not ``None``) why it could not be."""
+
+    n: int
+    digest: bytes = b""
+    what: str | None = None
 
 
 def _target_device(saved: str, map_location: Any) -> torch.device:
@@ -240,30 +251,45 @@ class Reader:
         return buf[start - a:end - a]
 
     def _fill(self, i: int, view: memoryview, start: int, end: int) -> None:
-        """Read the chunks covering bytes ``[start, end)`` of blob ``i`` (chunk-aligned) into ``view``."""
+        """Read the chunks covering bytes ``[start, end)`` of blob ``i`` (chunk-aligned) into ``view``.
+
+        The first chunk is read alone (a version removed since its manifest was read fails there,
+        before any other read starts), the others by up to :data:`READ_THREADS` threads (reads,
+        hashing, zstd and numpy's loops release the GIL); the first chunk in blob order that cannot
+        be read is reported.
+        """
         m = self.manifest
         digests = m.blob_digests(i)
         spans = chunk_spans(m.blobs[i].nbytes, m.chunk_size)
-        for j in range(start // m.chunk_size, -(-end // m.chunk_size)):
+
+        def one(j: int) -> _Got:
             d = digests[j].tobytes()
             a, e = spans[j]
-            out = view[a - start:e - start]
-            if m.deltas and d in m.deltas:  # rebuilt through its chain, every piece checked
-                try:
-                    self.bytes_read += rebuild(self.store, m, d, out, self._digest)
-                except ChunkReadError as exc:
-                    raise self._chunk_error(i, d, exc.what) from None
-                continue
-            try:
-                loc = m.locations.get(d) if m.locations else None
-                n = read_packed(self.store, d, loc, out) if loc else self.store.read_chunk_into(d, out)
-            except ValueError as exc:  # longer than expected, or missing
-                raise self._chunk_error(i, d, "is missing or has the wrong size") from exc
-            if n != e - a:
-                raise self._chunk_error(i, d, f"has {n} B instead of {e - a} B")
-            if self.verify and self._digest(out) != d:
-                raise self._chunk_error(i, d, "fails its hash (the stored bytes changed)")
-            self.bytes_read += n
+            try:  # a delta chunk is rebuilt through its chain, every piece checked
+                return _Got(rebuild(self.store, m, d, view[a - start:e - start], self._digest, verify=self.verify))
+            except ChunkReadError as exc:
+                return _Got(0, d, exc.what)
+
+        def take(got: _Got) -> None:
+            if got.what is not None:
+                raise self._chunk_error(i, got.digest, got.what)
+            self.bytes_read += got.n
+
+        js = range(start // m.chunk_size, -(-end // m.chunk_size))
+        if not js:
+            return
+        take(one(js[0]))
+        threads = min(READ_THREADS, len(js) - 1)
+        if threads <= 1:
+            for j in js[1:]:
+                take(one(j))
+            return
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="solar-ckpt-read")
+        try:
+            for got in pool.map(one, js[1:]):
+                take(got)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def tensor(self, name: str, map_location: Any = "cpu") -> torch.Tensor:
         """One tensor by its flattened name, reading only the chunks of its blob."""
