@@ -17,17 +17,19 @@ does not cover) returns None and takes the general path.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+import struct
+from typing import NamedTuple
 
 import numpy as np
 import torch
+import xxhash
 
 from solar.errors import CorruptDataError
 
 from . import bitpack, fused, paths
 from . import lossless as ll
 from .decoders import current
-from .ebq import EBQCodec, _Layout
+from .ebq import EBQCodec
 from .ebq_meta import BITPACK, NIBBLES, EbqMeta, code_len
 from .header import Header, payload_of, read_header
 from .predict import Predictor
@@ -37,39 +39,21 @@ __all__ = ["decode_one"]
 
 _COVERED = frozenset({Predictor.INTERP, Predictor.FINE, Predictor.LORENZO})
 _INT = {4: torch.int32, 8: torch.int64}
-#: checked metadata by (descriptor, dtype, shape, metadata bytes, payload length)
-_METAS: dict[tuple, EbqMeta] = {}
-_METAS_MAX = 4096
+_SUMS = struct.Struct("<QQ")  # payload_sum, header_sum: the header's last fields
 
 
-def _meta(h: Header, what: str) -> EbqMeta:
-    key = (h.descriptor, h.dtype, h.shape, h.meta, h.payload_len)
-    m = _METAS.get(key)
-    if m is None:
-        m = EbqMeta.parse(h, what)  # raises for anything no encoder writes
-        if len(_METAS) >= _METAS_MAX:
-            _METAS.clear()
-        _METAS[key] = m
-    return m
+class _Plan(NamedTuple):
+    """Everything one header decides (cached per header bytes, checksums left out)."""
+
+    h: Header  # the first blob's (its payload_sum is that blob's)
+    m: EbqMeta
+    blob_len: int
+    args: tuple  # decode_blob's leading arguments (kernels_cpu.decode_blob)
 
 
-@lru_cache(maxsize=1024)
-def _layout(shape: tuple[int, ...], fold: int, cubic_levels: int, kshift: int, version: int, qint: int) -> _Layout:
-    """The group layout of one blob (the general path builds it per call)."""
-    shape = shape or (1,)
-    lead = math.prod(shape[:fold])
-    masks = np.full(lead, cubic_levels, np.uint64)
-    masks.setflags(write=False)
-    return _Layout(shape, lead, shape[fold:], masks, 1 << kshift, version >= 6, _INT[qint])
-
-
-@lru_cache(maxsize=1024)
-def _scale(dtype: np.dtype, step: float, offset: float) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel's one-row step and offset arrays (read-only: cached, never written)."""
-    steps, offs = np.full(1, step, dtype), np.full(1, offset, dtype)
-    steps.setflags(write=False)
-    offs.setflags(write=False)
-    return steps, offs
+#: plans by header bytes through payload_len (None: a blob the kernel does not cover); bounded
+_PLANS: dict[bytes, _Plan | None] = {}
+_PLANS_MAX = 4096
 
 
 def decode_one(blob, decoder: str | None, compile: bool | None = None, what: str = "codec blob") -> torch.Tensor | None:
@@ -81,47 +65,95 @@ def decode_one(blob, decoder: str | None, compile: bool | None = None, what: str
     if (decoder or current().decoder) not in ("auto", "cpu-kernel") or (compile is None and fused.enabled()) \
             or compile or not paths.kernel_available():
         return None
+    key, tail = _key(blob)
+    p = _PLANS.get(key) if key else None
+    if p is None:
+        if key and key in _PLANS:
+            return None  # not covered (the general path checks and decodes it)
+        p = _plan(blob, key, what)
+        if p is None:
+            return None
+    payload_sum, header_sum = _SUMS.unpack_from(blob, tail + 8)
+    view = memoryview(blob)
+    payload = view[tail + 24:]
+    if len(blob) != p.blob_len or xxhash.xxh3_64_intdigest(view[:tail + 16]) != header_sum \
+            or xxhash.xxh3_64_intdigest(payload) != payload_sum:
+        payload_of(blob, read_header(blob, what), what)  # raises, in the header's own words
+        return None  # (unreachable: a blob that passes both checks matches its cached plan)
+    h = p.h
+    x = np.empty(h.shape, h.dtype)  # numpy's allocation and from_numpy cost less than torch.empty's
+    _kernel(p, payload, x.reshape(1, h.size), what)
+    return torch.from_numpy(x)
+
+
+def _key(blob: bytes) -> tuple[bytes, int]:
+    """The header bytes through ``payload_len`` (where the checksums start: the second value), or
+    empty when ``blob`` is too short to hold them (the header check says what is wrong)."""
+    n = len(blob)
+    if n < 6:
+        return b"", 0
+    e = 8 + blob[5]  # past the descriptor, dtype code and ndim
+    if e > n:
+        return b"", 0
+    e += 8 * blob[e - 1] + 10  # past the shape, bound and metadata length
+    if e > n:
+        return b"", 0
+    t = e + (blob[e - 2] | blob[e - 1] << 8) + 8  # past the metadata and payload_len
+    return (blob[:t], t - 8) if t + 16 <= n else (b"", 0)
+
+
+def _plan(blob: bytes, key: bytes, what: str) -> _Plan | None:
+    """Check ``blob``'s header and metadata fully and plan its decode (cached under ``key``);
+    None for a blob the kernel does not cover."""
     h = read_header(blob, what)
-    if h.codec != "ebq" or h.version not in EBQCodec.decodes or h.version < 2 or not h.size:
-        return None  # the general path reports a foreign codec or version as such
-    m = _meta(h, what)
-    if m.predictor not in _COVERED:
-        return None
-    payload = payload_of(blob, h, what)
-    lay = _layout(h.shape, m.fold, m.cubic_levels, m.kshift, h.version, m.qint)
-    x = np.empty((1, h.size), h.dtype)  # numpy's allocation and from_numpy cost less than torch.empty's
-    _kernel(h, m, payload, lay, x, what)
-    return torch.from_numpy(x).view(h.shape)
+    p = None
+    if h.codec == "ebq" and h.version in EBQCodec.decodes and h.version >= 2 and h.size:
+        m = EbqMeta.parse(h, what)  # raises for anything no encoder writes
+        if m.predictor in _COVERED:
+            p = _Plan(h, m, h.blob_len, _args(h, m))
+    if key:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = p
+    return p
 
 
-def _kernel(h: Header, m: EbqMeta, payload, lay: _Layout, out: np.ndarray, what: str) -> None:
+def _args(h: Header, m: EbqMeta) -> tuple:
+    """:func:`~solar.codec.kernels_cpu.decode_blob`'s arguments that the header decides."""
+    shape = h.shape or (1,)
+    lead = math.prod(shape[:m.fold])
+    masks = np.full(lead, m.cubic_levels, np.uint64)
+    steps, offs = np.full(1, m.step, h.dtype), np.full(1, m.offset, h.dtype)
+    for a in (masks, steps, offs):
+        a.setflags(write=False)  # cached, never written
+    dims, plan = paths._geometry(tuple(shape[m.fold:]), h.version >= 6)
+    kind = 3 if m.width == BITPACK else 0 if m.width == NIBBLES else 1 if m.width == 1 else 2
+    return (h.size, lead, dims, m.predictor == Predictor.LORENZO, plan, masks, 1 << m.kshift, paths._PROTO[m.qint],
+            kind, kind < 2 and m.predictor.per_level, 1 << 31 if m.qint == 4 else 0, steps, offs, m.offset != 0.0)
+
+
+def _kernel(p: _Plan, payload, out: np.ndarray, what: str) -> None:
     """One blob's sections, lossless-decoded here, checked and decoded by one kernel call
     (:func:`solar.codec.kernels_cpu.decode_blob`): the checks of
     :func:`~solar.codec.sections.gather` there, whose refusals raise here with its messages."""
+    h, m = p.h, p.m
     n, w, c_end = h.size, m.width, m.codes_len
     codes, side, bpw = paths._U8, paths._U8, paths._U32
     if w == BITPACK:
         bitpack.check(payload[:c_end], n, m.qint, what)
         buf = np.zeros(c_end + bitpack.PAD, np.uint8)  # word-aligned, padded: as a group's buffer
         buf[:c_end] = payload[:c_end]
-        bpw, kind = _ro(buf.view(np.uint32)), 3
+        bpw = _ro(buf.view(np.uint32))
     else:
         nb = code_len(w, n)
         raw = np.frombuffer(ll.decompress(payload[:c_end], ll.LOSSLESS[m.lossless], nb + m.n_side, what), np.uint8)
-        kind = 0 if w == NIBBLES else 1 if w == 1 else 2
         codes, side = raw[:nb], raw[nb:]
     name, e_end = ll.LOSSLESS[m.lossless], c_end + m.esc_len
     esc_d, esc_val = _sparse(payload[c_end:e_end], name, m.n_esc, _I8, what)
     out_d, out_val = _sparse(payload[e_end:], name, m.n_out, h.dtype, what)
-    dims, plan = paths._geometry(tuple(lay.inner_shape), lay.reverse)
-    steps, offs = _scale(h.dtype, m.step, m.offset)
-    info = np.zeros(1, np.int64)
-    bad = paths._KERNELS.decode_blob(
-        n, lay.lead, dims, m.predictor == Predictor.LORENZO, plan, lay.masks, lay.K, paths._PROTO[m.qint], kind,
-        codes, side, bpw, esc_d, esc_val, kind < 2 and m.predictor.per_level, 1 << 31 if m.qint == 4 else 0, out_d,
-        out_val, steps, offs, m.offset != 0.0, out, info)
+    bad = paths._KERNELS.decode_blob(*p.args, codes, side, bpw, esc_d, esc_val, out_d, out_val, out)
     if bad:
-        raise CorruptDataError(f"{what}: {_refused(bad, int(info[0]), side.size, n)}; corrupted payload")
+        raise CorruptDataError(f"{what}: {_refused(bad, side.size, n)}; corrupted payload")
 
 
 _I8 = np.dtype("<i8")
@@ -136,12 +168,12 @@ def _sparse(section, name: str, count: int, vdtype: np.dtype, what: str) -> tupl
     return np.frombuffer(raw, _I8, count), np.frombuffer(raw, vdtype, count, offset=8 * count)
 
 
-def _refused(code: int, markers: int, sides: int, n: int) -> str:
+def _refused(code: int, sides: int, n: int) -> str:
     """What :func:`~solar.codec.kernels_cpu.decode_blob`'s refusal ``code`` means (the group
     path's words for the same check)."""
     k = paths._KERNELS
-    if code == k.SIDE_COUNT:
-        return f"nibble stream has {markers} side markers for {sides} side values"
+    if code < 0:
+        return f"nibble stream has {-1 - code} side markers for {sides} side values"
     if code in (k.ESC_UNORDERED, k.OUT_UNORDERED):
         return _UNORDERED
     if code in (k.ESC_RANGE, k.OUT_RANGE):

@@ -444,8 +444,9 @@ def decode_rows(b0, b1, n, lead, dims, lorenzo, plan, masks, K, proto, kinds, sl
             out[b, out_pos[k] - b * n] = out_val[k]
 
 
-#: :func:`decode_blob`'s answers other than 0 (decoded): what the checks refused
-SIDE_COUNT, ESC_UNORDERED, ESC_RANGE, ESC_VALUE, OUT_UNORDERED, OUT_RANGE = 1, 2, 3, 4, 5, 6
+#: :func:`decode_blob`'s positive answers: what the checks refused (negative: the side markers'
+#: count, ``-1 - count``, which is not the side values')
+ESC_UNORDERED, ESC_RANGE, ESC_VALUE, OUT_UNORDERED, OUT_RANGE = 2, 3, 4, 5, 6
 
 
 @numba.njit(nogil=True, cache=True)
@@ -484,20 +485,21 @@ def _markers(packed, marks):
 
 
 @numba.njit(nogil=True, cache=True)
-def decode_blob(n, lead, dims, lorenzo, plan, masks, K, proto, kind, codes, side, bpw, esc_d, esc_val, esc_add,
-                esc_limit, out_d, out_val, steps, offs, add_off, out, info):
+def decode_blob(n, lead, dims, lorenzo, plan, masks, K, proto, kind, esc_add, esc_limit, steps, offs, add_off, codes,
+                side, bpw, esc_d, esc_val, out_d, out_val, out):
     """One blob (:func:`decode_rows` of a group of one) from its lossless-decoded sections, with
     the checks the group path makes in numpy before its kernel (side marker count, sparse
-    positions, escape values within ``[-esc_limit, esc_limit)`` when ``esc_limit``) -> 0, or the
-    refused check's code (``info[0]``: the marker count for :data:`SIDE_COUNT`), before any value
-    is written. ``codes``: the codes section (nibble pairs, int8 codes, or ``kind`` 2's byte
-    planes); bitpack codes are the words ``bpw``. ``esc_d``/``out_d``: the sparse sections'
-    position deltas, ``esc_val``/``out_val`` their values."""
+    positions, escape values within ``[-esc_limit, esc_limit)`` when ``esc_limit``) -> 0, or
+    what the checks refused (see :data:`ESC_UNORDERED`), before any value is written.
+    ``codes``: the codes section (nibble pairs, int8 codes, or ``kind`` 2's byte planes); bitpack
+    codes are the words ``bpw``. ``esc_d``/``out_d``: the sparse sections' position deltas,
+    ``esc_val``/``out_val`` their values. The leading arguments up to ``add_off`` are
+    :func:`decode_rows`'s for the blob's header."""
     marks = np.empty(side.shape[0] if kind == 0 else 0, np.int64)
     if kind == 0:
-        info[0] = _markers(codes, marks)
-        if info[0] != side.shape[0]:
-            return SIDE_COUNT
+        found = _markers(codes, marks)
+        if found != side.shape[0]:
+            return -1 - found
     esc_pos = np.empty(esc_d.shape[0], np.int64)
     bad = _positions(esc_d, n, esc_pos)
     if bad:
