@@ -39,7 +39,15 @@ class MemoryTier(Tier):
         self._lock = threading.Lock()
 
     def get(self, key: Hashable) -> Any | None:
-        return self._counted(self._data.get(key))
+        value = self._data.get(key)
+        stats = self.stats  # (Tier._counted, inlined: the loader asks once per field of every hit)
+        if value is None:
+            stats.misses += 1
+            return None
+        stats.hits += 1
+        n = getattr(value, "nbytes", None)
+        stats.bytes_out += int(n) if n is not None else len(value)
+        return value
 
     def put(self, key: Hashable, value: Any) -> bool:
         return self._store(key, value, create=False)

@@ -207,6 +207,11 @@ class Backend(ABC):
         outside h5py's lock ] in io_backends/hdf5.py). :class:`ThrottledBackend` models it."""
         return False
 
+    def mapped(self, key: str) -> bool:
+        """Whether rows of ``key`` are copied from a memory map of the file (NOTE [ Mapped reads ]
+        in io_backends/mapped.py) rather than requested from storage."""
+        return False
+
     def read_ranges(self, key: str, ranges: Sequence[Sequence[int]] | np.ndarray,
                     out: np.ndarray | None = None, *, disjoint: bool = False) -> np.ndarray:
         """Read rows ``[start, stop)`` for each range, concatenated in range order.

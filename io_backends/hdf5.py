@@ -21,7 +21,9 @@ NOTE [ Reads outside h5py's lock ]
     as before; ``backend_options={"direct_reads": False}`` forces that everywhere. A read past the
     end of the file (truncated while open) raises instead of returning zeros. Reads use a
     duplicate of the descriptor taken per call, so a ``close()`` from another thread cannot
-    send a read in flight to whatever file reuses the number next.
+    send a read in flight to whatever file reuses the number next. On a local file system the
+    same rows are copied from a read-only map of the file instead (NOTE [ Mapped reads ] in
+    mapped.py): no system call per row once its pages are mapped.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import numpy as np
 from solar.errors import MissingKeyError, NotHDF5Error, StorageError, storage_errors
 
 from .base import ArrayInfo, Backend
+from .mapped import MappedFile, mappable
 
 __all__ = ["HDF5Backend", "h5_keys", "h5_attrs", "h5_read_errors", "read_rows"]
 
@@ -118,7 +121,7 @@ class HDF5Backend(Backend):
     name = "hdf5"
 
     def _handle_attrs(self):
-        return ("_file", "_dsets", "_keys", "_broken", "_fd", "_spans", "_dfd", "_dfd_lock")
+        return ("_file", "_dsets", "_keys", "_broken", "_fd", "_spans", "_dfd", "_dfd_lock", "_map")
 
     def _open_file(self):
         import h5py
@@ -177,6 +180,7 @@ class HDF5Backend(Backend):
     def _close(self) -> None:
         self.__dict__.pop("_fd", None)  # HDF5 closes the descriptor with the file
         self.__dict__.pop("_spans", None)
+        self.__dict__.pop("_map", None)  # (unmapped with its last reference: a read in flight keeps it)
         lock = self.__dict__.pop("_dfd_lock", None)
         if lock is not None:
             with lock:  # no read is between taking its duplicate and using it
@@ -236,6 +240,21 @@ class HDF5Backend(Backend):
         self.ensure_open()
         return self._span(key) is None
 
+    def _mapping(self) -> MappedFile | None:
+        """The map of the file its direct reads copy from (NOTE [ Mapped reads ] in mapped.py),
+        or None: they ``preadv``. Made at the first direct read of an open."""
+        m = self.__dict__.get("_map", _UNSET)
+        if m is _UNSET:
+            fd, m = self.__dict__.get("_fd"), None
+            if fd is not None and mappable(self.url, self.options.get("mmap", "auto")):
+                m = MappedFile.open(self.url, fd, os.fstat(fd).st_size)
+            self._map = m
+        return m
+
+    def mapped(self, key: str) -> bool:
+        self.ensure_open()
+        return self._span(key) is not None and self._mapping() is not None
+
     def _read_ranges(self, key: str, ranges: np.ndarray, out: "np.ndarray | RowPlaces") -> None:
         span = self._span(key)
         if isinstance(out, RowPlaces) and (span is None or not span.row or not span.allocated(ranges)):
@@ -247,10 +266,16 @@ class HDF5Backend(Backend):
             return
         if isinstance(out, RowPlaces) or (span is not None and out.flags.c_contiguous and out.flags.writeable
                                           and span.allocated(ranges)):
-            calls = self._pread_rows(key, span, ranges, out)
+            m = self._mapping()
+            if m is None:
+                calls = self._pread_rows(key, span, ranges, out)
+            else:
+                calls = self._copy_rows(m, key, span, ranges, out)
             self.stats.read_calls += calls
             if calls:
                 self.stats.extra["direct_reads"] = self.stats.extra.get("direct_reads", 0) + 1
+                if m is not None:
+                    self.stats.extra["mapped_reads"] = self.stats.extra.get("mapped_reads", 0) + 1
         else:  # (rows of a chunk never written read as the fill value, through h5py)
             self.stats.read_calls += read_rows(self._dset(key), self.url, key, ranges, out)
         self._check_size()  # after the read: a cut during it is caught too
@@ -311,13 +336,49 @@ class HDF5Backend(Backend):
                 i += 1
             skip = got
 
-    def _past_end(self, fd: int, key: str, start: int, stop: int) -> None:
+    def _past_end(self, fd: int | None, key: str, start: int, stop: int, size: int | None = None) -> None:
         """A read that met the end of the file inside the dataset's bytes: say what happened."""
         self._check_size()  # it shrank since the open: say so
         raise StorageError(
             f"{self.url}: {key!r} rows {start}-{stop - 1} lie past the end of the file "
-            f"({os.fstat(fd).st_size} bytes), which is incomplete (a copy still in progress?); "
-            "recreate the dataset once the file is complete")
+            f"({os.fstat(fd).st_size if size is None else size} bytes), which is incomplete (a copy still in "
+            "progress?); recreate the dataset once the file is complete")
+
+    def _copy_rows(self, m: MappedFile, key: str, span: "_Span", ranges: np.ndarray, out) -> int:
+        """:meth:`_pread_rows` from the file's map: one copy per row place, or per run into
+        ``out`` (NOTE [ Mapped reads ] in mapped.py). Every byte is checked to lie inside the file
+        as it is now first: a mapped page past its end would kill the process (SIGBUS)."""
+        spans = ranges.tolist()
+        if span.offset is not None:  # contiguous: the rows as one array of the map
+            pieces = None
+            end = span.offset + max((b for a, b in spans), default=0) * span.row
+        else:
+            pieces = [p for a, b in spans if b > a for p in span.pieces(a, b)]
+            end = max((at + n for at, n in pieces), default=0)
+        calls = sum(1 for a, b in spans if b > a)
+        if not calls:
+            return 0
+        size = m.file_size()
+        if end > size:
+            self._past_end(None, key, spans[0][0], spans[-1][1], size)
+        if end > m.size:  # (grown since it was mapped)
+            return self._pread_rows(key, span, ranges, out)
+        info = self.info(key)
+        if pieces is not None:
+            m.copy_pieces(pieces, out, info.dtype, info.row_shape, span.row)
+            return calls
+        rows = m.rows(span.offset, info.shape[0] * span.row, info.dtype, info.row_shape)
+        if not isinstance(out, RowPlaces):
+            pos = 0
+            for a, b in spans:
+                out[pos:pos + b - a] = rows[a:b]
+                pos += b - a
+            return calls
+        places = iter(out)
+        for a, b in spans:
+            for r in range(a, b):
+                next(places)[...] = rows[r]
+        return calls
 
     def _dup_fd(self, key: str) -> int:
         """A private duplicate of the file's descriptor, taken under the lock close() takes."""
@@ -364,6 +425,9 @@ class HDF5Backend(Backend):
                 pos += n
             calls += 1
         return calls
+
+
+_UNSET = object()
 
 
 class RowPlaces(list):

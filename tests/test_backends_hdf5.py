@@ -139,7 +139,7 @@ def test_a_close_during_a_direct_read_leaves_that_read_its_own_file(tmp_path, mo
     write_h5(path, {"x": a})
     with open(other, "wb") as fh:
         fh.write(b"\xff" * 1_000_000)
-    b = HDF5Backend(path)
+    b = HDF5Backend(path, mmap=False)  # (the mapped path: test_a_close_during_a_mapped_read_...)
     np.testing.assert_array_equal(b.read_ranges("x", [(0, 1)]), a[:1])
     real, opened = os.preadv, []
 
@@ -177,3 +177,92 @@ def test_a_backend_dropped_without_close_releases_its_file():
         gc.collect()
         with h5py.File(path, "a"):  # no lock left behind
             pass
+
+
+# -- NOTE [ Mapped reads ] ----------------------------------------------------------------------
+def test_mapped_reads_give_h5pys_bytes_and_preadv_the_same(tmp_path):
+    """With mmap=True every plain-bytes dataset (contiguous, chunks of whole rows, big-endian, a
+    1-D field) is copied from the file's map, into one buffer and into row places, and gives
+    h5py's bytes; mmap=False reads the same rows with preadv and maps nothing."""
+    path = str(tmp_path / "layouts.h5")
+    cases = [(n, a) for n, a, direct in _layouts(path, userblock=0) if direct]
+    h5 = HDF5Backend(path, direct_reads=False)
+    ranges = np.array([(0, 3), (5, 6), (9, 17), (39, 40)])
+    for mmap in (True, False):
+        b = HDF5Backend(path, mmap=mmap)
+        for name, a in cases:
+            assert b.mapped(name) is mmap, name
+            want = h5.read_ranges(name, ranges)
+            assert b.read_ranges(name, ranges).tobytes() == want.tobytes(), (name, mmap)
+            places = [np.full(a.shape[1:], 0, a.dtype) for _ in range(len(want))]
+            b.read_rows_to(name, ranges, places)
+            assert b"".join(p.tobytes() for p in places) == want.tobytes(), (name, mmap)
+        assert b.stats.extra.get("mapped_reads", 0) == (2 * len(cases) if mmap else 0)
+        assert b.stats.extra["direct_reads"] == 2 * len(cases)
+        b.close()
+    h5.close()
+
+
+def test_a_mapped_file_cut_shorter_raises_instead_of_sigbus(tmp_path):
+    """A file cut inside a mapped dataset's bytes: the read checks the size first and raises
+    StorageError naming the rows (touching the map past the end would kill the process with
+    SIGBUS); rows before the cut still read from the map."""
+    path = str(tmp_path / "cut.h5")
+    with h5py.File(path, "w") as f:
+        f["x"] = np.arange(40000, dtype=np.float64).reshape(10000, 4)
+    b = HDF5Backend(path, mmap=True)
+    places = [np.empty(4) for _ in range(2)]
+    b.read_rows_to("x", [(9998, 10000)], places)
+    np.testing.assert_array_equal(places[1], [39996, 39997, 39998, 39999])
+    os.truncate(path, os.path.getsize(path) - 100_000)
+    with pytest.raises(StorageError, match=r"cut\.h5: the file shrank"):
+        b.read_rows_to("x", [(9998, 10000)], places)
+    b._pinned_size = None  # as if the file had been short already when opened
+    with pytest.raises(StorageError, match=r"cut\.h5: 'x' rows 9990-9999 lie past the end of the file"):
+        b.read_ranges("x", [(9990, 10000)])
+    np.testing.assert_array_equal(b.read_ranges("x", [(0, 2)])[1], [4, 5, 6, 7])
+    assert b.stats.extra["mapped_reads"] == 2
+    b.close()
+
+
+def test_a_close_during_a_mapped_read_leaves_that_read_its_map(tmp_path, monkeypatch):
+    """close() while another thread copies from the map (a loop left early, its dataset closed
+    under the read-ahead) does not unmap it under the copy: the map goes with its last reference.
+    Backends of one file in one process share one map; a reopened backend maps again."""
+    from solar.io_backends.mapped import MappedFile
+
+    a = np.arange(4000, dtype=np.float32).reshape(1000, 4)
+    path = str(tmp_path / "a.h5")
+    write_h5(path, {"x": a})
+    b, clone = HDF5Backend(path, mmap=True), HDF5Backend(path, mmap=True)
+    assert b.mapped("x") and clone.mapped("x")
+    assert clone._mapping() is b._mapping()  # one map per file and process
+    real = MappedFile.file_size
+
+    def file_size(self):  # the close lands between the read's size check and its copy
+        b.close()
+        clone.close()
+        return real(self)
+
+    monkeypatch.setattr(MappedFile, "file_size", file_size)
+    np.testing.assert_array_equal(b.read_ranges("x", [(10, 20)]), a[10:20])
+    assert "_map" not in b.__dict__
+    monkeypatch.setattr(MappedFile, "file_size", real)
+    np.testing.assert_array_equal(b.read_ranges("x", [(0, 2)]), a[:2])  # reopens and maps on demand
+    assert b.stats.extra["mapped_reads"] == 2
+    b.close()
+
+
+def test_files_on_network_or_unknown_file_systems_are_not_mapped_by_default(tmp_path):
+    """mmap="auto" maps files on local file systems only (the mount table's type); a file system
+    that is not known to be local (here /proc's) keeps preadv; a bad option names the file."""
+    from solar.errors import ConfigError
+    from solar.io_backends.mapped import LOCAL_FS, fs_type, mappable
+
+    assert fs_type("/proc/self/status") == "proc"
+    assert not mappable("/proc/self/status", "auto")
+    assert mappable("/proc/self/status", True)
+    kind = fs_type(str(tmp_path))
+    assert mappable(str(tmp_path / "f.h5"), "auto") == (kind in LOCAL_FS)
+    with pytest.raises(ConfigError, match=r"f\.h5: backend_options mmap='yes'"):
+        mappable(str(tmp_path / "f.h5"), "yes")
