@@ -15,12 +15,15 @@ NOTE [ Ingest phases ]
        field (it is relative to the **field's** value range, max - min over all its samples).
     3. write: the samples are cut into global batches of ``batch_size``; each batch is split
        evenly across ranks. Raw rows are written with one collective hyperslab write per field;
-       compressed samples are encoded, their blob lengths all-gathered to get offsets, the
-       ``data`` dataset grown collectively and every rank writes its bytes at its offset.
+       compressed samples are encoded, each rank's bytes placed after the lower ranks' (an
+       exscan of their totals), the ``data`` dataset grown collectively and every rank writes
+       its bytes at its offset. Each rank holds the inputs of its rows only (rank 0 scatters
+       them: ``plan.scatter_plan``); rank 0, which validated every input, keeps them all.
     4. commit (after the batch that ends a ``commit_interval``, and the last one): a collective
        flush, then rank 0 replaces the journal (``OUT.ingest.json``) naming the batches done.
        See NOTE [ Ingest crash safety ].
-    5. finish: offsets end, root attributes, ``complete=True``; ``--verify`` re-reads every sample
+    5. finish: offsets end, codec attributes; rank 0 alone then writes the provenance (it lists
+       every input) and ``complete=True``; ``--verify`` re-reads every sample
        (checksums; decoded values against the inputs within the bound, raw ones exactly); rank 0
        takes the inputs' identities again, and a changed input stops the job on every rank
        (``journal.check_inputs_unchanged``); then the rename.

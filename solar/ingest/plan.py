@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from solar.errors import ConfigError, InputError
 from solar.ingest.journal import finished_fingerprint
 from solar.ingest.sources import Source, open_sources
 
-__all__ = ["FieldPlan", "Plan", "FINGERPRINT_PREFIX", "validate", "bound_pass", "where"]
+__all__ = ["FieldPlan", "Plan", "FINGERPRINT_PREFIX", "validate", "bound_pass", "where", "scatter_plan"]
 
 FINGERPRINT_PREFIX = "v2-"  # fingerprints that include a content digest of each input
 
@@ -105,6 +105,8 @@ class Plan:
         self._release_before(i)
         while lo < hi and i < len(self.sources):
             s0 = self.starts[i]
+            if s0 > lo:  # (a rank's plan holds the inputs of its rows only: scatter_plan)
+                raise RuntimeError(f"samples {lo}..{min(hi, s0)} lie in no input of this rank's plan")
             stop = min(hi, s0 + self.sources[i].n)
             if stop > lo:
                 parts.append(self.sources[i].read(name, lo - s0, stop - s0))
@@ -283,3 +285,55 @@ def where(plan: Plan, i: int) -> str:
     """``input URL, sample K`` for global sample ``i``: where a message points the user."""
     k = max(0, int(np.searchsorted(plan.starts, i, side="right")) - 1)
     return f"input {plan.sources[k].url}, sample {i - plan.starts[k]}"
+
+
+# -- each rank's inputs ------------------------------------------------------------------------------
+def scatter_plan(plan: Plan | None, comm) -> Plan:
+    """This rank's plan: rank 0's ``plan`` (collective), each other rank getting only the inputs
+    its rows lie in (:func:`sources_by_rank`), so that a rank holds O(rows per rank) inputs,
+    not one per sample of the job (inputs of one sample per file). Rank 0 keeps every input: it
+    validated them, and it fingerprints, journals and re-checks them."""
+    if comm.size == 1:
+        return plan
+    parts = None
+    if comm.rank == 0:
+        per_rank = sources_by_rank(plan.starts, plan.num_samples, plan.batch_size, comm.size)
+        parts = [None] + [replace(plan, sources=[plan.sources[i] for i in idx], starts=[plan.starts[i] for i in idx],
+                                  notes=[], _released=0) for idx in per_rank[1:]]
+    mine = comm.scatter(parts, root=0)
+    return plan if comm.rank == 0 else mine
+
+
+def sources_by_rank(starts: list[int], n: int, batch_size: int, size: int) -> list[np.ndarray]:
+    """For each rank, the indices of the inputs (first global samples ``starts``, ``n`` samples in
+    all) that hold a row it reads: its share of every batch (``solar.dist.share``: the writes)
+    and its contiguous share of all samples (the bound pass, ``--verify``). An input spanning
+    a whole batch goes to every rank, and one in a batch of fewer rows than ranks to each rank
+    between its first and last reader (a few more than read it). Vectorized: no loop over
+    batches or ranks."""
+    P, bs = size, batch_size
+    s0 = np.asarray(starts, np.int64)
+    s1 = np.append(s0[1:], n).astype(np.int64)
+    src = np.flatnonzero(s1 > s0)
+    s0, s1 = s0[src], s1[src]
+    b0, b1 = s0 // bs, (s1 - 1) // bs
+    whole = b1 - b0 >= 2
+    near = ~whole  # in one batch or two: the ranks of each piece, from the share formula
+
+    def batch_ranks(a, b):  # first and last rank reading rows [a, b) of one batch
+        g0 = a // bs * bs
+        m = np.minimum(n, g0 + bs) - g0
+        return ((a - g0 + 1) * P - 1) // m, ((b - g0) * P - 1) // m
+
+    two = near & (b1 > b0)
+    pieces = [(src[near], *batch_ranks(s0[near], np.minimum(s1[near], (b0[near] + 1) * bs))),
+              (src[two], *batch_ranks(b1[two] * bs, s1[two])),
+              (src[whole], np.zeros(whole.sum(), np.int64), np.full(whole.sum(), P - 1, np.int64)),
+              (src, ((s0 + 1) * P - 1) // n, (s1 * P - 1) // n)]  # the contiguous shares
+    which = np.concatenate([p[0] for p in pieces])
+    first = np.concatenate([p[1] for p in pieces])
+    count = np.concatenate([p[2] for p in pieces]) - first + 1
+    rank = np.repeat(first, count) + np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+    key = np.unique(rank * max(1, len(starts)) + np.repeat(which, count))
+    cuts = np.searchsorted(key, np.arange(P + 1) * max(1, len(starts)))
+    return [key[cuts[r]:cuts[r + 1]] - r * max(1, len(starts)) for r in range(P)]

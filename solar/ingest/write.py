@@ -23,7 +23,7 @@ from solar.ingest.failures import abort_job, as_storage_error, close_quietly, mi
 from solar.ingest.journal import (JOURNAL_SUFFIX, TMP_SUFFIX, OutputLock, check_inputs_unchanged, finished_by,
                                   journal_record, read_journal, redact_argv, redact_url, refuse_to_discard,
                                   resume_point, write_journal)
-from solar.ingest.plan import FieldPlan, Plan, bound_pass, validate, where
+from solar.ingest.plan import FieldPlan, Plan, bound_pass, scatter_plan, validate, where
 from solar.ingest.verify import verify_file
 from solar.layout import FORMAT, checksum_key, sample_checksum
 
@@ -125,9 +125,9 @@ def _write_compressed(f, fpl: FieldPlan, rows: np.ndarray, lo: int, size: int, c
     """Encode this rank's samples, place the blobs after every lower rank's, write collectively."""
     blobs = [codec.encode(r, abs_error=fpl.abs_error) for r in rows]
     lens = np.fromiter((len(x) for x in blobs), np.int64, len(blobs))
-    totals = comm.allgather(int(lens.sum()))
-    base = size + sum(totals[:comm.rank])
-    new_size = size + sum(totals)
+    mine = int(lens.sum())
+    base = size + ((comm.exscan(mine) or 0) if comm.size > 1 else 0)  # the lower ranks' bytes
+    new_size = size + comm.allreduce(mine)
     g = f[fpl.name]
     g["data"].resize((new_size,))  # collective: the same size on every rank
     payload = np.frombuffer(b"".join(blobs), np.uint8) if blobs else np.empty(0, np.uint8)
@@ -139,8 +139,8 @@ def _write_compressed(f, fpl: FieldPlan, rows: np.ndarray, lo: int, size: int, c
     return new_size, [sample_checksum(x) for x in blobs]
 
 
-def _finish(f, plan: Plan, sizes: dict[str, int], comm, dxpl, fp: str) -> None:
-    """Offsets' ends, codec attributes, provenance and ``complete=True`` (collective)."""
+def _finish(f, plan: Plan, sizes: dict[str, int], comm, dxpl) -> None:
+    """Offsets' ends and codec attributes (collective); :func:`_stamp` follows."""
     n = plan.num_samples
     for fpl in plan.fields:
         if fpl.compress:
@@ -154,21 +154,29 @@ def _finish(f, plan: Plan, sizes: dict[str, int], comm, dxpl, fp: str) -> None:
             g.attrs["codec"] = descriptor
             g.attrs["codec_config"] = json.dumps({"abs_error": fpl.abs_error, "rel_error": plan.rel_error,
                                                   "rel_error_range": "field" if plan.rel_error is not None else None})
+    f.flush()
+
+
+def _stamp(tmp: str, plan: Plan, world_size: int, fp: str) -> None:
+    """Provenance and ``complete=True``, written by rank 0 alone once every rank has closed
+    ``tmp``: the provenance lists every input, which rank 0 alone holds (``scatter_plan``); a
+    collective attribute write would need it on every rank."""
+    import h5py  # heavy; imported when a file is written
+
     provenance = {
         "tool": f"solar {__version__} ingest",
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "argv": redact_argv(sys.argv),
-        "world_size": comm.size,
+        "world_size": world_size,
         "fingerprint": fp,
         "inputs": [{"url": redact_url(s.url), "samples": s.n, "first_sample": st, "fields": s.keys,
                     "one_sample_per_file": s.per_file}
                    for s, st in zip(plan.sources, plan.starts)],
         "bounds": {fpl.name: fpl.abs_error for fpl in plan.fields if fpl.compress},
     }
-    provenance = comm.bcast(provenance, root=0)  # attribute writes must carry the same value everywhere
-    f.attrs["provenance"] = json.dumps(provenance)
-    f.attrs["complete"] = True
-    f.flush()
+    with write_errors(f"writing {tmp}", tmp), h5py.File(tmp, "r+") as f:
+        f.attrs["provenance"] = json.dumps(provenance)
+        f.attrs["complete"] = True
 
 
 class _Progress:
@@ -251,9 +259,10 @@ def ingest(inputs: list[str], output: str, *, fields: list[str] | None = None, a
             if lock is not None:
                 lock.release()
                 lock = None
-    plan, err = comm.bcast((plan, err), root=0)  # every rank raises the verdict of rank 0
+    err = comm.bcast(err, root=0)  # every rank raises the verdict of rank 0
     if err is not None:
         raise err
+    plan = scatter_plan(plan, comm)  # each rank the inputs of its rows (rank 0 all of them)
     options = _Options(resume, overwrite, verify, progress, commit_interval, on_batch_written)
     try:
         return _Run(plan, comm, parallel, options, t0).run()
@@ -410,7 +419,7 @@ class _Run:
                 bar.update(g1 - g0)
                 if opts.on_batch_written is not None:
                     opts.on_batch_written(b, committed)
-            _finish(self.f, plan, self.sizes, self.comm, self.dxpl, self.fp)
+            _finish(self.f, plan, self.sizes, self.comm, self.dxpl)
             finished = True
         except BaseException as exc:
             failure = self._failed(exc)
@@ -467,7 +476,16 @@ class _Run:
     def _check_and_rename(self) -> None:
         """``--verify``, the inputs' identities again, then ``OUT.tmp`` -> ``OUT`` (durably)."""
         plan, comm = self.plan, self.comm
-        comm.Barrier()
+        comm.Barrier()  # every rank has closed OUT.tmp
+        err = None
+        if comm.rank == 0:
+            try:
+                _stamp(self.tmp, plan, comm.size, self.fp)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank, below
+                err = exc
+        err = comm.bcast(err, root=0)
+        if err is not None:
+            raise err
         for s in plan.sources:
             s.close()
         mismatch = None
