@@ -62,13 +62,19 @@ _NP = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 #: the longest shared ``arange`` kept (:func:`_arange`): the elements of a 1 MiB chunk of bytes
 _ARANGE_MAX = 1 << 20
 _ARANGE = np.arange(0, dtype=np.intp)
-_local = threading.local()  # one zstd context of each kind per thread: making one allocates ~1 MiB
+_local = threading.local()  # one zstd context of each kind per thread (made when first needed: ~1 MiB each)
 
 
-def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+def _compressor() -> zstandard.ZstdCompressor:
     if not hasattr(_local, "cz"):
-        _local.cz, _local.dz = zstandard.ZstdCompressor(level=_LEVEL), zstandard.ZstdDecompressor()
-    return _local.cz, _local.dz
+        _local.cz = zstandard.ZstdCompressor(level=_LEVEL)
+    return _local.cz
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_local, "dz"):
+        _local.dz = zstandard.ZstdDecompressor()
+    return _local.dz
 
 
 class DeltaFormatError(ValueError):
@@ -192,7 +198,7 @@ def encode(new: memoryview, old: memoryview, base: bytes, elem: int) -> Encoded:
     a = np.frombuffer(new, dt)
     b = np.frombuffer(old, dt)
     head = _HEAD.pack(DELTA_MAGIC, SPARSE, elem, base, n)
-    cz = _zstd()[0]
+    cz = _compressor()
     gaps = np.diff(pos, prepend=-1) - 1
     kind = SPARSE16 if gaps.max() < (1 << 16) else SPARSE
     width, gtype = _GAP[kind]
@@ -211,7 +217,7 @@ def xor_delta(new: memoryview, old: memoryview, base: bytes, elem: int) -> bytes
     """The ``XOR`` form of the delta turning ``old`` (chunk ``base``) into ``new``."""
     dt = _NP[elem]
     x = np.frombuffer(new, dt) ^ np.frombuffer(old, dt)
-    return _HEAD.pack(DELTA_MAGIC, XOR, elem, base, new.nbytes) + _zstd()[0].compress(_planes(x, elem))
+    return _HEAD.pack(DELTA_MAGIC, XOR, elem, base, new.nbytes) + _compressor().compress(_planes(x, elem))
 
 
 def _arange(k: int) -> np.ndarray:
@@ -241,7 +247,7 @@ def apply(obj, out: memoryview, base: bytes) -> None:
     dt = _NP[h.elem]
     nelem = h.length // h.elem
     mine = np.frombuffer(out, dt)
-    dz = _zstd()[1]
+    dz = _decompressor()
     body = memoryview(obj)[_HEAD.size:]
     try:
         if h.kind == XOR:
