@@ -76,7 +76,7 @@ def test_a_rank_with_another_step_is_refused_on_every_rank_before_anything_commi
     w.save(state(0, comm.rank), 0, blocking=True)
     step = 7 if comm.rank == comm.size - 1 else 1
     with pytest.raises(ConfigError, match=rf"rank 0 saves step 1 but rank {comm.size - 1} step 7"):
-        w.save(state(step, comm.rank), step)
+        w.save(state(step, comm.rank), step).result()  # the agreement fails the future, before anything is written
     comm.barrier()
     assert list_versions(root) == [0]
     w.save(state(1, comm.rank), 1, blocking=True)  # the writer goes on
@@ -91,12 +91,12 @@ def test_state_keys_that_disagree_are_refused_naming_the_rank_and_the_key(comm, 
         if comm.rank == 1:
             s["model"]["extra"] = torch.ones(3)
         with pytest.raises(ConfigError, match=r"rank 1's state for step 0 has key 'model.extra' that rank 0's lacks"):
-            w.save(s, 0)
+            w.save(s, 0).result()
         s = state(0, comm.rank)
         if comm.rank == comm.size - 1:
             del s["model"]["own"]
         with pytest.raises(ConfigError, match=rf"rank {comm.size - 1}'s state for step 0 lacks key 'model.own'"):
-            w.save(s, 0)
+            w.save(s, 0).result()
     comm.barrier()
     assert list_versions(root) == [] and chunk_bytes(root) == 0
 
@@ -109,7 +109,7 @@ def test_a_state_one_rank_cannot_save_fails_every_rank_with_that_ranks_error(com
             s["model"]["own"] = s["model"]["own"].to_sparse()
         want = "layout" if comm.rank == 1 else r"rank 1 cannot save step 0: InputError: tensor 'model.own' has layout"
         with pytest.raises((CheckpointError, InputError), match=want):
-            w.save(s, 0)
+            w.save(s, 0).result()  # rank 1's save() raises; the others' futures fail
     assert list_versions(root) == []
 
 

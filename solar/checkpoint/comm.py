@@ -1,12 +1,12 @@
 """The communicator a job-wide checkpoint writer talks through: one small interface over an mpi4py
 communicator or a torch.distributed process group.
 
-A job writer needs two private channels: one used by the caller's thread (the agreement check of
-``save``) and one used by its background commit thread. Each is a duplicate of the communicator the
-user passed (``comm.Dup()`` for mpi4py, a new gloo group over the same ranks for torch.distributed),
-so the writer's collectives never interleave with the training code's collectives on the same
-communicator, nor with each other. Creating them is collective: every rank of the job constructs
-its writer.
+A job writer needs two private channels: one for the collectives of its construction (opening the
+root) and one used by its background commit thread (every collective of a save, its agreement
+first). Each is a duplicate of the communicator the user passed (``comm.Dup()`` for mpi4py, a new
+gloo group over the same ranks for torch.distributed), so the writer's collectives never interleave
+with the training code's collectives on the same communicator, nor with each other. Creating them
+is collective: every rank of the job constructs its writer.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """The job-wide writer: every rank of a job saves into one root, and one version commits for all.
 
 A save runs on every rank, in the same order, in each rank's background thread (the caller blocks
-only for the agreement check and the host copy, as a single-process save does)::
+only for the host copy, as a single-process save does)::
 
-    agree     (caller's thread)  allgather of (step, digest of the tensor names, local failure):
+    agree                        allgather of (step, digest of the tensor names, local failure):
                                  a different step, other keys or a failing rank refuse the save
-                                 on every rank before anything is written
+                                 on every rank before anything is written (the future fails; a
+                                 rank whose own state cannot be saved also raises from save())
     hash                         each rank hashes its blobs and finds the chunks the store lacks
     exchange                     allgather of those digests; each is written by ONE of the ranks
                                  holding it (so a replicated tensor is stored once)
@@ -160,6 +161,7 @@ class JobWriter(CheckpointWriter):
         self._main = _JobSink(store, opened["lock"] if self.rank == 0 else _NoLock(), opened["known"],
                               opened["damaged"], self.rank)
         self._main.locations, self._main.steps = opened["locations"], set(opened["versions"])
+        self._committed = set(opened["versions"])  # the steps with a global manifest (this writer's view)
         self._part: _PartGen | None = None  # the part of the save being committed
         self._stage = None
         self._prev_step = opened["latest"]
@@ -227,12 +229,19 @@ class JobWriter(CheckpointWriter):
             if names:
                 self._prev_trees[names[0]] = merkle.build(part.blob_digests(i), self._digest)
 
-    # -- agreement (caller's thread) --
-    def _agree(self, flat: Flat | None, step: int, failure: BaseException | None) -> None:
+    # -- agreement (background thread, first phase of every save) --
+    def _refuse(self, step: Any, exc: BaseException) -> None:
+        """This rank's save raises ``exc`` on the caller's thread; its vote still goes out (in save
+        order, like every save's), so the other ranks' futures fail with this rank's error."""
+        self._persist.submit(self._vote, step, None, exc)
+
+    def _vote(self, step: Any, flat: Flat | None, failure: BaseException | None) -> None:
+        """Every rank says its step, its tensor names' digest and its failure; a different step,
+        other keys or a failing rank refuse the save on every rank, before anything is written."""
         names = [t.name for t in flat.tensors] if flat is not None else []
         keys = xxhash.xxh3_128_hexdigest(json.dumps(names).encode())
         vote = _Vote(step, keys, _failure(failure) if failure is not None else "")
-        votes = [_Vote(*v) for v in self._sync.allgather(tuple(vote))]
+        votes = [_Vote(*v) for v in self._bg.allgather(tuple(vote))]
         for r, v in enumerate(votes):
             if v.error:
                 if failure is not None:
@@ -243,7 +252,7 @@ class JobWriter(CheckpointWriter):
                 raise ConfigError(f"the ranks disagree on the step: rank 0 saves step {votes[0].step} but rank {r} "
                                   f"step {v.step}; every rank must call save() with the same step (nothing was saved)")
         if any(v.keys != votes[0].keys for v in votes):
-            lists = self._sync.allgather(names)
+            lists = self._bg.allgather(names)
             base = set(lists[0])
             for r, other in enumerate(lists):
                 extra, missing = sorted(set(other) - base), sorted(base - set(other))
@@ -281,6 +290,13 @@ class JobWriter(CheckpointWriter):
     def _commit(self, flat: Flat, host: list[np.ndarray], slot: int, step: int, meta: dict,
                 stage_seconds: float) -> SaveResult:
         t0 = time.perf_counter()
+        try:
+            self._vote(step, flat, None)
+        except BaseException:
+            self._pool.release(slot)
+            if step not in self._committed:  # the refused save saved nothing: its step stays new
+                self._main.steps.discard(step)
+            raise
         sink = self._main
         held = [True]
 
@@ -318,6 +334,7 @@ class JobWriter(CheckpointWriter):
             raise
         release()
         self._commit_global(step, parts, mine, pack)
+        self._committed.add(step)
         if self._deltas is not None:
             self._deltas.committed()
         committed = set().union(*(set(n) for n in news))

@@ -251,19 +251,18 @@ class CheckpointWriter:
         """
         if self._closed:
             raise CheckpointError(f"CheckpointWriter for {self.root} is closed")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"step must be a non-negative int, got {step!r}")
-        meta = checked_meta(meta, step)
         t0 = time.perf_counter()
         try:
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise ConfigError(f"step must be a non-negative int, got {step!r}")
+            meta = checked_meta(meta, step)
             if loader is not None:
                 meta[LOADER_KEY] = encode_loader(loader_state_of(loader))
-            flat, failure = flatten(state_dict), None
-        except Exception as exc:  # a job's ranks learn of it together (_agree)
-            flat, failure = None, exc
-        self._agree(flat, step, failure)
-        # after the agreement: a save the job refused saved nothing, so its step stays new
-        check_new_step((self._stage or self._main).steps, step, overwrite, self.root)
+            flat = flatten(state_dict)
+            check_new_step((self._stage or self._main).steps, step, overwrite, self.root)
+        except Exception as exc:
+            self._refuse(step, exc)  # a job's other ranks learn of it through their save's future
+            raise
         staged: Future = Future()
         ticket = self._pool.ticket()
         try:
@@ -287,10 +286,8 @@ class CheckpointWriter:
             fut.result()
         return fut
 
-    def _agree(self, flat: Flat | None, step: int, failure: BaseException | None) -> None:
-        """Refuse the save before any work if it cannot be done (a job also checks its ranks agree)."""
-        if failure is not None:
-            raise failure
+    def _refuse(self, step: Any, exc: BaseException) -> None:
+        """``save`` raises ``exc`` before any work (a job writer tells its other ranks too)."""
 
     def _stage_copy(self, flat: Flat, staged: Future, ticket: int) -> tuple[list[np.ndarray], int]:
         try:
