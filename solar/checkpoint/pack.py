@@ -6,8 +6,9 @@ storm on a parallel file system. ``pack=`` says what goes into packs (:func:`pac
 
 - ``pack=N`` (bytes; the job writer's default is :data:`PACK_BYTES`): every new chunk, into rolling
   packs of at most ``N`` bytes, so a save makes ``ceil(new bytes / N)`` packs plus its manifest,
-  whatever the tensor count. Each pack is assembled in memory while the next fills, and at most
-  two are in flight, so the writer's extra memory is bounded by ``2 N``;
+  whatever the tensor count. Each pack is assembled and written by an I/O thread while the next
+  fills, into one of ``in_flight`` buffers reused for the save's packs (mapped ahead, see
+  :func:`.host.allocate`), so the writer's extra memory is bounded by ``in_flight * N``;
 - ``pack=True``: only the chunks smaller than ``chunk_size`` (small tensors, blob tails), into one
   pack per save; full chunks stay files of their own;
 - ``pack=False``: a file per chunk (the default of a single-process writer: a root on a local disk).
@@ -28,14 +29,17 @@ the ones that are partly dead (:mod:`.repack`).
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future, wait as wait_futures
 from typing import Callable, Iterator, NamedTuple
 
+import numpy as np
 import xxhash
 
 from solar.cache.disk import open_regular
 from solar.errors import CheckpointError, ConfigError, CorruptDataError
 
+from .host import allocate
 from .manifest import Location, Manifest
 from .store import CheckpointStore
 
@@ -79,16 +83,18 @@ class PackResult(NamedTuple):
 
 class Packer:
     """Rolling packs: chunks added in order fill a pack until the next would pass ``limit`` bytes;
-    a full pack is written by ``submit(write_pack, store, chunks)`` (a thread pool's) while the
-    next fills. At most ``in_flight`` packs are written at once (:meth:`add` waits), so memory stays
-    bounded by that many packs. Chunks are views of the staging copy, which must live until
-    :meth:`finish` returns."""
+    a full pack is assembled and written by ``submit`` (a thread pool's) while the next fills. At
+    most ``in_flight`` packs are written at once (:meth:`add` waits), each assembled in a buffer
+    the packs of this packer reuse, so memory stays bounded by that many packs. Chunks are views of
+    the staging copy, which must live until :meth:`finish` returns."""
 
     def __init__(self, store: CheckpointStore, submit: Callable[..., Future], limit: float, in_flight: int = 2) -> None:
         self.store, self.submit, self.limit, self.in_flight = store, submit, limit, in_flight
         self._cur: list[tuple[bytes, memoryview]] = []
         self._cur_bytes = 0
         self._futs: list[Future] = []
+        self._spare: list[np.ndarray] = []  # assembly buffers of finished writes
+        self._spare_lock = threading.Lock()
 
     def add(self, digest: bytes, view: memoryview) -> None:
         if self._cur and self._cur_bytes + view.nbytes > self.limit:
@@ -102,8 +108,26 @@ class Packer:
         running = [f for f in self._futs if not f.done()]
         if len(running) >= self.in_flight:
             running[0].exception()  # waits for the oldest (a failure is raised by finish)
-        self._futs.append(self.submit(write_pack, self.store, self._cur))
+        self._futs.append(self.submit(self._write, self._cur, self._cur_bytes))
         self._cur, self._cur_bytes = [], 0
+
+    def _write(self, chunks: list[tuple[bytes, memoryview]], nbytes: int) -> tuple[dict[bytes, Location], int]:
+        """Write one pack (in an I/O thread), assembled in a spare buffer when one is large enough.
+        A fresh ``bytes`` per pack would fault in every page of it first: several times the copy."""
+        if len(chunks) == 1:  # one span already: written from where it is
+            return write_pack(self.store, chunks)
+        with self._spare_lock:  # the smallest spare that fits (sorted by size)
+            i = next((i for i, b in enumerate(self._spare) if b.nbytes >= nbytes), None)
+            buf = self._spare.pop(i) if i is not None else None
+        if buf is None:
+            buf = allocate(nbytes).numpy()
+        try:
+            return write_pack(self.store, chunks, buf)
+        finally:
+            with self._spare_lock:
+                self._spare.append(buf)
+                self._spare.sort(key=lambda b: b.nbytes)
+                del self._spare[:-self.in_flight]  # keep the largest
 
     def finish(self) -> PackResult:
         """Write the last pack, wait for every one; on a failure delete the packs written and raise it."""
@@ -113,6 +137,7 @@ class Packer:
         if failed:
             self.discard()
             raise failed[0]
+        self._spare.clear()  # the writes are done: their buffers go
         out = PackResult({}, 0, [])
         for f in self._futs:
             locs, n = f.result()
@@ -124,6 +149,7 @@ class Packer:
     def discard(self) -> None:
         """Delete the packs written so far (best effort: a full ``gc`` removes what is left)."""
         wait_futures(self._futs)
+        self._spare.clear()
         for f in self._futs:
             if f.exception() is None:
                 locs, _n = f.result()
@@ -138,8 +164,11 @@ def pack_key(name: str) -> str:
     return f"{_PACKS}{name[:2]}/{name}"
 
 
-def write_pack(store: CheckpointStore, chunks: list[tuple[bytes, memoryview]]) -> tuple[dict[bytes, Location], int]:
+def write_pack(store: CheckpointStore, chunks: list[tuple[bytes, memoryview]],
+               into: np.ndarray | None = None) -> tuple[dict[bytes, Location], int]:
     """Write ``chunks`` (digest, bytes) as one pack; return each chunk's location and the bytes written.
+    The pack is assembled in ``into`` (uint8, large enough) if given, else in new memory; one
+    chunk is written from where it is.
 
     Raises:
         CheckpointError: the tier refused the pack (byte budget) or the device is full.
@@ -150,19 +179,26 @@ def write_pack(store: CheckpointStore, chunks: list[tuple[bytes, memoryview]]) -
     for d, v in chunks:
         spans.append((d, at, v.nbytes))
         at += v.nbytes
-    buf = b"".join(v for _d, v in chunks)  # one copy, no zero-fill first
+    if len(chunks) == 1:
+        buf = chunks[0][1]
+    elif into is not None:
+        for (_d, a, n), (_d2, v) in zip(spans, chunks):
+            into[a:a + n] = np.frombuffer(v, np.uint8)
+        buf = memoryview(into)[:at]
+    else:
+        buf = b"".join(v for _d, v in chunks)  # one copy, no zero-fill first
     # named by its chunk table: each digest names its chunk's bytes, so this names the pack's bytes
     # without hashing them again
     name = xxhash.xxh3_128_hexdigest(b"".join(d + n.to_bytes(8, "little") for d, _a, n in spans))
     try:
         ok = store.tier.put(pack_key(name), buf)
     except OSError as exc:
-        raise CheckpointError(f"cannot write checkpoint pack {name} ({len(buf)} B, {len(chunks)} chunks) to "
+        raise CheckpointError(f"cannot write checkpoint pack {name} ({at} B, {len(chunks)} chunks) to "
                               f"{store.root}: {exc}") from exc
     if not ok:
         raise CheckpointError(f"checkpoint root {store.root} is over its byte budget writing pack {name} "
-                              f"({len(buf)} B); run `solar-ckpt gc {store.root} --keep-last K` or raise the budget")
-    return {d: Location(name, a, n) for d, a, n in spans}, len(buf)
+                              f"({at} B); run `solar-ckpt gc {store.root} --keep-last K` or raise the budget")
+    return {d: Location(name, a, n) for d, a, n in spans}, at
 
 
 def read_packed(store: CheckpointStore, digest: bytes, loc: Location, out: memoryview) -> int:
