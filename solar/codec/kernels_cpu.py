@@ -130,83 +130,73 @@ def _residuals(b, R, n, kinds, slots, nib, i8, wide, bpw, bp_at, marks, side, es
             R[c] = esc_val[k]
 
 
-# point kinds of a pass (:func:`~solar.codec.predict.predict_odd`'s border rules)
+# point kinds of an outer-axis pass's rows (:func:`~solar.codec.predict.predict_odd`'s border rules)
 _COPY, _LINEAR, _CUBIC = 0, 1, 2
 
 
-@numba.njit(inline="always")
-def _pairs(O, C, res, count, kind, K, is32):
-    """For ``j < count``: ``O[2j] = C[j + 1]`` (an even point) and ``O[2j + 1]``, the odd point
-    between ``C[j + 1]`` and ``C[j + 2]`` (cubic: ``C[j]`` and ``C[j + 3]`` too), from ``res[j]``.
-    One loop per kind (no per-point call, branch or reference count): contiguous loads and
-    interleaved stores, which vectorize."""
-    if kind == _COPY:
-        for j in range(count):
-            b = np.int64(C[j + 1])
-            O[2 * j] = b
-            O[2 * j + 1] = _wrap(b + K * np.int64(res[j]), is32)
-    elif kind == _LINEAR:
-        for j in range(count):
-            b = np.int64(C[j + 1])
-            O[2 * j] = b
-            O[2 * j + 1] = _wrap((_wrap(b + np.int64(C[j + 2]), is32) >> 1) + K * np.int64(res[j]), is32)
-    elif K == 1:
-        for j in range(count):
-            b = np.int64(C[j + 1])
-            O[2 * j] = b
-            t = np.int64(C[j]) + np.int64(C[j + 3]) - 9 * (b + np.int64(C[j + 2])) + 7
-            O[2 * j + 1] = _wrap(np.int64(res[j]) - (_wrap(t, is32) >> 4), is32)
-    else:
-        for j in range(count):
-            b = np.int64(C[j + 1])
-            O[2 * j] = b
-            t = 9 * (b + np.int64(C[j + 2])) - np.int64(C[j]) - np.int64(C[j + 3]) + 8
-            O[2 * j + 1] = _wrap((_wrap(t, is32) >> 4) + K * np.int64(res[j]), is32)
+@numba.njit(nogil=True, cache=True)
+def _lines(src, dst, R, pos, outer, n_e, even, cubic, K, X, st, last):
+    """A pass along the innermost axis: ``outer`` lines of ``n_e`` known points in ``src``, each
+    refined into ``m = 2 n_e`` (or ``2 n_e - 1``) points of ``dst``: ``O[2J] = C[J]`` and the odd
+    point ``O[2J + 1]`` between ``C[J]`` and ``C[J + 1]`` (cubic: ``C[J - 1]`` and ``C[J + 2]``
+    too) from residual ``R[pos + ...]``. ``last``: also dequantized into ``X`` (:func:`_pass`).
 
-
-@numba.njit(inline="always")
-def _line_run(O, C, res, k0, count, kind, K, is32):
-    """Pairs ``k0 .. k0 + count - 1`` of a line (:func:`_pair`), on views whose indices start at
-    0: a loop of contiguous loads and interleaved stores, which vectorizes."""
-    if count <= 0:
-        return
-    Ov, rv = O[2 * k0:], res[k0:k0 + count]
-    if k0 >= 1:  # a view from the left neighbour's left neighbour (what _pair indexes from)
-        _pairs(Ov, C[k0 - 1:], rv, count, kind, K, is32)
-        return
-    for j in range(count):  # the line's first pairs (never cubic): no point left of the line
-        b = np.int64(C[j])
-        Ov[2 * j] = b
-        if kind == _COPY:
-            v = b + K * np.int64(rv[j])
+    Linear points (every one but the first of a cubic line: ``J < last``), cubic points
+    (``1 <= J < hi``), the linear ones after them, then the copied last odd point of an even
+    count. The grids are 2-D views made once per pass, indexed by line and by a counter that
+    starts at 0: no view per line (each view costs two atomic reference counts, which cost more
+    than a short line's work), no negative-index check; contiguous loads and interleaved stores,
+    which vectorize. Every value that meets a shift or a store is cast to the grid's type ``c``
+    first (the reference's wrap), so int32 grids compute in 32-bit lanes."""
+    c = dst.dtype.type
+    m = 2 * n_e if even else 2 * n_e - 1
+    n_o = m // 2
+    C = src[:outer * n_e].reshape((outer, n_e))
+    O = dst[:outer * m].reshape((outer, m))
+    res = R[pos:pos + outer * n_o].reshape((outer, n_o))
+    X2 = X[:outer * m].reshape((outer, m))
+    odd = n_o - 1 if even else n_o  # odd points before the copied one
+    lo = min(1, odd) if cubic else odd
+    hi = max(min(n_e - 2, odd), lo) if cubic else odd
+    for o in range(outer):
+        for j in range(lo):  # linear: J = j
+            b = C[o, j]
+            O[o, 2 * j] = b
+            O[o, 2 * j + 1] = c((c(b + C[o, j + 1]) >> 1) + K * res[o, j])
+        if K == 1:  # cubic (lo == 1 when there are any): J = j + 1, the reference's sign -1 form
+            for j in range(hi - lo):
+                b = C[o, j + 1]
+                O[o, 2 * j + 2] = b
+                O[o, 2 * j + 3] = c(res[o, j + 1] - (c(C[o, j] + C[o, j + 3] - 9 * (b + C[o, j + 2]) + 7) >> 4))
         else:
-            v = (_wrap(b + np.int64(C[j + 1]), is32) >> 1) + K * np.int64(rv[j])
-        Ov[2 * j + 1] = _wrap(v, is32)
+            for j in range(hi - lo):
+                b = C[o, j + 1]
+                O[o, 2 * j + 2] = b
+                O[o, 2 * j + 3] = c((c(9 * (b + C[o, j + 2]) - C[o, j] - C[o, j + 3] + 8) >> 4) + K * res[o, j + 1])
+        for J in range(hi, odd):  # linear after the cubic ones (a point or two)
+            b = C[o, J]
+            O[o, 2 * J] = b
+            O[o, 2 * J + 1] = c((c(b + C[o, J + 1]) >> 1) + K * res[o, J])
+        if even:  # the last odd point has no right neighbour: copy
+            b = C[o, odd]
+            O[o, 2 * odd] = b
+            O[o, 2 * odd + 1] = c(b + K * res[o, odd])
+        else:
+            O[o, 2 * (n_e - 1)] = C[o, n_e - 1]
+        if last:
+            for i in range(m):
+                X2[o, i] = O[o, i]
+                X2[o, i] *= st
 
 
 @numba.njit(inline="always")
-def _line(O, C, res, n_e, n_o, even, cubic, K, is32):
-    """One line along the innermost axis: ``C`` its ``n_e`` known points, ``O`` the ``2 n_e``
-    (or ``2 n_e - 1``) points of the refined line."""
-    last = n_o - 1 if even else n_o  # odd points before the copied one
-    lo = min(1, last) if cubic else last
-    hi = max(min(n_e - 2, last), lo) if cubic else last
-    _line_run(O, C, res, 0, lo, _LINEAR, K, is32)
-    _line_run(O, C, res, lo, hi - lo, _CUBIC, K, is32)
-    _line_run(O, C, res, hi, last - hi, _LINEAR, K, is32)
-    if even:
-        _line_run(O, C, res, last, 1, _COPY, K, is32)
-    else:
-        O[2 * (n_e - 1)] = C[n_e - 1]
-
-
-@numba.njit(inline="always")
-def _rows(O, C, res, n_e, n_o, inner, even, cubic, K, is32, X, st, last):
+def _rows(O, C, res, n_e, n_o, inner, even, cubic, K, X, st, last):
     """One block along an outer axis: ``C`` its ``n_e`` known rows of ``inner`` values, ``O``
     the refined block: even rows copied, odd rows computed. 2-D views, indexed by row and
     column (no per-row view or call, no negative-index check in the inner loops). ``last``:
     the plan's last pass, whose rows go dequantized into ``X`` (``float(q)``, then ``* st``)
-    while they are in cache; its even rows are never copied into ``O``."""
+    while they are in cache; its even rows are never copied into ``O``. Casts as :func:`_pairs`."""
+    c = O.dtype.type
     rows = 2 * n_o + (0 if even else 1)
     C2, O2, r2 = C.reshape((n_e, inner)), O.reshape((rows, inner)), res.reshape((n_o, inner))
     X2 = X.reshape((rows, inner))
@@ -217,21 +207,18 @@ def _rows(O, C, res, n_e, n_o, inner, even, cubic, K, is32, X, st, last):
         kind = _kind(k, n_e, even, cubic)
         if kind == _COPY:
             for i in range(inner):
-                O2[2 * k + 1, i] = _wrap(np.int64(C2[k, i]) + K * np.int64(r2[k, i]), is32)
+                O2[2 * k + 1, i] = c(C2[k, i] + K * r2[k, i])
         elif kind == _LINEAR:
             for i in range(inner):
-                v = (_wrap(np.int64(C2[k, i]) + np.int64(C2[k + 1, i]), is32) >> 1) + K * np.int64(r2[k, i])
-                O2[2 * k + 1, i] = _wrap(v, is32)
+                O2[2 * k + 1, i] = c((c(C2[k, i] + C2[k + 1, i]) >> 1) + K * r2[k, i])
         elif K == 1:
             for i in range(inner):
-                b, c = np.int64(C2[k, i]), np.int64(C2[k + 1, i])
-                t = np.int64(C2[k - 1, i]) + np.int64(C2[k + 2, i]) - 9 * (b + c) + 7
-                O2[2 * k + 1, i] = _wrap(np.int64(r2[k, i]) - (_wrap(t, is32) >> 4), is32)
+                t = c(C2[k - 1, i] + C2[k + 2, i] - 9 * (C2[k, i] + C2[k + 1, i]) + 7)
+                O2[2 * k + 1, i] = c(r2[k, i] - (t >> 4))
         else:
             for i in range(inner):
-                b, c = np.int64(C2[k, i]), np.int64(C2[k + 1, i])
-                t = 9 * (b + c) - np.int64(C2[k - 1, i]) - np.int64(C2[k + 2, i]) + 8
-                O2[2 * k + 1, i] = _wrap((_wrap(t, is32) >> 4) + K * np.int64(r2[k, i]), is32)
+                t = c(9 * (C2[k, i] + C2[k + 1, i]) - C2[k - 1, i] - C2[k + 2, i] + 8)
+                O2[2 * k + 1, i] = c((t >> 4) + K * r2[k, i])
         if last:
             for i in range(inner):
                 X2[2 * k, i] = C2[k, i]
@@ -260,7 +247,9 @@ def _pass(src, dst, R, pos, outer, inner, n_e, even, cubic, K, X, st, last):
     along its middle axis into ``dst``, residuals from ``R[pos]`` on. ``last``: the plan's last
     pass, whose grid also goes dequantized into the floats ``X`` (``float(q)``, then ``* st``:
     two roundings, as the reference's separate ops), block by block while it is in cache."""
-    is32 = np.iinfo(src.dtype).bits == 32  # a compile-time constant (the array's itemsize field is not)
+    if inner == 1:
+        _lines(src, dst, R, pos, outer, n_e, even, cubic, K, X, st, last)
+        return
     m = 2 * n_e if even else 2 * n_e - 1
     n_o = m // 2
     for o in range(outer):
@@ -268,14 +257,7 @@ def _pass(src, dst, R, pos, outer, inner, n_e, even, cubic, K, X, st, last):
         O = dst[o * m * inner:(o + 1) * m * inner]
         Xo = X[o * m * inner:(o + 1) * m * inner]
         res = R[pos + o * n_o * inner:pos + (o + 1) * n_o * inner]
-        if inner == 1:
-            _line(O, C, res, n_e, n_o, even, cubic, K, is32)
-            if last:
-                for i in range(m):
-                    Xo[i] = O[i]
-                    Xo[i] *= st
-        else:
-            _rows(O, C, res, n_e, n_o, inner, even, cubic, K, is32, Xo, st, last)
+        _rows(O, C, res, n_e, n_o, inner, even, cubic, K, Xo, st, last)
 
 
 @numba.njit(nogil=True, cache=True)
