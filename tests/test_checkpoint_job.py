@@ -113,6 +113,36 @@ def test_a_state_one_rank_cannot_save_fails_every_rank_with_that_ranks_error(com
     assert list_versions(root) == []
 
 
+def test_saves_after_a_rank_refused_its_own_state_commit_on_every_rank(comm, shared_tmp):
+    """A rank whose save() raised on its own thread still takes part in that save's agreement, so
+    the ranks' later saves stay paired: each commits, on every rank."""
+    root = os.path.join(shared_tmp, "job")
+    with CheckpointWriter(root, comm=comm, chunk_size=CHUNK) as w:
+        bad = comm.rank == comm.size - 1
+        f = None
+        with pytest.raises((CheckpointError, ConfigError), match=r"step must be|cannot save step"):
+            f = w.save(state(0, comm.rank), -1 if bad else 0)
+            f.result()
+        futures = [w.save(state(s, comm.rank), s) for s in (1, 2)]
+        assert [f.result().step for f in futures] == [1, 2]
+    assert list_versions(root) == [1, 2] and same(load(root, rank=comm.rank), state(2, comm.rank))
+
+
+def test_save_returns_before_the_other_ranks_have_called_it(comm, shared_tmp):
+    """The agreement runs in the background: rank r's save() returns while rank r+1 has not called
+    save() yet (each waits in a barrier for the rank before it). Were the agreement on the caller's
+    thread, rank 0 would wait in it for rank 1, which waits in the barrier for rank 0: a hang."""
+    root = os.path.join(shared_tmp, "job")
+    with CheckpointWriter(root, comm=comm, chunk_size=CHUNK) as w:
+        fut = None
+        for r in range(comm.size):
+            if comm.rank == r:
+                fut = w.save(state(0, comm.rank), 0)
+            comm.barrier()
+        assert fut.result().step == 0
+    assert same(load(root, rank=comm.rank), state(0, comm.rank))
+
+
 def test_a_rank_failing_mid_save_fails_every_future_and_commits_nothing(comm, shared_tmp):
     root = os.path.join(shared_tmp, "job")
 
