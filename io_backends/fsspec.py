@@ -29,7 +29,7 @@ from .fsspec_common import (CHANGED, INHERITED, _protocols, is_http, missing_pro
                             url_to_fs)
 from .fsspec_hdf5 import h5_errors, open_file_object, open_h5, pinned_fs
 from .fsspec_stage import StagedFile
-from .hdf5 import HDF5Backend, _Span
+from .hdf5 import HDF5Backend, RowPlaces, _Span
 from .npy_format import npy_header
 from .npy_store import NpyStore, write_npy_store
 
@@ -226,7 +226,28 @@ class FsspecBackend(HDF5Backend):
                 spans[key] = _Span.of(self._dset(key), self._file) if ok else None
         return spans[key]
 
+    def scatter_ready(self, key: str) -> bool:
+        """Whether :meth:`read_rows_to` reads ``key``'s rows straight into their places: from a
+        staged copy once it is complete (NOTE [ Staging a remote file ]); before, a pass's rows
+        are read in one buffer, the few of pieces not on their way yet directly from the URL."""
+        self.ensure_open()
+        stage = self.__dict__.get("_stage")
+        return stage is not None and stage.complete and self._range_span(key) is not None
+
     def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
+        if isinstance(out, RowPlaces):
+            span = self._range_span(key)
+            if self._stage is not None and self._stage.complete and span is not None and span.row:
+                runs = [piece for start, stop in ranges.tolist() for piece in span.pieces(start, stop)]
+                self._stage.rows_into(runs, out, span.row)
+                self.stats.read_calls += int((ranges[:, 1] > ranges[:, 0]).sum())
+                return
+            info = self.info(key)  # (read into one buffer, then to the places)
+            buf = np.empty((len(out), *info.row_shape), info.dtype)
+            self._read_ranges(key, ranges, buf)
+            for place, row in zip(out, buf):
+                place[...] = row
+            return
         if self._npy is not None:
             self.stats.read_calls += self._npy.read_into(key, ranges, out)
             return

@@ -13,11 +13,14 @@ NOTE [ Staging a remote file ]
     thread downloads the whole file in ``PIECE``-byte pieces, ``INFLIGHT`` at a time, into an
     unnamed file under ``DIR`` (created and unlinked at once: nothing is left behind, even when
     the job is killed); a read waits only for the pieces holding its rows, which jump the file
-    order when they are not on their way yet, then reads the rows from the local copy with
-    ``preadv``; rows that are a small part of a piece not on its way yet are requested directly
-    instead (a shuffled pass over a large file wants a few rows in every piece: waiting for the
-    pieces would be waiting for the whole file). So the first epoch runs at the link's throughput and later
-    epochs read local disk (its page cache). Every piece is requested pinned to the version
+    order when they are not on their way yet, then copies the rows from a read-only map of the
+    local copy (NOTE [ Mapped reads ] in mapped.py; once the copy is complete, straight into
+    their batch slots: ``FsspecBackend.scatter_ready``); rows that are a small part of a piece
+    not on its way yet are requested directly instead (a shuffled pass over a large file wants
+    a few rows in every piece: waiting for the pieces would be waiting for the whole file). So
+    the first epoch runs at about the link's throughput, and the passes left when the last piece
+    arrives (most of the epoch: each wants rows of nearly every piece) and later epochs read the
+    local copy at memory speed. Every piece is requested pinned to the version
     opened (``If-Match`` / ``IfMatch=ETag``), so a file replaced meanwhile is refused, as for
     range reads; the dataset's checksums are still verified once per row the backend returns.
     Costs: disk space for the whole file per process that opens it (checked up front), and the
@@ -27,6 +30,7 @@ NOTE [ Staging a remote file ]
 from __future__ import annotations
 
 import collections
+import mmap
 import os
 import shutil
 import tempfile
@@ -78,6 +82,10 @@ class StagedFile:
         os.unlink(name)  # nameless: the space returns when the last descriptor closes
         os.ftruncate(fd, self.size)
         self._fd: int | None = fd
+        # the copy's bytes, read as memory (NOTE [ Mapped reads ] in mapped.py): no system call
+        # per row; only pieces already written are read, and nobody else can cut this file
+        self._flat = np.frombuffer(mmap.mmap(fd, self.size, access=mmap.ACCESS_READ), np.uint8) \
+            if self.size else np.zeros(0, np.uint8)
         n = -(-self.size // self.piece)
         self._done = np.zeros(n, bool)
         self._claimed = np.zeros(n, bool)  # done, or being fetched
@@ -232,21 +240,32 @@ class StagedFile:
     def _pread(self, parts: list[tuple[int, int, int, int]], out: memoryview) -> None:
         """``parts`` from the copy (their pieces are there) into their places in ``out``."""
         with self._cond:
-            if self._closed:
-                raise StorageError(f"{self.url}: closed by another thread while reading; close a dataset only "
-                                   "when no loader or thread reads it any more")
-            fd = os.dup(self._fd)
-        try:
-            for at, n, pos, _ in parts:
-                got = 0
-                while got < n:
-                    k = os.preadv(fd, [out[pos + got:pos + n]], at + got)
-                    if k == 0:
-                        raise StorageError(f"{self.url}: the staged copy ends at {at + got} bytes, inside the "
-                                           f"{self.size}-byte file; {CHANGED}")
-                    got += k
-        finally:
-            os.close(fd)
+            flat = self._mapped()
+        dest = np.frombuffer(out, np.uint8)
+        for at, n, pos, _ in parts:
+            dest[pos:pos + n] = flat[at:at + n]
+
+    def _mapped(self) -> np.ndarray:
+        """The copy's map (under the lock), which a close() meanwhile leaves to this read: it is
+        unmapped with its last reference."""
+        if self._closed:
+            raise StorageError(f"{self.url}: closed by another thread while reading; close a dataset only when "
+                               "no loader or thread reads it any more")
+        return self._flat
+
+    def rows_into(self, runs: list[tuple[int, int]], places: list, row: int) -> None:
+        """Rows of ``runs`` (``(file offset, length)`` of whole rows of ``row`` bytes, in order)
+        into ``places`` (one array per row): one copy each, from a complete copy only."""
+        if not self.complete:
+            raise RuntimeError(f"{self.url}: rows_into before the copy is complete")
+        with self._cond:
+            flat = self._mapped()
+        pos = 0
+        for at, n in runs:
+            for a in range(at, at + n, row):
+                dest = places[pos]
+                dest.reshape(-1).view(np.uint8)[...] = flat[a:a + row]
+                pos += 1
 
     def close(self) -> None:
         """Stop the copy and close the local file (its space is freed when the last read ends)."""

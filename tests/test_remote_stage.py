@@ -53,6 +53,40 @@ def test_staged_rows_are_h5pys_rows_and_leave_nothing_behind(remote, tmp_path, l
     assert os.listdir(d) == []
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "chunked"])
+def test_rows_of_a_complete_copy_go_straight_to_their_places(remote, tmp_path, layout):
+    """Once the copy is complete, rows are copied from its map into their batch slots
+    (``scatter_ready``), a row place each; before, a read goes through one buffer. Both give
+    h5py's rows, through a loader too."""
+    local = str(tmp_path / f"{layout}.h5")
+    data = _write(local, layout)
+    url, opts = remote(local)
+    ds = solar.H5Dataset(url, ("x", "y"), backend_options={**opts, "stage": _stage_dir(tmp_path)})
+    be = ds.backend
+    try:
+        got = be.read_ranges("x", RANGES)  # (the copy is under way or done)
+        np.testing.assert_array_equal(got, np.concatenate([data["x"][a:b] for a, b in RANGES.tolist()]))
+        be._stage._ensure(np.arange(len(be._stage._done)))
+        assert be.scatter_ready("x") and be.scatter_ready("y")
+        for key in ("x", "y"):
+            places = [np.full(data[key].shape[1:], -1, data[key].dtype) for _ in range(int(np.diff(RANGES).sum()))]
+            be.read_rows_to(key, RANGES, places)
+            want = np.concatenate([data[key][a:b] for a, b in RANGES.tolist()])
+            np.testing.assert_array_equal(np.stack(places), want, err_msg=key)
+        loader = solar.DataLoader(ds, batch_size=8, shuffle=True, buffer="1KiB")
+        where = {int(v): i for i, v in enumerate(data["y"][:, 0])}  # (y's values are distinct)
+        for _ in range(2):
+            seen = []
+            for x, y in loader:
+                idx = [where[int(v)] for v in y[:, 0]]
+                np.testing.assert_array_equal(x.numpy(), data["x"][idx])
+                np.testing.assert_array_equal(y.numpy(), data["y"][idx])
+                seen += idx
+            assert sorted(seen) == list(range(40))
+    finally:
+        ds.close()
+
+
 def test_a_copy_in_small_pieces_is_the_file(remote, tmp_path):
     """Many pieces, fetched by the copying threads and ahead of them for the reads that wait."""
     local = str(tmp_path / "p.h5")

@@ -33,6 +33,7 @@ import tempfile
 import time
 
 import numpy as np
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
@@ -107,6 +108,9 @@ def main() -> None:
                     help="node-local directory for solar-staged and solar-spill")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    # the loop in one thread, as bench/compete/run.py's: torch's second intra-op thread spun on the
+    # core the server and the copy need, and slowed every remote epoch (more than twice here)
+    torch.set_num_threads(1)
     if not os.path.exists(args.data):
         from solar.synthetic import write_ptycho_h5
 
