@@ -78,8 +78,11 @@ def _largest(comm, d, n, bound, per_file=False):
     comm.Barrier()
     seen: list = []
     out = os.path.join(d, f"out{n}-{bound}-{per_file}.h5")
-    rep = ingest(srcs, out, abs_error=bound, batch_size=16, comm=_recording(comm, seen), progress=False,
-                 samples="file" if per_file else "auto")
+    # per file: a relative bound (the bound pass reads each rank's contiguous share) and --verify
+    # (so does the verification), besides the writes (each rank's share of every batch)
+    bounds = {"rel_error": bound, "verify": True} if per_file else {"abs_error": bound}
+    rep = ingest(srcs, out, batch_size=16, comm=_recording(comm, seen), progress=False,
+                 samples="file" if per_file else "auto", **bounds)
     assert rep.num_samples == n and verify_file(out, comm=comm) > 0
     with h5py.File(out, "r") as f:
         compressed = isinstance(f["x"], h5py.Group)
