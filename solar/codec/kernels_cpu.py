@@ -143,50 +143,53 @@ def _lines(src, dst, R, pos, outer, n_e, even, cubic, K, X, st, last):
 
     Linear points (every one but the first of a cubic line: ``J < last``), cubic points
     (``1 <= J < hi``), the linear ones after them, then the copied last odd point of an even
-    count. The grids are 2-D views made once per pass, indexed by line and by a counter that
-    starts at 0: no view per line (each view costs two atomic reference counts, which cost more
-    than a short line's work), no negative-index check; contiguous loads and interleaved stores,
-    which vectorize. Every value that meets a shift or a store is cast to the grid's type ``c``
-    first (the reference's wrap), so int32 grids compute in 32-bit lanes."""
-    c = dst.dtype.type
+    count. The flat grids are indexed by unsigned offsets: no view (each costs two atomic
+    reference counts, which cost more than a short line's work) and no negative-index check
+    (numba checks signed indices only); contiguous loads and interleaved stores, which vectorize.
+    Every value that meets a shift or a store is cast to the grid's type ``c`` first (the
+    reference's wrap), so int32 grids compute in 32-bit lanes."""
+    c, U = dst.dtype.type, np.uint64
     m = 2 * n_e if even else 2 * n_e - 1
     n_o = m // 2
-    C = src[:outer * n_e].reshape((outer, n_e))
-    O = dst[:outer * m].reshape((outer, m))
-    res = R[pos:pos + outer * n_o].reshape((outer, n_o))
-    X2 = X[:outer * m].reshape((outer, m))
     odd = n_o - 1 if even else n_o  # odd points before the copied one
     lo = min(1, odd) if cubic else odd
     hi = max(min(n_e - 2, odd), lo) if cubic else odd
+    one, two, three = U(1), U(2), U(3)
     for o in range(outer):
+        cb, ob, rb = U(o * n_e), U(o * m), U(pos + o * n_o)  # the line's first point in each grid
         for j in range(lo):  # linear: J = j
-            b = C[o, j]
-            O[o, 2 * j] = b
-            O[o, 2 * j + 1] = c((c(b + C[o, j + 1]) >> 1) + K * res[o, j])
+            u = U(j)
+            b = src[cb + u]
+            dst[ob + two * u] = b
+            dst[ob + two * u + one] = c((c(b + src[cb + u + one]) >> 1) + K * R[rb + u])
         if K == 1:  # cubic (lo == 1 when there are any): J = j + 1, the reference's sign -1 form
             for j in range(hi - lo):
-                b = C[o, j + 1]
-                O[o, 2 * j + 2] = b
-                O[o, 2 * j + 3] = c(res[o, j + 1] - (c(C[o, j] + C[o, j + 3] - 9 * (b + C[o, j + 2]) + 7) >> 4))
+                u = U(j)
+                b = src[cb + u + one]
+                dst[ob + two * u + two] = b
+                t = c(src[cb + u] + src[cb + u + three] - 9 * (b + src[cb + u + two]) + 7)
+                dst[ob + two * u + three] = c(R[rb + u + one] - (t >> 4))
         else:
             for j in range(hi - lo):
-                b = C[o, j + 1]
-                O[o, 2 * j + 2] = b
-                O[o, 2 * j + 3] = c((c(9 * (b + C[o, j + 2]) - C[o, j] - C[o, j + 3] + 8) >> 4) + K * res[o, j + 1])
+                u = U(j)
+                b = src[cb + u + one]
+                dst[ob + two * u + two] = b
+                t = c(9 * (b + src[cb + u + two]) - src[cb + u] - src[cb + u + three] + 8)
+                dst[ob + two * u + three] = c((t >> 4) + K * R[rb + u + one])
         for J in range(hi, odd):  # linear after the cubic ones (a point or two)
-            b = C[o, J]
-            O[o, 2 * J] = b
-            O[o, 2 * J + 1] = c((c(b + C[o, J + 1]) >> 1) + K * res[o, J])
+            b = src[cb + U(J)]
+            dst[ob + U(2 * J)] = b
+            dst[ob + U(2 * J + 1)] = c((c(b + src[cb + U(J + 1)]) >> 1) + K * R[rb + U(J)])
         if even:  # the last odd point has no right neighbour: copy
-            b = C[o, odd]
-            O[o, 2 * odd] = b
-            O[o, 2 * odd + 1] = c(b + K * res[o, odd])
+            b = src[cb + U(odd)]
+            dst[ob + U(2 * odd)] = b
+            dst[ob + U(2 * odd + 1)] = c(b + K * R[rb + U(odd)])
         else:
-            O[o, 2 * (n_e - 1)] = C[o, n_e - 1]
+            dst[ob + U(2 * (n_e - 1))] = src[cb + U(n_e - 1)]
         if last:
             for i in range(m):
-                X2[o, i] = O[o, i]
-                X2[o, i] *= st
+                X[ob + U(i)] = dst[ob + U(i)]
+                X[ob + U(i)] *= st
 
 
 @numba.njit(inline="always")
@@ -195,7 +198,7 @@ def _rows(O, C, res, n_e, n_o, inner, even, cubic, K, X, st, last):
     the refined block: even rows copied, odd rows computed. 2-D views, indexed by row and
     column (no per-row view or call, no negative-index check in the inner loops). ``last``:
     the plan's last pass, whose rows go dequantized into ``X`` (``float(q)``, then ``* st``)
-    while they are in cache; its even rows are never copied into ``O``. Casts as :func:`_pairs`."""
+    while they are in cache; its even rows are never copied into ``O``. Casts as :func:`_lines`."""
     c = O.dtype.type
     rows = 2 * n_o + (0 if even else 1)
     C2, O2, r2 = C.reshape((n_e, inner)), O.reshape((rows, inner)), res.reshape((n_o, inner))
