@@ -198,7 +198,7 @@ def _rows(O, C, res, n_e, n_o, inner, even, cubic, K, X, st, last):
     the refined block: even rows copied, odd rows computed. 2-D views, indexed by row and
     column (no per-row view or call, no negative-index check in the inner loops). ``last``:
     the plan's last pass, whose rows go dequantized into ``X`` (``float(q)``, then ``* st``)
-    while they are in cache; its even rows are never copied into ``O``. Casts as :func:`_lines`."""
+    while they are in cache; nothing of it goes into ``O``. Casts as :func:`_lines`."""
     c = O.dtype.type
     rows = 2 * n_o + (0 if even else 1)
     C2, O2, r2 = C.reshape((n_e, inner)), O.reshape((rows, inner)), res.reshape((n_o, inner))
@@ -206,28 +206,32 @@ def _rows(O, C, res, n_e, n_o, inner, even, cubic, K, X, st, last):
     for k in range(0 if last else n_e):
         for i in range(inner):
             O2[2 * k, i] = C2[k, i]
+    # the last pass's odd rows go through a one-row scratch that stays in cache, not the grid
+    # (nothing reads the grid after the last pass): T is the grid, or the scratch on that pass
+    T = np.empty((1, inner), O.dtype) if last else O2
     for k in range(n_o):
         kind = _kind(k, n_e, even, cubic)
+        t_row = 0 if last else 2 * k + 1
         if kind == _COPY:
             for i in range(inner):
-                O2[2 * k + 1, i] = c(C2[k, i] + K * r2[k, i])
+                T[t_row, i] = c(C2[k, i] + K * r2[k, i])
         elif kind == _LINEAR:
             for i in range(inner):
-                O2[2 * k + 1, i] = c((c(C2[k, i] + C2[k + 1, i]) >> 1) + K * r2[k, i])
+                T[t_row, i] = c((c(C2[k, i] + C2[k + 1, i]) >> 1) + K * r2[k, i])
         elif K == 1:
             for i in range(inner):
                 t = c(C2[k - 1, i] + C2[k + 2, i] - 9 * (C2[k, i] + C2[k + 1, i]) + 7)
-                O2[2 * k + 1, i] = c(r2[k, i] - (t >> 4))
+                T[t_row, i] = c(r2[k, i] - (t >> 4))
         else:
             for i in range(inner):
                 t = c(9 * (C2[k, i] + C2[k + 1, i]) - C2[k - 1, i] - C2[k + 2, i] + 8)
-                O2[2 * k + 1, i] = c((t >> 4) + K * r2[k, i])
+                T[t_row, i] = c((t >> 4) + K * r2[k, i])
         if last:
             for i in range(inner):
                 X2[2 * k, i] = C2[k, i]
                 X2[2 * k, i] *= st
             for i in range(inner):
-                X2[2 * k + 1, i] = O2[2 * k + 1, i]
+                X2[2 * k + 1, i] = T[0, i]
                 X2[2 * k + 1, i] *= st
     if last and not even:  # the last even row has no odd row after it
         for i in range(inner):
