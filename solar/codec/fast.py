@@ -128,8 +128,8 @@ def _args(h: Header, m: EbqMeta) -> tuple:
         a.setflags(write=False)  # cached, never written
     dims, plan = paths._geometry(tuple(shape[m.fold:]), h.version >= 6)
     kind = 3 if m.width == BITPACK else 0 if m.width == NIBBLES else 1 if m.width == 1 else 2
-    return (h.size, lead, dims, m.predictor == Predictor.LORENZO, plan, masks, 1 << m.kshift, paths._PROTO[m.qint],
-            kind, kind < 2 and m.predictor.per_level, 1 << 31 if m.qint == 4 else 0, steps, offs, m.offset != 0.0)
+    return (h.size, lead, dims, m.predictor == Predictor.LORENZO, plan, masks, 1 << m.kshift, kind,
+            kind < 2 and m.predictor.per_level, 1 << 31 if m.qint == 4 else 0, steps, offs, m.offset != 0.0)
 
 
 def _kernel(p: _Plan, payload, out: np.ndarray, what: str) -> None:
@@ -151,7 +151,8 @@ def _kernel(p: _Plan, payload, out: np.ndarray, what: str) -> None:
     name, e_end = ll.LOSSLESS[m.lossless], c_end + m.esc_len
     esc_d, esc_val = _sparse(payload[c_end:e_end], name, m.n_esc, _I8, what)
     out_d, out_val = _sparse(payload[e_end:], name, m.n_out, h.dtype, what)
-    bad = paths._KERNELS.decode_blob(*p.args, codes, side, bpw, esc_d, esc_val, out_d, out_val, out)
+    bad = paths._KERNELS.decode_blob(*p.args, paths.work(m.qint, n + 2 * (n // p.args[1])), codes, side, bpw, esc_d,
+                                     esc_val, out_d, out_val, out)
     if bad:
         raise CorruptDataError(f"{what}: {_refused(bad, side.size, n)}; corrupted payload")
 

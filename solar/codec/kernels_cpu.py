@@ -392,23 +392,23 @@ def _lorenzo2(G, R, rows, m, X, st):
 
 
 @numba.njit(nogil=True, cache=True)
-def decode_rows(b0, b1, n, lead, dims, lorenzo, plan, masks, K, proto, kinds, slots, nib, i8, wide, bpw, bp_at, marks,
+def decode_rows(b0, b1, n, lead, dims, lorenzo, plan, masks, K, work, kinds, slots, nib, i8, wide, bpw, bp_at, marks,
                 side, esc_pos, esc_val, esc_add, out_pos, out_val, steps, offs, add_off, out):
     """Decode blobs ``b0 .. b1 - 1`` of a group into ``out`` (``(B, n)`` floats).
 
     ``n`` values per blob, ``lead`` predictor rows per blob (folded channels), ``dims`` one
-    predictor row's padded shape; ``proto``: an empty array of the reference's integer type.
+    predictor row's padded shape; ``work``: scratch integers of the reference's type, at least
+    ``n + 2 n / lead`` (:func:`solar.codec.paths.work`: kept per thread, so a decode touches no
+    fresh pages for them).
     Codes: per blob ``kinds`` (0 nibbles, 1 int8, 2 byte planes, 3 bitpack) and its row ``slots``
     in ``nib`` / ``i8`` / ``wide`` (bitpack: ``bp_at[slot]``, its section's first word in the
     uint32 ``bpw``); nibble ``marks`` (flat positions in the unpacked nibble rows)
     take the ``side`` values; ``esc_pos``/``esc_val`` and ``out_pos``/``out_val`` are flat
     positions in ``(B, n)``, sorted, and their values.
     """
-    is32 = np.iinfo(proto.dtype).bits == 32
-    R = np.empty(n, proto.dtype)
-    G = np.empty(n // lead if lead else 0, proto.dtype)
-    W = np.empty_like(G)
+    is32 = np.iinfo(work.dtype).bits == 32
     nr = n // lead if lead else 0
+    R, G, W = work[:n], work[n:n + nr], work[n + nr:n + 2 * nr]
     for b in range(b0, b1):
         _residuals(b, R, n, kinds, slots, nib, i8, wide, bpw, bp_at, marks, side, esc_pos, esc_val, esc_add, is32)
         for r in range(lead):
@@ -474,8 +474,8 @@ def _markers(packed, marks):
 
 
 @numba.njit(nogil=True, cache=True)
-def decode_blob(n, lead, dims, lorenzo, plan, masks, K, proto, kind, esc_add, esc_limit, steps, offs, add_off, codes,
-                side, bpw, esc_d, esc_val, out_d, out_val, out):
+def decode_blob(n, lead, dims, lorenzo, plan, masks, K, kind, esc_add, esc_limit, steps, offs, add_off, work,
+                codes, side, bpw, esc_d, esc_val, out_d, out_val, out):
     """One blob (:func:`decode_rows` of a group of one) from its lossless-decoded sections, with
     the checks the group path makes in numpy before its kernel (side marker count, sparse
     positions, escape values within ``[-esc_limit, esc_limit)`` when ``esc_limit``) -> 0, or
@@ -483,7 +483,7 @@ def decode_blob(n, lead, dims, lorenzo, plan, masks, K, proto, kind, esc_add, es
     ``codes``: the codes section (nibble pairs, int8 codes, or ``kind`` 2's byte planes); bitpack
     codes are the words ``bpw``. ``esc_d``/``out_d``: the sparse sections' position deltas,
     ``esc_val``/``out_val`` their values. The leading arguments up to ``add_off`` are
-    :func:`decode_rows`'s for the blob's header."""
+    :func:`decode_rows`'s for the blob's header, ``work`` its scratch."""
     marks = np.empty(side.shape[0] if kind == 0 else 0, np.int64)
     if kind == 0:
         found = _markers(codes, marks)
@@ -504,7 +504,7 @@ def decode_blob(n, lead, dims, lorenzo, plan, masks, K, proto, kind, esc_add, es
     L = codes.shape[0]
     w = L // n if kind == 2 else 1
     one = np.zeros(1, np.int64)
-    decode_rows(0, 1, n, lead, dims, lorenzo, plan, masks, K, proto, np.full(1, kind, np.int8), one,
+    decode_rows(0, 1, n, lead, dims, lorenzo, plan, masks, K, work, np.full(1, kind, np.int8), one,
                 codes.reshape((1, L)), codes.reshape((1, L)), codes.reshape((1, w, L // w)), bpw, one, marks, side,
                 esc_pos, esc_val, esc_add, out_pos, out_val, steps, offs, add_off, out)
     return 0

@@ -185,10 +185,33 @@ _WIDE = np.empty((0, 1, 1), np.uint8)
 _I64 = np.empty(0, np.int64)
 _U8 = np.empty(0, np.uint8)
 _U32 = np.zeros(2, np.uint32)
-_PROTO = {4: np.empty(0, np.int32), 8: np.empty(0, np.int64)}
+_WORK_DTYPES = {4: np.dtype(np.int32), 8: np.dtype(np.int64)}
 _EMPTY = {np.dtype("<f4"): np.empty(0, "<f4"), np.dtype("<f8"): np.empty(0, "<f8")}
-for _e in (_I8, _WIDE, _I64, _U8, _U32, *_PROTO.values(), *_EMPTY.values()):
+for _e in (_I8, _WIDE, _I64, _U8, _U32, *_EMPTY.values()):
     _e.setflags(write=False)  # every array the kernel reads goes in read-only (see _readonly)
+
+
+class _Work(threading.local):
+    def __init__(self) -> None:
+        self.arrays: dict[int, np.ndarray] = {}
+
+
+_WORK = _Work()
+#: A thread keeps scratch integers up to this size for its next decode; larger ones are one-off.
+WORK_KEEP = 64 << 20
+
+
+def work(qint: int, count: int) -> np.ndarray:
+    """At least ``count`` scratch integers of ``qint`` bytes for the kernel (its residuals and two
+    grids), this thread's from its last decode when large enough. Why kept: freshly allocated
+    megabytes come back from the allocator as untouched pages, and the kernel's first write to
+    each page faults; measured, that was most of a 128^3 field's decode."""
+    a = _WORK.arrays.get(qint)
+    if a is None or a.size < count:
+        a = np.empty(count, _WORK_DTYPES[qint])
+        if a.nbytes <= WORK_KEEP:
+            _WORK.arrays[qint] = a
+    return a
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -240,7 +263,8 @@ def _share(blobs, metas, lay, int8_stream: bool, b0: int, b1: int, out: np.ndarr
     out_pos, out_val = (g.out_idx[0], g.out_val[0]) if g.out_idx else (_I64, _EMPTY[out.dtype])
     ro = _readonly
     _KERNELS.decode_rows(0, b1 - b0, n, lay.lead, dims, m0.predictor == Predictor.LORENZO, plan,
-                         ro(lay.masks[b0 * lay.lead:b1 * lay.lead]), lay.K, _PROTO[m0.qint], ro(kinds), ro(slots),
+                         ro(lay.masks[b0 * lay.lead:b1 * lay.lead]), lay.K, work(m0.qint, n + 2 * (n // lay.lead)),
+                         ro(kinds), ro(slots),
                          ro(g.planes.get(NIBBLES, _I8)), ro(g.planes.get(1, _I8)), ro(wide), ro(bpw), ro(bp_at),
                          ro(_I64 if g.marks is None else g.marks), ro(_U8 if g.side is None else g.side), ro(esc_pos),
                          ro(esc_val), int8_stream and m0.predictor.per_level, ro(out_pos), ro(out_val),
