@@ -20,6 +20,7 @@ from hypothesis.extra import numpy as hnp
 
 import solar.codec as sc
 from solar.codec import decoders, paths
+from solar.codec.ebq_meta import EbqMeta
 from solar.codec.header import read_header
 from solar.codec.predict import Predictor
 from solar.errors import ConfigError, CorruptDataError
@@ -271,3 +272,46 @@ def test_a_cold_compile_of_the_decoder_says_it_is_compiling(caplog):
     notices = [r.getMessage() for r in caplog.records if r.name == "solar.codec"]
     assert len(notices) == 1 and "compiling the cpu-kernel decoder fresh" in notices[0], notices
     assert "cache is cold" in notices[0]
+
+
+def _forgeries():
+    """Resealed blobs whose sections the one-blob kernel checks itself (kernels_cpu.decode_blob):
+    side markers without side values, escape and outlier positions out of order or range, an
+    escape value past int32."""
+    rng = np.random.default_rng(3)
+    y = np.cumsum(rng.standard_normal(2000)).astype(np.float32)
+    y[::211] += 500
+    y[7] = np.nan  # one exact outlier
+    out = []
+    for eb in (1.0, 0.1):  # nibble codes with side values; int8 codes
+        blob = sc.encode(y, abs_error=eb, codec={"id": "ebq", "predictor": "lorenzo", "lossless": "none"})
+        h = read_header(blob)
+        m = EbqMeta.parse(h, "blob")
+        p = np.frombuffer(blob[h.payload_offset:], np.uint8).copy()
+        assert m.n_esc >= 2 and m.n_out == 1 and (m.n_side > 0) == (eb == 1.0)
+        edits = [lambda e: e.__setitem__(1, 0), lambda e: e.__setitem__(m.n_esc - 1, h.size - 1),
+                 lambda e: e.__setitem__(m.n_esc, 2**31)]
+        for edit in edits:  # the escape section: n_esc position deltas, then n_esc values
+            q = p.copy()
+            edit(q[m.codes_len:m.codes_len + m.esc_len].view("<i8"))
+            out.append(_reseal(blob, q.tobytes()))
+        q = p.copy()
+        q[m.codes_len + m.esc_len:][:8].view("<i8")[0] = -1  # the outlier's position delta
+        out.append(_reseal(blob, q.tobytes()))
+        if m.n_side:
+            q = p.copy()
+            codes = q[:m.codes_len - m.n_side]
+            codes[np.flatnonzero(((codes & 0x0F) != 8) & ((codes >> 4) != 8))[0]] = 0x88  # 2 markers more
+            out.append(_reseal(blob, q.tobytes()))
+    return out
+
+
+@needs_kernel
+def test_the_one_blob_kernel_refuses_forged_sections_in_the_group_paths_words():
+    for forged in _forgeries():
+        with pytest.raises(CorruptDataError) as ref:
+            sc.decode(forged, decoder="reference")
+        with pytest.raises(CorruptDataError) as fast:
+            sc.decode(forged, decoder="cpu-kernel")
+        assert str(fast.value) == str(ref.value)
+        assert "corrupted payload" in str(ref.value)
