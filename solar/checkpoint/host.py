@@ -4,18 +4,14 @@ This copy is the only part of a save the caller waits for. The buffers are reuse
 save (pinned when the tensors live on a GPU), and there are ``slots`` of them, so the writer's
 memory is bounded by that many copies of the state and a save waits while all are in use.
 
-A fresh buffer of 4 KiB pages costs a page fault per page on its first copy (several times the
-copy itself). So a CPU buffer is an anonymous mapping that asks for transparent huge pages (one
-fault per 2 MiB) and has the kernel map all its pages in one call (``MADV_POPULATE_WRITE``)
-before the copy: a first save without a reservation then blocks for little more than the copy.
-:meth:`HostPool.reserve` does that allocation in a background thread ahead of the first save, as
-DataStates-LLM preallocates its host cache, so that save blocks for the copy alone.
+A fresh buffer costs a page fault per page on its first copy (about as long as the copy itself,
+several times longer on a loaded node): :meth:`HostPool.reserve` allocates and touches the buffers
+in a background thread ahead of the first save, as DataStates-LLM preallocates its host cache, so
+that save blocks for the copy alone.
 """
 
 from __future__ import annotations
 
-import mmap
-import sys
 import threading
 from concurrent.futures import Future
 
@@ -24,14 +20,9 @@ import torch
 
 from .flatten import BlobSource
 
-__all__ = ["HostPool", "allocate"]
+__all__ = ["HostPool"]
 
 _ALIGN = 64  # each blob's copy starts on this byte boundary of the buffer
-_HUGE_PAGE = 2 << 20
-_LINUX = sys.platform.startswith("linux")
-# madvise(2) advice values: the mmap module names MADV_POPULATE_WRITE only from Python 3.13
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14 if _LINUX else None)
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if _LINUX else None)
 
 
 class HostPool:
@@ -110,7 +101,9 @@ class HostPool:
             try:
                 for s in slots:
                     self._bufs[s] = None  # the old buffer goes before its replacement is allocated
-                    self._bufs[s] = allocate(total, on_cuda, touch=True)  # its pages mapped here, not in a save
+                    buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=on_cuda)
+                    buf.zero_()  # touch every page here, not in a save's copy
+                    self._bufs[s] = buf
                 done.set_result(None)
             except BaseException as exc:  # a save then allocates its own buffer
                 done.set_exception(exc)
@@ -132,7 +125,7 @@ class HostPool:
         buf = self._bufs[slot]
         if _too_small(buf, total, on_cuda):
             self._bufs[slot] = None  # free the old buffer before allocating its replacement
-            buf = allocate(total, on_cuda, touch=False)
+            buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=on_cuda)
             self._bufs[slot] = buf
         arr = buf.numpy()
         views = []
@@ -154,39 +147,6 @@ def _layout(blobs: list[BlobSource]) -> tuple[int, list[int]]:
         offsets.append(total)
         total += -(-b.nbytes // _ALIGN) * _ALIGN
     return total, offsets
-
-
-def allocate(nbytes: int, on_cuda: bool = False, touch: bool = False) -> torch.Tensor:
-    """A uint8 host buffer of at least ``nbytes``, its pages mapped when the kernel allows.
-
-    For GPU tensors: pinned memory (the device-to-host copy runs asynchronously into it). Otherwise
-    an anonymous private mapping with transparent huge pages, populated in one call (see the module
-    doc). A kernel that refuses the advice (no THP, older than Linux 5.14) leaves the pages to be
-    mapped by the first write: ``touch`` then writes them here (a reservation's thread), else the
-    save's copy maps them as it goes.
-    """
-    nbytes = max(nbytes, 1)
-    if on_cuda:
-        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        if touch:
-            buf.zero_()
-        return buf
-    if nbytes >= _HUGE_PAGE:  # whole huge pages: the last one too
-        nbytes = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    populated = False
-    for advice in (_MADV_HUGEPAGE, _MADV_POPULATE_WRITE):
-        if advice is None:
-            continue
-        try:
-            region.madvise(advice)
-            populated = advice == _MADV_POPULATE_WRITE
-        except OSError:  # EINVAL: this kernel does not know the advice; ENOMEM: the first write reports it
-            pass
-    buf = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping; unmapped when the buffer is freed
-    if touch and not populated:
-        buf.zero_()
-    return buf
 
 
 def _too_small(buf: torch.Tensor | None, total: int, on_cuda: bool) -> bool:

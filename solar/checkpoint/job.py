@@ -50,7 +50,7 @@ from .flatten import Flat
 from .host import HostPool
 from .jobstore import JobManifest, JobStore, PartEntry, part_digest
 from .manifest import encode
-from .pack import PACK_BYTES, Packer, delete_pack, locate, located, pack_policy
+from .pack import PACK_BYTES, Packer, delete_pack, locate, located, pack_policy, stream_limit
 from .repack import repack_store
 from .store import CheckpointStore
 from .writer import JOB_WRITER, CheckpointWriter, SaveResult
@@ -129,7 +129,11 @@ class JobWriter(CheckpointWriter):
     duplicates of it. The other arguments are :class:`CheckpointWriter`'s, except ``staging``
     (not supported with ``comm=``) and ``pack``, :data:`.pack.PACK_BYTES` here: each rank writes a
     save's chunks into a few rolling pack files (:mod:`.pack`), because a job root lives on a
-    parallel file system, where every file is a metadata operation on servers all ranks share.
+    parallel file system, where every file is a metadata operation on servers all ranks share;
+    ``io_threads`` packs are written at once (a save smaller than that many full packs is split
+    into that many smaller ones, see :func:`.pack.stream_limit`), each assembled in memory only
+    when its chunks are not back to back in the staging copy, so the extra memory is at most
+    ``io_threads`` packs.
     ``on_commit_point(point, step)`` is called at each of :data:`COMMIT_POINTS` (instrumentation;
     crash tests kill a rank there).
 
@@ -177,7 +181,8 @@ class JobWriter(CheckpointWriter):
         self._pool = HostPool(max_in_flight)
         self._persist = ThreadPoolExecutor(1, thread_name_prefix="solar-ckpt-job")
         self._drain = None
-        self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="solar-ckpt-io")
+        self._streams = max(1, io_threads)
+        self._io = ThreadPoolExecutor(self._streams, thread_name_prefix="solar-ckpt-io")
         self._futures, self._staged, self._undrained = [], [], set()
         self._closed = False
         self._mutex = threading.Lock()
@@ -359,20 +364,25 @@ class JobWriter(CheckpointWriter):
     def _write_owned(self, plan, mine: list[bytes], step: int, release: Callable[[], None], pack: list[str]) -> _Owned:
         """Write this rank's chunks: into rolling packs as ``pack=`` says (:mod:`.pack`), the rest as files."""
         store, owned = self._main.store, set(mine)
-        packer = Packer(store, self._io.submit, self._packing.limit)
         futs = []
+        packer = None
         try:
             as_deltas = write_deltas(self._deltas, self._main, plan.new, owned, self._spots, self._io.submit) \
                 if self._deltas is not None else set()
-            for d, v in plan.new.items():  # the order they were found in: a pack holds neighbours
-                if d not in owned or d in as_deltas:
-                    continue
+            whole = [(d, v) for d, v in plan.new.items() if d in owned and d not in as_deltas]
+            # packs written at once: as many as the I/O threads (chunk files are written that way too)
+            packer = Packer(store, self._io.submit, stream_limit(self._packing, whole, self._streams), self._streams)
+            for d, v in whole:  # the order they were found in: a pack holds neighbours
                 if v.nbytes < self._packing.below:
                     packer.add(d, v)
                 else:
                     futs.append(self._io.submit(store.put_chunk, d, v))
             wait_futures(futs)
             packed = packer.finish()  # deletes its packs and raises on a failure
+        except BaseException:
+            if packer is not None:
+                packer.discard()  # waits for the packs in flight before the staging copy is released
+            raise
         finally:
             release()  # the chunks' bytes were read from the staging copy
         pack.extend(packed.names)

@@ -6,9 +6,9 @@ storm on a parallel file system. ``pack=`` says what goes into packs (:func:`pac
 
 - ``pack=N`` (bytes; the job writer's default is :data:`PACK_BYTES`): every new chunk, into rolling
   packs of at most ``N`` bytes, so a save makes ``ceil(new bytes / N)`` packs plus its manifest,
-  whatever the tensor count. Each pack is assembled and written by an I/O thread while the next
-  fills, into one of ``in_flight`` buffers reused for the save's packs (mapped ahead, see
-  :func:`.host.allocate`), so the writer's extra memory is bounded by ``in_flight * N``;
+  whatever the tensor count. Each pack is written by an I/O thread while the next fills: from the
+  staging copy when its chunks lie back to back there, else assembled in one of ``in_flight``
+  buffers the save's packs reuse, so the writer's extra memory is bounded by ``in_flight * N``;
 - ``pack=True``: only the chunks smaller than ``chunk_size`` (small tensors, blob tails), into one
   pack per save; full chunks stay files of their own;
 - ``pack=False``: a file per chunk (the default of a single-process writer: a root on a local disk).
@@ -39,12 +39,11 @@ import xxhash
 from solar.cache.disk import open_regular
 from solar.errors import CheckpointError, ConfigError, CorruptDataError
 
-from .host import allocate
 from .manifest import Location, Manifest
 from .store import CheckpointStore
 
 __all__ = ["Location", "pack_key", "write_pack", "read_packed", "pack_names", "delete_pack", "located", "packs_of",
-           "PACK_BYTES", "PackPolicy", "pack_policy", "Packer"]
+           "PACK_BYTES", "PackPolicy", "pack_policy", "Packer", "stream_limit"]
 
 _PACKS = "packs/"
 #: the most bytes of a rolling pack by default: a few packs per rank per save of a large model, and
@@ -73,6 +72,22 @@ def pack_policy(pack: "bool | int", chunk_size: int) -> PackPolicy:
     if not isinstance(pack, int) or pack < 1:
         raise ConfigError(f"pack= takes True, False or the most bytes of a pack (an int >= 1), got {pack!r}")
     return PackPolicy(float("inf"), pack)
+
+
+#: the least bytes of a pack that :func:`stream_limit` makes smaller than the policy's, to write a
+#: save on several streams
+MIN_STREAM_PACK = 32 << 20
+
+
+def stream_limit(policy: PackPolicy, chunks: list[tuple[bytes, memoryview]], streams: int) -> float:
+    """The bytes per pack that spread ``chunks`` (those of them ``policy`` packs) over ``streams``
+    packs written at once: the policy's limit, or less when the save is smaller than ``streams``
+    full packs (never under :data:`MIN_STREAM_PACK`), so a save of a few hundred MiB is not one
+    pack written by one thread while the others wait."""
+    if policy.limit == float("inf"):  # pack=True: one pack per save, as documented
+        return policy.limit
+    nbytes = sum(v.nbytes for _d, v in chunks if v.nbytes < policy.below)
+    return min(policy.limit, max(MIN_STREAM_PACK, -(-nbytes // max(1, streams))))
 
 
 class PackResult(NamedTuple):
@@ -114,13 +129,13 @@ class Packer:
     def _write(self, chunks: list[tuple[bytes, memoryview]], nbytes: int) -> tuple[dict[bytes, Location], int]:
         """Write one pack (in an I/O thread), assembled in a spare buffer when one is large enough.
         A fresh ``bytes`` per pack would fault in every page of it first: several times the copy."""
-        if len(chunks) == 1:  # one span already: written from where it is
+        if _one_span(chunks) is not None:  # written from where they are
             return write_pack(self.store, chunks)
         with self._spare_lock:  # the smallest spare that fits (sorted by size)
             i = next((i for i, b in enumerate(self._spare) if b.nbytes >= nbytes), None)
             buf = self._spare.pop(i) if i is not None else None
         if buf is None:
-            buf = allocate(nbytes).numpy()
+            buf = np.empty(nbytes, np.uint8)
         try:
             return write_pack(self.store, chunks, buf)
         finally:
@@ -167,8 +182,8 @@ def pack_key(name: str) -> str:
 def write_pack(store: CheckpointStore, chunks: list[tuple[bytes, memoryview]],
                into: np.ndarray | None = None) -> tuple[dict[bytes, Location], int]:
     """Write ``chunks`` (digest, bytes) as one pack; return each chunk's location and the bytes written.
-    The pack is assembled in ``into`` (uint8, large enough) if given, else in new memory; one
-    chunk is written from where it is.
+    Chunks back to back in one buffer (consecutive chunks of a staging copy) are written from
+    there; others are assembled in ``into`` (uint8, large enough) if given, else in new memory.
 
     Raises:
         CheckpointError: the tier refused the pack (byte budget) or the device is full.
@@ -179,8 +194,9 @@ def write_pack(store: CheckpointStore, chunks: list[tuple[bytes, memoryview]],
     for d, v in chunks:
         spans.append((d, at, v.nbytes))
         at += v.nbytes
-    if len(chunks) == 1:
-        buf = chunks[0][1]
+    span = _one_span(chunks)
+    if span is not None:
+        buf = span
     elif into is not None:
         for (_d, a, n), (_d2, v) in zip(spans, chunks):
             into[a:a + n] = np.frombuffer(v, np.uint8)
@@ -199,6 +215,24 @@ def write_pack(store: CheckpointStore, chunks: list[tuple[bytes, memoryview]],
         raise CheckpointError(f"checkpoint root {store.root} is over its byte budget writing pack {name} "
                               f"({at} B); run `solar-ckpt gc {store.root} --keep-last K` or raise the budget")
     return {d: Location(name, a, n) for d, a, n in spans}, at
+
+
+def _one_span(chunks: list[tuple[bytes, memoryview]]) -> memoryview | None:
+    """The chunks' bytes as one view of the buffer they lie in, back to back; else None."""
+    base = chunks[0][1].obj
+    try:
+        whole = np.frombuffer(base, np.uint8)
+    except (TypeError, ValueError):  # not one flat buffer
+        return None
+    origin = whole.ctypes.data
+    start = at = np.frombuffer(chunks[0][1], np.uint8).ctypes.data - origin
+    for _d, v in chunks:
+        if v.obj is not base or np.frombuffer(v, np.uint8).ctypes.data - origin != at:
+            return None
+        at += v.nbytes
+    if start < 0 or at > whole.nbytes:
+        return None
+    return memoryview(whole)[start:at]
 
 
 def read_packed(store: CheckpointStore, digest: bytes, loc: Location, out: memoryview) -> int:
