@@ -26,8 +26,8 @@ counts, and the load average is recorded before and after each phase):
   version, alternated ``--rounds`` times: with the default ``max_chain`` (the writer re-bases
   chains longer than it as skip-deltas against their anchor), and the worst case, ``max_chain=9``
   (every chunk read through 9 deltas). Wall seconds (``ratio``: of the medians) and the process's
-  CPU seconds (``cpu_ratio``: less sensitive to a shared machine; the reader runs several threads,
-  so CPU seconds may exceed wall seconds);
+  CPU seconds (``cpu_ratio``), with the reader's threads (``READ_THREADS``; the bar) and on one
+  thread (``one_thread``: the delta work's share alone, as several threads shorten both loads);
 * **hashing**: XXH3-128 chunk hashing of the state on one thread, GB/s per wall second and per CPU
   second of the thread (per core);
 * **blocking**: the time a second ``save`` blocks the caller (the host copy into the reused staging
@@ -50,7 +50,7 @@ import time
 
 import torch
 
-from solar.checkpoint import CheckpointWriter, load
+from solar.checkpoint import CheckpointWriter, load, reader
 from solar.checkpoint.chunking import hash_chunks, hasher
 
 GiB = 1 << 30
@@ -201,8 +201,29 @@ def dense_phase(args, base: str, dtype: torch.dtype) -> dict:
     return out
 
 
+def _restores(path: str, rounds: int, threads: int) -> dict:
+    """Loads of the full first version and the 10th, alternated, with the reader on ``threads`` threads."""
+    reader.READ_THREADS = threads
+    full, tenth, full_cpu, tenth_cpu = [], [], [], []
+    for _r in range(rounds):
+        for step, sink, cpu in ((0, full, full_cpu), (9, tenth, tenth_cpu)):
+            gc.collect()
+            c0 = time.process_time()
+            s, st = timed(lambda: load(path, step))
+            cpu.append(round(time.process_time() - c0, 3))
+            sink.append(round(s, 3))
+            del st
+    return {"threads": threads, "full_s": full, "tenth_s": tenth,
+            "ratio": statistics.median(tenth) / statistics.median(full),
+            "ratio_per_round": [round(t / f, 3) for t, f in zip(tenth, full)], "full_cpu_s": full_cpu,
+            "tenth_cpu_s": tenth_cpu, "cpu_ratio": statistics.median(tenth_cpu) / statistics.median(full_cpu)}
+
+
 def restore_phase(args, base: str) -> dict:
+    """The 10th version against the first, with the reader's threads and on one thread (its ratio
+    is the delta work's share alone; several threads also shorten the full version's read)."""
     out: dict = {}
+    default_threads = reader.READ_THREADS
     for label, kw in (("default", {}), ("chain9", {"max_chain": 9})):
         state = make_state(args.gib, torch.bfloat16, seed=2)
         recs = solar_series(state, base, "chain", [lambda s, i=i: touch_sparse(s, 0.01, 30 + i) for i in range(9)],
@@ -210,27 +231,19 @@ def restore_phase(args, base: str) -> dict:
         del state
         gc.collect()
         path = os.path.join(base, "chain")
-        full, tenth, full_cpu, tenth_cpu = [], [], [], []
-        for _r in range(args.rounds):
-            for step, sink, cpu in ((0, full, full_cpu), (9, tenth, tenth_cpu)):
-                gc.collect()
-                c0 = time.process_time()
-                s, st = timed(lambda: load(path, step))
-                cpu.append(round(time.process_time() - c0, 3))
-                sink.append(round(s, 3))
-                del st
+        try:
+            runs = [_restores(path, args.rounds, th) for th in sorted({default_threads, 1}, reverse=True)]
+        finally:
+            reader.READ_THREADS = default_threads
         full_bytes = recs[0]["bytes_written"]
         out[label] = {"saves": recs, "increment_ratio": [r["bytes_written"] / full_bytes for r in recs[1:]],
-                      "full_s": full, "tenth_s": tenth, "ratio": statistics.median(tenth) / statistics.median(full),
-                      "ratio_per_round": [round(t / f, 3) for t, f in zip(tenth, full)],
-                      "full_cpu_s": full_cpu, "tenth_cpu_s": tenth_cpu,
-                      "cpu_ratio": statistics.median(tenth_cpu) / statistics.median(full_cpu), "load": load_average()}
+                      **runs[0], "one_thread": runs[-1], "load": load_average()}
         shutil.rmtree(path, ignore_errors=True)
-        o = out[label]
-        print(f"restore of the 10th version ({label}): {o['ratio']:.2f}x a full version "
-              f"({statistics.median(tenth):.2f} s vs {statistics.median(full):.2f} s; rounds {o['ratio_per_round']}; "
-              f"CPU {o['cpu_ratio']:.2f}x); increments "
-              f"{[f'{r:.2%}' for r in o['increment_ratio']]}", flush=True)
+        for o in runs:
+            print(f"restore of the 10th version ({label}, {o['threads']} threads): {o['ratio']:.2f}x a full "
+                  f"version ({statistics.median(o['tenth_s']):.2f} s vs {statistics.median(o['full_s']):.2f} s; "
+                  f"rounds {o['ratio_per_round']}; CPU {o['cpu_ratio']:.2f}x)", flush=True)
+        print(f"  increments {[f'{r:.2%}' for r in out[label]['increment_ratio']]}", flush=True)
     return out
 
 

@@ -28,6 +28,7 @@ import threading
 from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
+import torch
 
 from solar.errors import ConfigError, CorruptDataError
 
@@ -94,8 +95,10 @@ class DeltaSaver:
             self._blobs[name] = _Blob(element_size(self.chunk_size, itemsize), blob.nbytes)
             mirror = self._mirror.get(name)
             if mirror is None or mirror.data.nbytes != blob.nbytes:
-                # filled as the chunks are stored; a zero row holds no chunk (never a known digest)
-                self._mirror[name] = _Mirror(np.empty(blob.nbytes, np.uint8),
+                # filled as the chunks are stored; a zero row holds no chunk (never a known digest).
+                # torch's allocator, as the staging buffer's: numpy asks for transparent huge pages,
+                # whose first touch stalls in memory compaction on a host whose memory is fragmented
+                self._mirror[name] = _Mirror(torch.empty(blob.nbytes, dtype=torch.uint8).numpy(),
                                              np.zeros((chunk_count(blob.nbytes, self.chunk_size), 16), np.uint8))
 
     def _chain(self, d: bytes) -> tuple[int, bytes]:
