@@ -254,6 +254,7 @@ class H5Dataset(RowReads, Dataset):
         state = self.__dict__.copy()
         state["_pool"] = None  # threads do not cross processes; a worker makes its own if it reads
         state.pop("_clones", None)
+        state.pop("_slot_pool", None)  # (this process's batch memory: NOTE [ Reused batch memory ])
         state.pop("_pool_lock", None)
         return state
 
@@ -273,6 +274,7 @@ class H5Dataset(RowReads, Dataset):
                 clone.close()
             if pool is not None:
                 pool.shutdown(wait=True)
+        self.__dict__.pop("_slot_pool", None)
         self.backend.close()
 
     # -- sizes --------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ batch laid out in batch order as a :class:`StoredBatch`). The loader carries eac
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
@@ -276,7 +277,9 @@ class FetchPass:
         steps, shared = self.layout
         bounds = np.r_[0, np.cumsum(steps, dtype=np.int64)]
         dtype, in_shm = torch_dtype(spec.dtype), bool(shared) and not isinstance(shared, Stay)
-        tensors = [empty((int(b - a), *spec.sample_shape), dtype, in_shm) for a, b in zip(bounds[:-1], bounds[1:])]
+        pool = None if in_shm else self.dataset.__dict__.setdefault("_slot_pool", SlotPool())
+        tensors = [pool.empty((int(b - a), *spec.sample_shape), dtype) if pool is not None else
+                   empty((int(b - a), *spec.sample_shape), dtype, in_shm) for a, b in zip(bounds[:-1], bounds[1:])]
         arrays = [t.numpy() for t in tensors]
         src = self.mrank[self.inv]  # each slot's row in `read`; -1: a hit
         wanting = np.flatnonzero(src >= 0)
@@ -330,6 +333,55 @@ def evict_samples(ds: Any, buffer, evict: Sequence[int] | None) -> None:
         for i in (evict if evict is not None else ()):
             for spec in ds.specs:
                 buffer.delete((spec.name, int(i)))
+
+
+#: how many of a storage's users a tensor that nobody else references counts (itself and the
+#: storage object asked); None where torch does not say (then nothing is reused)
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class SlotPool:
+    """NOTE [ Reused batch memory ]: the step tensors of a dataset's earlier passes, reused for
+    later ones once nobody references them (neither the tensor nor any view of its memory).
+
+    Why: a pass's step tensors (megabytes each) are freed by the consumer batch by batch, and
+    glibc hands such blocks back to the kernel or moves its threshold for them, so new ones came
+    as fresh pages: a fault and the zeroing of every 4 KiB before the first copy, 10-20 thousand
+    faults per epoch of bench/loader/local.py. A tensor is free when the pool's list holds its
+    only reference and its storage has no other user (a slice, a ``numpy()`` view, a batch kept
+    by the consumer all count). It remembers at most ``LIMIT`` tensors of ``LIMIT_BYTES`` in all
+    (in use or free; the oldest go): a few passes' worth, what the read-ahead has in flight, so
+    that what it keeps free between epochs stays bounded."""
+
+    LIMIT = 64
+    LIMIT_BYTES = 256 << 20
+
+    def __init__(self) -> None:
+        self._out: list[torch.Tensor] = []
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def empty(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor of ``shape`` and ``dtype``: a free one of the pool, or new."""
+        shape = torch.Size(shape)
+        with self._lock:
+            out = self._out
+            for i in range(len(out)):
+                if out[i].shape == shape and out[i].dtype == dtype and self._free(out, i):
+                    out.append(out.pop(i))
+                    return out[-1]
+            out.append(torch.empty(shape, dtype=dtype))
+            self._bytes += out[-1].nbytes
+            while len(out) > 1 and (len(out) > self.LIMIT or self._bytes > self.LIMIT_BYTES):
+                self._bytes -= out.pop(0).nbytes
+            return out[-1]
+
+    @staticmethod
+    def _free(out: list, i: int) -> bool:
+        # (references to out[i]: the list's and getrefcount's argument; users of its storage:
+        # the tensor and the storage object made here)
+        return (_USE_COUNT is not None and sys.getrefcount(out[i]) == 2
+                and _USE_COUNT(out[i].untyped_storage()._cdata) == 2)
 
 
 def empty(shape: tuple, dtype: torch.dtype, shared: bool) -> torch.Tensor:

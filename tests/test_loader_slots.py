@@ -145,3 +145,58 @@ def test_without_plain_bytes_rows_are_read_and_copied(tmp_path, slots):
         for bx, by in loader:
             assert torch.equal(bx, torch.from_numpy(x[(by[:, 0] // 7).numpy()]))
     assert slots["n"] > 0
+
+
+# -- NOTE [ Reused batch memory ] ---------------------------------------------------------------
+def test_step_tensors_are_reused_only_when_nothing_references_their_memory():
+    """A pool's tensor comes back for a later pass once the consumer dropped it; a kept batch, a
+    slice of it, a numpy view of it or a smaller step of the same size never get it back."""
+    from solar.fetch import SlotPool
+
+    pool = SlotPool()
+    kept = pool.empty((4, 3), torch.float32)
+    first = pool.empty((4, 3), torch.float32)
+    address = first.data_ptr()
+    del first
+    again = pool.empty((4, 3), torch.float32)
+    assert again.data_ptr() == address and again.data_ptr() != kept.data_ptr()
+    box = [again]  # (the only reference to the tensor under test, so that it can be dropped)
+    del again
+    for hold in (lambda t: t, lambda t: t[1:], lambda t: t.numpy(), lambda t: t.view(12)):
+        held = hold(box[0])
+        ptr = box[0].data_ptr()
+        box.clear()
+        got = pool.empty((4, 3), torch.float32)
+        assert got.data_ptr() != ptr and got.data_ptr() != kept.data_ptr()
+        del held
+        box.append(got)
+        del got
+    assert pool.empty((2, 3), torch.float32).shape == (2, 3)
+    assert len(pool._out) <= SlotPool.LIMIT
+    big = [pool.empty((SlotPool.LIMIT_BYTES // 8,), torch.uint8) for _ in range(10)]  # (pages never touched)
+    assert pool._bytes == sum(t.nbytes for t in pool._out) <= SlotPool.LIMIT_BYTES
+    assert [t is b for t, b in zip(pool._out, big[2:])] == [True] * 8  # the newest remembered, the oldest gone
+
+
+def test_batches_kept_by_the_consumer_keep_their_rows_while_later_epochs_run(tmp_path):
+    """Batches (and slices of them) a loop keeps, as a validation loop collecting outputs does,
+    still hold their stored rows after later epochs reused the memory of the batches it dropped."""
+    path = str(tmp_path / "d.h5")
+    x, y = _write(path, checksums=False)
+    ds = solar.H5Dataset(path, ("x", "y"))
+    loader = solar.DataLoader(ds, batch_size=8, shuffle=True, buffer="2KiB", distributed=True)
+    kept = []
+    for e in range(4):
+        loader.set_epoch(e)
+        for k, (bx, by) in enumerate(loader):
+            if e == 0:  # the whole batch of one field, a slice of the other
+                kept.append((bx, by[1:], 1) if k % 2 else (bx[2:], by, -2))
+    assert kept
+    for bx, by, cut in kept:
+        idx = [int(np.flatnonzero((y == r.numpy()).all(axis=1))[0]) for r in by]
+        if cut == 1:  # bx: the whole batch, by: its rows from the second on
+            assert torch.equal(bx[1:], torch.from_numpy(x[idx]))
+        else:  # bx: its rows from the third on, by: the whole batch
+            assert torch.equal(bx, torch.from_numpy(x[idx[2:]]))
+    assert ds.__dict__["_slot_pool"]._out  # (the pass layout that reuses memory ran)
+    ds.close()
