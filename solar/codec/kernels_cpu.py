@@ -134,7 +134,7 @@ def _residuals(b, R, n, kinds, slots, nib, i8, wide, bpw, bp_at, marks, side, es
 _COPY, _LINEAR, _CUBIC = 0, 1, 2
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(inline="always")
 def _lines(src, dst, R, pos, outer, n_e, even, cubic, K, X, st, last):
     """A pass along the innermost axis: ``outer`` lines of ``n_e`` known points in ``src``, each
     refined into ``m = 2 n_e`` (or ``2 n_e - 1``) points of ``dst``: ``O[2J] = C[J]`` and the odd
@@ -193,50 +193,64 @@ def _lines(src, dst, R, pos, outer, n_e, even, cubic, K, X, st, last):
 
 
 @numba.njit(inline="always")
-def _rows(O, C, res, n_e, n_o, inner, even, cubic, K, X, st, last):
-    """One block along an outer axis: ``C`` its ``n_e`` known rows of ``inner`` values, ``O``
-    the refined block: even rows copied, odd rows computed. 2-D views, indexed by row and
-    column (no per-row view or call, no negative-index check in the inner loops). ``last``:
-    the plan's last pass, whose rows go dequantized into ``X`` (``float(q)``, then ``* st``)
-    while they are in cache; nothing of it goes into ``O``. Casts as :func:`_lines`."""
-    c = O.dtype.type
-    rows = 2 * n_o + (0 if even else 1)
-    C2, O2, r2 = C.reshape((n_e, inner)), O.reshape((rows, inner)), res.reshape((n_o, inner))
-    X2 = X.reshape((rows, inner))
-    for k in range(0 if last else n_e):
-        for i in range(inner):
-            O2[2 * k, i] = C2[k, i]
-    # the last pass's odd rows go through a one-row scratch that stays in cache, not the grid
-    # (nothing reads the grid after the last pass): T is the grid, or the scratch on that pass
-    T = np.empty((1, inner), O.dtype) if last else O2
-    for k in range(n_o):
-        kind = _kind(k, n_e, even, cubic)
-        t_row = 0 if last else 2 * k + 1
-        if kind == _COPY:
+def _rows(src, dst, R, pos, outer, inner, n_e, even, cubic, K, X, st, last):
+    """A pass along an outer axis: ``outer`` blocks of ``n_e`` known rows of ``inner`` values
+    in ``src``, each refined into ``m`` rows of ``dst``: even rows copied, odd rows computed from
+    whole rows of neighbours and residuals ``R[pos + ...]``. ``last``: the plan's last pass,
+    whose rows go dequantized into ``X`` (``float(q)``, then ``* st``) while they are in cache
+    and never into the grid (nothing reads it after the last pass): each odd row is computed
+    into a one-row scratch ``T``, then copied where it goes. Flat grids indexed by unsigned row
+    offsets, as :func:`_lines` (no view, no reference count, no negative-index check); casts as
+    there."""
+    c, U = dst.dtype.type, np.uint64
+    m = 2 * n_e if even else 2 * n_e - 1
+    n_o = m // 2
+    T = np.empty(inner, dst.dtype)
+    for o in range(outer):
+        cb, ob, rb = o * n_e * inner, o * m * inner, pos + o * n_o * inner  # the block's first value
+        for k in range(0 if last else n_e):
+            c0, o0 = U(cb + k * inner), U(ob + 2 * k * inner)
             for i in range(inner):
-                T[t_row, i] = c(C2[k, i] + K * r2[k, i])
-        elif kind == _LINEAR:
+                dst[o0 + U(i)] = src[c0 + U(i)]
+        for k in range(n_o):
+            kind = _kind(k, n_e, even, cubic)
+            cm, c0, c1 = U(cb + max(k - 1, 0) * inner), U(cb + k * inner), U(cb + (k + 1) * inner)
+            c2, r0 = U(cb + min(k + 2, n_e - 1) * inner), U(rb + k * inner)
+            if kind == _COPY:  # the odd row into the one-row scratch T (in cache), then where it goes
+                for i in range(inner):
+                    u = U(i)
+                    T[i] = c(src[c0 + u] + K * R[r0 + u])
+            elif kind == _LINEAR:
+                for i in range(inner):
+                    u = U(i)
+                    T[i] = c((c(src[c0 + u] + src[c1 + u]) >> 1) + K * R[r0 + u])
+            elif K == 1:
+                for i in range(inner):
+                    u = U(i)
+                    t = c(src[cm + u] + src[c2 + u] - 9 * (src[c0 + u] + src[c1 + u]) + 7)
+                    T[i] = c(R[r0 + u] - (t >> 4))
+            else:
+                for i in range(inner):
+                    u = U(i)
+                    t = c(9 * (src[c0 + u] + src[c1 + u]) - src[cm + u] - src[c2 + u] + 8)
+                    T[i] = c((t >> 4) + K * R[r0 + u])
+            o1 = U(ob + (2 * k + 1) * inner)
+            if not last:
+                for i in range(inner):
+                    dst[o1 + U(i)] = T[i]
+                continue
+            x0 = U(ob + 2 * k * inner)
             for i in range(inner):
-                T[t_row, i] = c((c(C2[k, i] + C2[k + 1, i]) >> 1) + K * r2[k, i])
-        elif K == 1:
+                X[x0 + U(i)] = src[c0 + U(i)]
+                X[x0 + U(i)] *= st
             for i in range(inner):
-                t = c(C2[k - 1, i] + C2[k + 2, i] - 9 * (C2[k, i] + C2[k + 1, i]) + 7)
-                T[t_row, i] = c(r2[k, i] - (t >> 4))
-        else:
+                X[o1 + U(i)] = T[i]
+                X[o1 + U(i)] *= st
+        if last and not even:  # the last even row has no odd row after it
+            c0, x0 = U(cb + (n_e - 1) * inner), U(ob + (m - 1) * inner)
             for i in range(inner):
-                t = c(9 * (C2[k, i] + C2[k + 1, i]) - C2[k - 1, i] - C2[k + 2, i] + 8)
-                T[t_row, i] = c((t >> 4) + K * r2[k, i])
-        if last:
-            for i in range(inner):
-                X2[2 * k, i] = C2[k, i]
-                X2[2 * k, i] *= st
-            for i in range(inner):
-                X2[2 * k + 1, i] = T[0, i]
-                X2[2 * k + 1, i] *= st
-    if last and not even:  # the last even row has no odd row after it
-        for i in range(inner):
-            X2[rows - 1, i] = C2[n_e - 1, i]
-            X2[rows - 1, i] *= st
+                X[x0 + U(i)] = src[c0 + U(i)]
+                X[x0 + U(i)] *= st
 
 
 @numba.njit(inline="always")
@@ -248,7 +262,7 @@ def _kind(k, n_e, even, cubic):
     return _LINEAR
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(inline="always")
 def _pass(src, dst, R, pos, outer, inner, n_e, even, cubic, K, X, st, last):
     """One pass: the grid ``src`` (``outer`` blocks of ``n_e`` rows of ``inner`` values) refined
     along its middle axis into ``dst``, residuals from ``R[pos]`` on. ``last``: the plan's last
@@ -256,15 +270,8 @@ def _pass(src, dst, R, pos, outer, inner, n_e, even, cubic, K, X, st, last):
     two roundings, as the reference's separate ops), block by block while it is in cache."""
     if inner == 1:
         _lines(src, dst, R, pos, outer, n_e, even, cubic, K, X, st, last)
-        return
-    m = 2 * n_e if even else 2 * n_e - 1
-    n_o = m // 2
-    for o in range(outer):
-        C = src[o * n_e * inner:(o + 1) * n_e * inner]
-        O = dst[o * m * inner:(o + 1) * m * inner]
-        Xo = X[o * m * inner:(o + 1) * m * inner]
-        res = R[pos + o * n_o * inner:pos + (o + 1) * n_o * inner]
-        _rows(O, C, res, n_e, n_o, inner, even, cubic, K, Xo, st, last)
+    else:
+        _rows(src, dst, R, pos, outer, inner, n_e, even, cubic, K, X, st, last)
 
 
 @numba.njit(nogil=True, cache=True)
