@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from solar.errors import ConfigError
 
-__all__ = ["DECODERS", "use", "current", "check", "getenv"]
+__all__ = ["DECODERS", "use", "current", "name", "check", "getenv"]
 
 DECODERS = ("auto", "reference", "cpu-kernel", "triton")
 
@@ -45,6 +45,19 @@ def use(decoder: str | None = None, threads: int | None = None):
         yield
     finally:
         _CHOICE.reset(token)
+
+
+def name() -> str:
+    """The decoder path in effect (:func:`current`'s, without resolving the thread count: a
+    one-blob decode asks per call)."""
+    c = _CHOICE.get()
+    if c.decoder is not None:
+        return c.decoder
+    env = (getenv("SOLAR_CODEC_DECODER"), getenv("SOLAR_CODEC_THREADS"))
+    parsed = _ENV.get(env)
+    if parsed is None:
+        parsed = _ENV.setdefault(env, _parse_env(*env))
+    return parsed.decoder
 
 
 def current() -> _Choice:

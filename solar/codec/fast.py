@@ -26,9 +26,8 @@ import xxhash
 
 from solar.errors import CorruptDataError
 
-from . import bitpack, fused, paths
+from . import bitpack, decoders, fused, paths
 from . import lossless as ll
-from .decoders import current
 from .ebq import EBQCodec
 from .ebq_meta import BITPACK, NIBBLES, EbqMeta, code_len
 from .header import Header, payload_of, read_header
@@ -49,6 +48,9 @@ class _Plan(NamedTuple):
     m: EbqMeta
     blob_len: int
     args: tuple  # decode_blob's leading arguments (kernels_cpu.decode_blob)
+    lossless: str  # the sections' lossless stage
+    nb: int  # bytes of codes in the codes section (its side values follow)
+    work: int  # the kernel's scratch integers
 
 
 #: plans by header bytes through payload_len (None: a blob the kernel does not cover); bounded
@@ -62,8 +64,8 @@ def decode_one(blob, decoder: str | None, compile: bool | None = None, what: str
     the environment, a blob the kernel does not cover). ``decoder`` and ``compile`` None follow the
     environment, as :func:`solar.codec.decode`'s. Raises :class:`CorruptDataError` as the general
     path does."""
-    if (decoder or current().decoder) not in ("auto", "cpu-kernel") or (compile is None and fused.enabled()) \
-            or compile or not paths.kernel_available():
+    if compile or (decoder or decoders.name()) not in ("auto", "cpu-kernel") or (compile is None and fused.enabled()) \
+            or not paths.kernel_available():
         return None
     key, tail = _key(blob)
     p = _PLANS.get(key) if key else None
@@ -110,7 +112,9 @@ def _plan(blob: bytes, key: bytes, what: str) -> _Plan | None:
     if h.codec == "ebq" and h.version in EBQCodec.decodes and h.version >= 2 and h.size:
         m = EbqMeta.parse(h, what)  # raises for anything no encoder writes
         if m.predictor in _COVERED:
-            p = _Plan(h, m, h.blob_len, _args(h, m))
+            args = _args(h, m)
+            p = _Plan(h, m, h.blob_len, args, ll.LOSSLESS[m.lossless], code_len(m.width, h.size),
+                      h.size + 2 * (h.size // args[1]))
     if key:
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()
@@ -145,14 +149,17 @@ def _kernel(p: _Plan, payload, out: np.ndarray, what: str) -> None:
         buf[:c_end] = payload[:c_end]
         bpw = _ro(buf.view(np.uint32))
     else:
-        nb = code_len(w, n)
-        raw = np.frombuffer(ll.decompress(payload[:c_end], ll.LOSSLESS[m.lossless], nb + m.n_side, what), np.uint8)
+        nb = p.nb
+        raw = np.frombuffer(ll.decompress(payload[:c_end], p.lossless, nb + m.n_side, what), np.uint8)
         codes, side = raw[:nb], raw[nb:]
-    name, e_end = ll.LOSSLESS[m.lossless], c_end + m.esc_len
-    esc_d, esc_val = _sparse(payload[c_end:e_end], name, m.n_esc, _I8, what)
-    out_d, out_val = _sparse(payload[e_end:], name, m.n_out, h.dtype, what)
-    bad = paths._KERNELS.decode_blob(*p.args, paths.work(m.qint, n + 2 * (n // p.args[1])), codes, side, bpw, esc_d,
-                                     esc_val, out_d, out_val, out)
+    esc_d = esc_val = out_d = paths._I64
+    out_val = paths._EMPTY[h.dtype]
+    if m.n_esc:
+        esc_d, esc_val = _sparse(payload[c_end:c_end + m.esc_len], p.lossless, m.n_esc, _I8, what)
+    if m.n_out:
+        out_d, out_val = _sparse(payload[c_end + m.esc_len:], p.lossless, m.n_out, h.dtype, what)
+    bad = paths._KERNELS.decode_blob(*p.args, paths.work(m.qint, p.work), codes, side, bpw, esc_d, esc_val, out_d,
+                                     out_val, out)
     if bad:
         raise CorruptDataError(f"{what}: {_refused(bad, side.size, n)}; corrupted payload")
 
@@ -161,10 +168,7 @@ _I8 = np.dtype("<i8")
 
 
 def _sparse(section, name: str, count: int, vdtype: np.dtype, what: str) -> tuple[np.ndarray, np.ndarray]:
-    """A sparse section's position deltas and values (read-only views of its decompressed bytes;
-    empty without entries)."""
-    if not count:
-        return paths._I64, paths._EMPTY.get(vdtype, paths._I64)
+    """A sparse section's position deltas and values (read-only views of its decompressed bytes)."""
     raw = ll.decompress(section, name, count * (8 + vdtype.itemsize), what)
     return np.frombuffer(raw, _I8, count), np.frombuffer(raw, vdtype, count, offset=8 * count)
 

@@ -56,8 +56,15 @@ def enabled() -> bool:
     """Whether this decode should use the compiled graph (per-call flag, else ``SOLAR_CODEC_COMPILE``)."""
     mode = _MODE.get()
     if mode is None:
-        return (getenv("SOLAR_CODEC_COMPILE") or "0").strip().lower() in ("1", "true", "yes", "on")
+        raw = getenv("SOLAR_CODEC_COMPILE")
+        on = _ON.get(raw)
+        if on is None:
+            on = _ON[raw] = (raw or "0").strip().lower() in ("1", "true", "yes", "on")
+        return on
     return mode
+
+
+_ON: dict[str | None, bool] = {}  # SOLAR_CODEC_COMPILE's raw values, parsed (a decode asks per call)
 
 
 @contextlib.contextmanager
