@@ -86,3 +86,36 @@ def test_keep_last_retention_repacks_so_no_pack_stays_a_quarter_dead(tmp_path):
     on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(root / "packs") for f in fs)
     assert on_disk < 1.34 * sum(t.nbytes for t in state(0).values()) + 40 * PACK // 64  # live + under a third dead
     assert verify(root).ok
+
+
+def test_a_save_smaller_than_a_pack_per_stream_is_split_over_the_streams_and_packs_keep_their_bytes(tmp_path):
+    """stream_limit: 100 MiB over 4 streams makes packs of 32 MiB (not one 100 MiB pack written by one
+    thread); the policy's limit still caps large saves, and pack=True stays one pack. Packs whose
+    chunks lie back to back in the staging copy, and packs assembled from scattered chunks, both
+    hold exactly their chunks' bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from solar.checkpoint.pack import MIN_STREAM_PACK, Packer, pack_policy, read_packed, stream_limit
+    from solar.checkpoint.store import CheckpointStore
+
+    MiB = 1 << 20
+    views = [(bytes([i]) * 16, memoryview(bytearray(MiB))) for i in range(100)]
+    assert stream_limit(pack_policy(256 * MiB, MiB), views, 4) == MIN_STREAM_PACK == 32 * MiB
+    assert stream_limit(pack_policy(256 * MiB, MiB), views * 20, 4) == 256 * MiB
+    assert stream_limit(pack_policy(True, MiB), views, 4) == float("inf")
+    store = CheckpointStore(tmp_path / "ck", create=True)
+    staging = np.random.default_rng(0).integers(0, 255, 64 * CHUNK, dtype=np.uint8)
+    view = memoryview(staging)
+    chunks = [(bytes([j]) * 16, view[j * CHUNK:(j + 1) * CHUNK]) for j in range(0, 64, 1)]
+    scattered = chunks[:16] + chunks[20::3]  # a run back to back, then every third chunk
+    with ThreadPoolExecutor(4) as io:
+        packer = Packer(store, io.submit, 8 * CHUNK, in_flight=4)
+        for d, v in scattered:
+            packer.add(d, v)
+        out = packer.finish()
+    assert len(out.names) == -(-len(scattered) // 8)
+    for d, v in scattered:
+        got = bytearray(CHUNK)
+        assert read_packed(store, d, out.locations[d], memoryview(got)) == CHUNK and bytes(got) == bytes(v)

@@ -313,7 +313,14 @@ class CheckpointWriter:
         """Allocate the host staging buffers for saves of ``state_dict`` and touch their pages in the
         background, so the first save blocks for the copy alone, not for page faults (DataStates-LLM
         preallocates its host cache the same way). Returns a future done when they are ready; a save
-        meanwhile waits for them. Memory: ``max_in_flight`` copies of the state, from now on."""
+        meanwhile waits for them. Memory: ``max_in_flight`` copies of the state, from now on.
+
+        Call it once, when the state exists (after the model and optimizer are built, e.g. right
+        after loading a checkpoint), ideally while the first steps train: without it the first
+        save's copy faults in every page of fresh memory, several times the copy itself
+        (``bench/checkpoint/job.json``: ``first`` against ``first_reserved``). A later state that
+        no longer fits (it grew) gets a larger buffer at its save, or from another ``reserve``.
+        A job writer's ranks may call it independently (it is not collective)."""
         return self._pool.reserve(flatten(state_dict).blobs)
 
     def wait_staged(self) -> None:
