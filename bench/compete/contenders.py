@@ -147,6 +147,13 @@ class Solar(Contender):
         self.loader.set_epoch(e)
         return self.loader
 
+    def drop_cache(self) -> None:
+        # pages mapped by this process (NOTE [ Mapped reads ]) are never evicted: unmap them first
+        mapping = getattr(self.ds.backend, "_mapping", lambda: None)() if self.files else None
+        if mapping is not None:
+            mapping.drop_pages()
+        super().drop_cache()
+
     def close(self) -> None:
         self.ds.close()
         if self.stage is not None:
