@@ -133,3 +133,27 @@ def test_clearly_dense_chunks_are_found_from_a_random_sample_that_no_regular_pat
         else:
             assert pos is None
     assert _sampled_fraction(a[:100], a[:100] ^ 1) == 0.0  # short buffers are compared whole
+
+
+def test_a_densely_changed_chunk_leaves_only_a_sample_in_the_mirror_until_its_changes_are_sparse(tmp_path):
+    w = torch.randn(1 << 18, generator=torch.Generator().manual_seed(7))  # fp32, 1 MiB: one chunk
+    saved, results = [], []
+    with CheckpointWriter(tmp_path, deltas=True) as wr:
+        for step in range(6):
+            if step in (1, 2):  # dense: every element moves
+                w = w * 1.001 + 1e-4
+            elif step >= 3:
+                w = w.clone()
+                w[step::997] += 1.0
+            saved.append(w.clone())
+            results.append(wr.save({"w": w}, step).result())
+    store = CheckpointStore(tmp_path)
+    full = results[0].bytes_written
+    # 1, 2: dense, whole; 3: sparse against step 2, whose bytes were not kept: whole, and kept;
+    # 4, 5: deltas again, against the previous save's chunk
+    assert [r.bytes_written == full for r in results] == [True, True, True, True, False, False]
+    rows = [store.read_manifest(s).blob_digests(0)[0].tobytes() for s in range(6)]
+    assert store.read_manifest(4).deltas[rows[4]].base == rows[3]
+    assert store.read_manifest(5).deltas[rows[5]].base == rows[4]
+    for step, want in enumerate(saved):
+        assert torch.equal(load(tmp_path, step)["w"], want)

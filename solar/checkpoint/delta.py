@@ -39,7 +39,7 @@ import torch
 import zstandard
 
 __all__ = ["SPARSE", "SPARSE16", "XOR", "DENSE", "Encoded", "encode", "xor_delta", "apply", "header",
-           "changed_positions", "changed_leaves", "element_size", "DeltaFormatError"]
+           "changed_positions", "changed_leaves", "element_size", "sample_words", "clearly_dense", "DeltaFormatError"]
 
 DELTA_MAGIC = b"SDL\x01"
 SPARSE, XOR, SPARSE16 = 1, 2, 3
@@ -128,11 +128,22 @@ def _sampled_fraction(a: np.ndarray, b: np.ndarray) -> float:
     short buffers). Random, not strided, so that no regular pattern of changes fools it: when at
     most a fraction f of the words differ, the sample shows more than 2f with a probability below
     exp(-2 * _SAMPLE * f**2) (Hoeffding), about 1e-222 at f = 0.25."""
-    n = a.size
-    if n < 4 * _SAMPLE:
+    if a.size < 4 * _SAMPLE:
         return 0.0
-    idx = _sample(n)
+    idx = _sample(a.size)
     return np.count_nonzero(a.take(idx) != b.take(idx)) / _SAMPLE
+
+
+def sample_words(buf, elem: int) -> np.ndarray | None:
+    """The sampled words of chunk bytes ``buf`` (``elem`` bytes each) that :func:`clearly_dense`
+    compares, or ``None`` for a chunk too short to sample (compared whole)."""
+    a = np.frombuffer(buf, _NP[elem])
+    return a.take(_sample(a.size)) if a.size >= 4 * _SAMPLE else None
+
+
+def clearly_dense(new: np.ndarray, old: np.ndarray) -> bool:
+    """Two chunks' :func:`sample_words` say that more than twice :data:`DENSE` of their words differ."""
+    return new.shape == old.shape and np.count_nonzero(new != old) > 2 * DENSE * new.size
 
 
 @functools.lru_cache(maxsize=16)

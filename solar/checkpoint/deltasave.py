@@ -33,7 +33,7 @@ import torch
 from solar.errors import ConfigError, CorruptDataError
 
 from .chunking import chunk_count, chunk_spans
-from .delta import element_size, encode
+from .delta import clearly_dense, element_size, encode, sample_words
 from .deltastore import delete_delta, put_delta
 from .manifest import MAX_CHAIN, DeltaRef, Manifest
 from .pack import read_packed
@@ -57,7 +57,8 @@ class _Blob(NamedTuple):
 
 class _Mirror(NamedTuple):
     data: np.ndarray  # uint8, the blob's bytes as last saved
-    digests: np.ndarray  # (n, 16) uint8: the digest of what ``data`` holds at each chunk
+    digests: np.ndarray  # (n, 16) uint8: the digest of what ``data`` holds at each chunk (zero: nothing)
+    samples: dict  # chunk index -> sample_words of a chunk left out of ``data`` (clearly dense)
 
 
 class DeltaSaver:
@@ -89,6 +90,7 @@ class DeltaSaver:
         """Start a save of ``flat``: its blobs' element sizes, by the name the writer keys blobs by."""
         self._fresh, self._whole, self._changed, self._mine = {}, set(), 0, set()
         self._blobs = {}
+        self._left: dict[str, set[int]] = {}  # chunks this save left out of the mirror
         for i, blob in enumerate(flat.blobs):
             name = flat.tensors[blob.tensors[0]].name if blob.tensors else f"<blob {i}>"
             itemsize = flat.tensors[blob.tensors[0]].itemsize if blob.tensors else 1
@@ -99,7 +101,7 @@ class DeltaSaver:
                 # torch's allocator, as the staging buffer's: numpy asks for transparent huge pages,
                 # whose first touch stalls in memory compaction on a host whose memory is fragmented
                 self._mirror[name] = _Mirror(torch.empty(blob.nbytes, dtype=torch.uint8).numpy(),
-                                             np.zeros((chunk_count(blob.nbytes, self.chunk_size), 16), np.uint8))
+                                             np.zeros((chunk_count(blob.nbytes, self.chunk_size), 16), np.uint8), {})
 
     def _chain(self, d: bytes) -> tuple[int, bytes]:
         """The delta bytes read on top of the whole chunk to rebuild ``d``, and that chunk (the anchor)."""
@@ -149,6 +151,19 @@ class DeltaSaver:
             return  # not a blob of this save: written() leaves it out
         mirror.data[a:a + view.nbytes] = np.frombuffer(view, np.uint8)
         mirror.digests[j] = np.frombuffer(d, np.uint8)
+        mirror.samples.pop(j, None)
+
+    def _leave_out(self, name: str, j: int, view: memoryview, elem: int) -> bool:
+        """Keep only a sample of clearly dense chunk ``j`` of blob ``name``: the next save writes it
+        whole (no base), without the copy of its bytes now, unless its sample shows the changes
+        have become sparse (then its bytes are kept again). False: it is too short to sample."""
+        mirror, words = self._mirror.get(name), sample_words(view, elem)
+        if mirror is None or words is None or (j + 1) * 16 > mirror.digests.size:
+            return False
+        mirror.digests[j] = 0
+        mirror.samples[j] = words
+        self._left.setdefault(name, set()).add(j)
+        return True
 
     def put(self, sink, d: bytes, view: memoryview, name: str, j: int) -> int:
         """Store new chunk ``d`` (position ``j`` of blob ``name``): as a delta if that pays, else whole."""
@@ -157,18 +172,27 @@ class DeltaSaver:
 
     def try_delta(self, sink, d: bytes, view: memoryview, name: str, j: int) -> int | None:
         """Store new chunk ``d`` (position ``j`` of blob ``name``) as a delta if that pays and return
-        the bytes written; ``None``: the caller writes it whole. Either way the mirror keeps its bytes."""
-        written = self._try_delta(sink, d, view, name, j)
-        self._keep(name, j, d, view)
+        the bytes written; ``None``: the caller writes it whole. The mirror keeps its bytes, or a
+        sample of them when it changed densely (a chunk written whole does not pay for the copy)."""
+        blob = self._blobs.get(name)
+        elem = element_size(view.nbytes, blob.elem if blob else 1)
+        written, dense = self._try_delta(sink, d, view, name, j, elem)
+        if not (dense and written is None and self._leave_out(name, j, view, elem)):
+            self._keep(name, j, d, view)
         return written
 
-    def _try_delta(self, sink, d: bytes, view: memoryview, name: str, j: int) -> int | None:
+    def _try_delta(self, sink, d: bytes, view: memoryview, name: str, j: int, elem: int) -> tuple[int | None, bool]:
+        """``(bytes written as a delta or None, whether the chunk changed clearly densely)``."""
         n = view.nbytes
-        blob = self._blobs.get(name)
-        elem = element_size(n, blob.elem if blob else 1)
         base = self._base(sink.known, name, j)
         changed = n // elem
-        if base is not None:
+        dense = False
+        if base is None:  # left out of the mirror last time: its sample says whether it is still dense
+            mirror = self._mirror.get(name)
+            old = mirror.samples.get(j) if mirror is not None else None
+            new = sample_words(view, elem) if old is not None else None
+            dense = new is not None and clearly_dense(new, old)
+        else:
             a = j * self.chunk_size
             prev = self.chains.get(base)
             depth = (prev.depth if prev is not None else 0) + 1
@@ -177,13 +201,14 @@ class DeltaSaver:
             if depth <= self.max_chain:
                 written, got = self._against(sink, d, view, memoryview(self._mirror[name].data[a:a + n]), base,
                                              depth, elem)
+                dense = got < 0
                 if written is not None and chain_bytes + written > n:  # too long a read: re-base instead
                     with self._lock:
                         del self._fresh[d]
                         self._mine.discard(d)
                     delete_delta(sink.store, d, base)
                     written = None
-            if written is None and anchor != base and anchor in sink.known:
+            if written is None and not dense and anchor != base and anchor in sink.known:  # dense: no read back
                 old = self._anchor_bytes(sink, anchor, n)
                 if old is not None:
                     written, _ = self._against(sink, d, view, old, anchor, 1, elem)
@@ -191,11 +216,11 @@ class DeltaSaver:
             if written is not None:
                 with self._lock:
                     self._changed += changed
-                return written
+                return written, dense
         with self._lock:
             self._whole.add(d)
             self._changed += changed
-        return None
+        return None, dense
 
     def mine(self) -> dict[bytes, DeltaRef]:
         """The deltas this process wrote in the current save."""
@@ -217,13 +242,15 @@ class DeltaSaver:
             src = np.frombuffer(memoryview(arr).cast("B"), np.uint8) if arr.nbytes else np.zeros(0, np.uint8)
             mirror = self._mirror.get(name)
             if mirror is None or mirror.data.nbytes != src.nbytes:
-                self._mirror[name] = _Mirror(src.copy(), rows.copy())
+                self._mirror[name] = _Mirror(src.copy(), rows.copy(), {})
                 continue
-            # only the chunks no I/O thread kept (_keep): packed, repeated or already known ones
-            differ = np.flatnonzero((mirror.digests != rows).any(axis=1))
-            for j in differ.tolist():
+            # only the chunks no I/O thread kept (_keep) or left out: packed, repeated or known ones
+            left = self._left.get(name, set())
+            differ = [j for j in np.flatnonzero((mirror.digests != rows).any(axis=1)).tolist() if j not in left]
+            for j in differ:
                 a, e = chunk_spans(src.nbytes, self.chunk_size)[j]
                 mirror.data[a:e] = src[a:e]
+                mirror.samples.pop(j, None)
             mirror.digests[differ] = rows[differ]
         for name in set(self._mirror) - live:  # tensors no longer saved
             del self._mirror[name]
