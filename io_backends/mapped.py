@@ -37,6 +37,8 @@ import weakref
 
 import numpy as np
 
+from solar.errors import ConfigError
+
 __all__ = ["MappedFile", "LOCAL_FS", "fs_type", "mappable"]
 
 #: File systems whose files are mapped by default: local disks and memory.
@@ -72,7 +74,6 @@ def mappable(path: str, option) -> bool:
     if option is True or option is False:
         return option
     if option not in ("auto", None):
-        from solar.errors import ConfigError  # (errors: a leaf every part may use)
         raise ConfigError(f"{path}: backend_options mmap={option!r}; pass True, False or 'auto'")
     return fs_type(path) in LOCAL_FS
 
