@@ -19,7 +19,9 @@ model's). The contenders run alternated, ``--rounds`` times, each into a fresh d
 * ``torch_save``: each rank ``torch.save``s its own state to its own file (the blocking baseline).
 
 Times are the slowest rank's; bytes are what each directory holds after the save. The machine
-may be shared: ratios from one run are what counts, and the load average is recorded.
+may be shared: ratios from one run are what counts, and the load average is recorded. The blocking
+ratios are also given in CPU seconds (user + system of all a rank's threads: what the blocking
+call used, which a loaded machine inflates far less than the wall time).
 """
 
 from __future__ import annotations
@@ -81,13 +83,17 @@ def quiet_barrier(comm) -> None:
         time.sleep(0.0005)
 
 
-def timed(comm, fn) -> float:
-    """``fn``'s time on the slowest rank (each rank's own time, taken before any rank waits)."""
+def timed(comm, fn, cpu: dict | None = None, key: str = "") -> float:
+    """``fn``'s time on the slowest rank (each rank's own time, taken before any rank waits).
+    With ``cpu``: ``cpu[key]`` is the most CPU seconds (user + system, all the process's threads)
+    a rank spent in ``fn``, which a loaded machine inflates far less than the wall time."""
     quiet_barrier(comm)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     fn()
-    took = time.perf_counter() - t0
+    took, used = time.perf_counter() - t0, time.process_time() - c0
     quiet_barrier(comm)
+    if cpu is not None:
+        cpu[key] = comm.allreduce(used, op=MPI.MAX)
     return comm.allreduce(took, op=MPI.MAX)
 
 
@@ -96,19 +102,20 @@ def bench_solar(comm, state: dict, d: str, reserve: bool = False) -> dict:
     if reserve:
         w.reserve(state).result()
     box: dict = {}
-    block = timed(comm, lambda: box.update(f=w.save(state, 1)))
+    cpu: dict = {}
+    block = timed(comm, lambda: box.update(f=w.save(state, 1)), cpu, "blocking_cpu_s")
     total = block + timed(comm, lambda: box["f"].result())
     first = dir_bytes(d) if comm.rank == 0 else 0
     files = dir_files(d) if comm.rank == 0 else 0
     touch_one_percent(state, 1)
-    steady = timed(comm, lambda: box.update(f=w.save(state, 2)))
+    steady = timed(comm, lambda: box.update(f=w.save(state, 2)), cpu, "steady_blocking_cpu_s")
     incr_s = steady + timed(comm, lambda: box["f"].result())
     w.close()
     touch_one_percent(state, -1)
     comm.Barrier()
     second = dir_bytes(d) - first if comm.rank == 0 else 0
     return {"blocking_s": block, "total_s": total, "bytes": first, "files": files, "incremental_s": incr_s,
-            "incremental_bytes": second, "steady_blocking_s": steady}
+            "incremental_bytes": second, "steady_blocking_s": steady, **cpu}
 
 
 def bench_dcp(comm, state: dict, d: str, asynchronous: bool) -> dict:
@@ -128,8 +135,10 @@ def bench_torch_save(comm, state: dict, d: str) -> dict:
     """Each rank ``torch.save``s its own state (the sharded tensor's local rows) to its own file."""
     plain = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in state.items()}
     os.makedirs(d, exist_ok=True)
-    total = timed(comm, lambda: torch.save(plain, os.path.join(d, f"rank{comm.rank}.pt")))
-    return {"blocking_s": total, "total_s": total, "bytes": comm.allreduce(dir_bytes(d) if comm.rank == 0 else 0)}
+    cpu: dict = {}
+    total = timed(comm, lambda: torch.save(plain, os.path.join(d, f"rank{comm.rank}.pt")), cpu, "cpu_s")
+    return {"blocking_s": total, "total_s": total, "bytes": comm.allreduce(dir_bytes(d) if comm.rank == 0 else 0),
+            **cpu}
 
 
 def main() -> None:
@@ -177,6 +186,12 @@ def main() -> None:
                     "first_reserved": [r["blocking_s"] / t for r, t in zip(runs["solar_reserved"], torch_s)],
                     "steady": [r["steady_blocking_s"] / t for r, t in zip(runs["solar"] + runs["solar_reserved"],
                                                                             torch_s + torch_s)]}
+        torch_cpu = [run["cpu_s"] for run in runs["torch_save"]]
+        by_round_cpu = {  # the same ratios in CPU seconds (see timed)
+            "first": [r["blocking_cpu_s"] / t for r, t in zip(runs["solar"], torch_cpu)],
+            "first_reserved": [r["blocking_cpu_s"] / t for r, t in zip(runs["solar_reserved"], torch_cpu)],
+            "steady": [r["steady_blocking_cpu_s"] / t for r, t in zip(runs["solar"] + runs["solar_reserved"],
+                                                                       torch_cpu + torch_cpu)]}
         own = comm.size * args.mib * MiB
         rep = args.mib * MiB // 4
         s = best["solar"]
@@ -184,6 +199,7 @@ def main() -> None:
                "load_average": os.getloadavg(), "logical_bytes_unique": own + rep + comm.size * 0,
                "load_average_at_start": load_start, "peak_rss_bytes_per_rank": peak_rss, "best": best, "median": median,
                "solar_blocking_vs_torch_save_by_round": by_round,
+               "solar_blocking_cpu_vs_torch_save_cpu_by_round": by_round_cpu,
                "solar_incremental_vs_first": s["incremental_bytes"] / s["bytes"],
                "solar_bytes_vs_unique_state": s["bytes"] / (own + rep),
                "solar_blocking_vs_dcp_save": s["blocking_s"] / best["dcp_save"]["total_s"],
