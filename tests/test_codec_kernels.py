@@ -315,3 +315,30 @@ def test_the_one_blob_kernel_refuses_forged_sections_in_the_group_paths_words():
             sc.decode(forged, decoder="cpu-kernel")
         assert str(fast.value) == str(ref.value)
         assert "corrupted payload" in str(ref.value)
+
+
+@needs_kernel
+def test_the_kernel_scratch_is_kept_per_thread_and_stale_values_never_leak(monkeypatch):
+    """paths.work: one scratch per thread, grown when a decode needs more, not kept past
+    WORK_KEEP; a decode after a larger one (the scratch full of its integers) is still exact."""
+    import threading
+
+    rng = np.random.default_rng(5)
+    big, small = rng.standard_normal((40, 50)).astype(np.float32), rng.standard_normal((3, 7)).astype(np.float32)
+    blobs = [sc.encode(a, rel_error=1e-3, codec={"id": "ebq", "predictor": p})
+             for a in (big, small) for p in ("lorenzo", "fine")]
+    want = [sc.decode(b, decoder="reference") for b in blobs]
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0], [0, 2, 1, 3, 0, 2]):
+        assert all(same(sc.decode(blobs[i], decoder="cpu-kernel"), want[i]) for i in order)
+    a = paths.work(4, 100)
+    assert paths.work(4, 50) is a and paths.work(4, 100) is a
+    grown = paths.work(4, 101)
+    assert grown.size >= 101 and paths.work(4, 10) is grown
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(paths.work(4, 10)))
+    t.start()
+    t.join()
+    assert seen[0] is not grown  # another thread's own
+    monkeypatch.setattr(paths, "WORK_KEEP", 400)
+    huge = paths.work(4, 1000)  # 4000 bytes: past WORK_KEEP, used once
+    assert huge.size >= 1000 and paths.work(4, 10) is grown
