@@ -237,7 +237,7 @@ def _by_destination(big: np.ndarray, src: np.ndarray, dst: np.ndarray, cnt: np.n
     o = np.lexsort((src, dst))  # blocks by destination, then source
     src, dst, cnt, off = src[o], dst[o], cnt[o], off[o]
     start = np.cumsum(cnt) - cnt
-    moved = big[np.repeat(off - start, cnt) + np.arange(len(big), dtype=np.int64)]
+    moved = np.take(big, np.repeat(off - start, cnt) + np.arange(len(big), dtype=np.int64), axis=0)
     del big
     bounds = np.searchsorted(dst, np.arange(D + 1))
     out = []

@@ -1,12 +1,13 @@
-"""An epoch's first steps before its plan: the plan of the rest, made behind the first pass.
+"""An epoch's first steps before its plan: the plan of the rest, made behind the head's passes.
 
 Where a sharded epoch was not planned ahead (the first epoch, a resumed run), the sampler hands
 out the epoch's head (``ShardPlanner.plan_head``: NOTE [ First steps ] in solar/schedule.py)
 and the rest of the epoch from its whole plan, which :class:`Rest` makes on the MPI thread.
 That thread runs SOLAR's collective calls in the order they are submitted, the same on every
 rank (NOTE [ SOLAR's own MPI traffic ] in solar/dist.py), so where the plan is submitted decides
-what waits for it: :func:`rest_after_first_pass` submits it once the read-ahead has submitted
-the iteration's first pass, whose batches then come without waiting for the plan.
+what waits for it: :func:`rest_after_head` submits it once the read-ahead has submitted
+every pass of the head's steps, whose batches then come without waiting for the plan; a step
+after the head waits for it (NOTE [ First steps ]).
 """
 
 from __future__ import annotations
@@ -15,17 +16,18 @@ from typing import Any, Callable, Iterator
 
 from solar.dist import mpi_executor
 
-__all__ = ["Rest", "rest_after_first_pass"]
+__all__ = ["Rest", "rest_after_head"]
 
 
 class Rest:
     """The whole plan of ``epoch`` from ``start`` on ``planner`` (a ShardPlanner, collective),
-    submitted to the MPI thread at most once: by :func:`rest_after_first_pass` where the
-    iteration reaches its second pass, else by :meth:`take` (the steps after the head, or the
+    whose first ``head`` steps were handed out from the head's plan, submitted to the MPI thread
+    at most once: by :func:`rest_after_head` once the passes of the head's steps are submitted,
+    else by :meth:`take` (a step after the head in a pass that also holds head steps, or the
     next iteration settling one that stopped before: on every rank alike)."""
 
-    def __init__(self, planner: Any, epoch: int, start: int) -> None:
-        self.planner, self.epoch, self.start = planner, epoch, start
+    def __init__(self, planner: Any, epoch: int, start: int, head: int) -> None:
+        self.planner, self.epoch, self.start, self.head = planner, epoch, start, head
         self.future = None
 
     def submit(self) -> None:
@@ -38,13 +40,15 @@ class Rest:
         return self.future.result()
 
 
-def rest_after_first_pass(groups: Iterator[list], rest: Callable[[], Rest | None]) -> Iterator[list]:
-    """``groups`` (an iteration's passes of steps), submitting the :class:`Rest` that ``rest()``
-    returns, if any, when the read-ahead asks for the second: by then it has submitted the first
-    (solar/prefetch.py takes the next item after submitting the last), so the MPI thread reads
-    the first pass before it plans the rest."""
+def rest_after_head(groups: Iterator[list], rest: Callable[[], Rest | None]) -> Iterator[list]:
+    """``groups`` (an iteration's passes of steps, each step's last item ``(step, twin)``),
+    submitting the :class:`Rest` that ``rest()`` returns, if any, when the read-ahead asks for
+    the pass after the one that ends the head: by then it has submitted that one (solar/prefetch.py
+    takes the next item after submitting the last), so the MPI thread reads every pass of the
+    head before it plans the rest. The passes' sizes are the same on every rank, so every rank
+    submits the plan between the same two passes."""
     for group in groups:
         yield group
         pending = rest()
-        if pending is not None:
+        if pending is not None and group and group[-1][-1][0] + 1 >= pending.head:
             pending.submit()

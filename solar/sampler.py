@@ -48,7 +48,7 @@ from solar.collective import agree_iteration
 from solar.dist import collective_call, mpi_executor
 from solar.errors import ConfigError
 from solar.exchange import run_mpi
-from solar.firststeps import Rest, rest_after_first_pass
+from solar.firststeps import Rest, rest_after_head
 from solar.nodeshare import NodeOrder
 from solar.options import BufferSpec, parse_buffer, parse_spill
 from solar.passes import PassFetcher, PassGeometry, drop_frame_locals, in_groups, raise_failed
@@ -300,9 +300,9 @@ class SolarBatchSampler(BatchSampler):
                 # a state saved with more padding (another world size) may lie past this epoch's end
                 start = min(int(resume["position"]), self._planner.config.epoch_length)
             plan, head = self._planned_ahead(epoch, start), None
-            if plan is None and self._sharded:  # NOTE [ First steps ]: the head, the rest behind the first pass
+            if plan is None and self._sharded:  # NOTE [ First steps ]: the head, the rest behind its passes
                 head = collective_call(self._planner.head, epoch, start)
-                self._rest = Rest(self._planner, epoch, start) if head is not None else None
+                self._rest = Rest(self._planner, epoch, start, head.num_steps) if head is not None else None
             if plan is None and head is None:  # a sharded plan is collective: on the MPI thread
                 plan = collective_call(self._planner.plan, epoch, start) if self._sharded else \
                     self._planner.plan(epoch, start)
@@ -361,7 +361,7 @@ class SolarBatchSampler(BatchSampler):
         fetch = PassFetcher(self.dataset, buffer, PassGeometry(P, rank, b, self._capacity), shared=self.shared,
                             in_step=in_step, decode=self._decode_ahead, must_agree=in_lockstep and P > 1)
         groups = in_groups(self._steps(resume, P, rank), self.group_size(b))
-        groups = rest_after_first_pass(groups, lambda: self._rest)
+        groups = rest_after_head(groups, lambda: self._rest)
         handed = 0
         # passes in step make collective calls: on the process's one MPI thread, shared by every
         # loader (NOTE [ SOLAR's own MPI traffic ] in solar/dist.py)

@@ -41,11 +41,14 @@ NOTE [ First steps ]
     :attr:`PlanConfig.head_steps` steps alone (it drops residents used from that step on; each
     drop's adoption is at or after its step): the plan of those steps is the pinned one, and
     ``ShardPlanner.plan_head`` makes it with three exchanges of O(head * G / P) records, without
-    the next epoch's order. The sampler hands them out while the epoch's plan is made on the MPI
-    thread behind the first pass (solar/firststeps.py); the loader reads two passes before its
-    first batch, of up to 32 and 64 samples per rank (NOTE [ First batch ] in solar/passes.py),
-    which the head covers (``HEAD_SAMPLES``). The head is at most an eighth of the epoch (none
-    below 8 steps), so the swaps keep most of the epoch and the hit rate its bound.
+    the next epoch's order. The loader's first two passes read up to 32 and 64 samples per rank
+    (NOTE [ First batch ] in solar/passes.py), which the head covers (``HEAD_SAMPLES``); the
+    sampler hands the head's steps out and submits the epoch's plan to the MPI thread once the
+    read-ahead has submitted the head's passes (solar/firststeps.py). That thread runs its calls
+    in order, so no head step waits for the plan, and the first step after the head does (where
+    a pass holds steps on both sides of the head's end, that pass waits). The head is at most an
+    eighth of the epoch (none below 8 steps), so the swaps keep most of the epoch and the hit
+    rate its bound.
 
 NOTE [ Resumed tail ]
     A run resumed with another world size ``P`` (or per-rank batch) continues from a global
@@ -315,6 +318,30 @@ def grouped_accept(items: np.ndarray, key: np.ndarray, free: np.ndarray) -> np.n
     return ok
 
 
+def stable_argsort(key: np.ndarray) -> np.ndarray:
+    """``np.argsort(key, kind="stable")``, faster where the keys are distinct, as they mostly
+    are where it is used: numpy sorts wide integers stably by a merge sort, several times slower
+    on shuffled keys than its introsort, and an unstable sort of distinct keys gives the same
+    order. Equal keys (checked after the sort, in O(n)) fall back to the stable sort."""
+    o = np.argsort(key)
+    s = key[o]
+    if len(s) > 1 and (s[1:] == s[:-1]).any():
+        return np.argsort(key, kind="stable")
+    return o
+
+
+def _by_cell(key: np.ndarray, resident: np.ndarray, cells: int) -> np.ndarray:
+    """``np.lexsort((~resident, key))`` (``key`` < ``cells``): one sort of distinct int64 keys
+    (cell, resident first, index) where they fit, instead of two stable passes."""
+    n = len(key)
+    if 2 * cells * n >= 1 << 62:
+        return np.lexsort((~resident, key))
+    wide = key.astype(np.int64) * 2 + ~resident
+    wide *= n
+    wide += np.arange(n, dtype=np.int64)
+    return np.argsort(wide)
+
+
 def assign_pinned(samples: np.ndarray, G: int, P: int, owner: np.ndarray, resident: np.ndarray):
     """Per position of a run of whole steps (the last may be partial): (rank, hit, keep), from
     each sample's ``owner`` and whether it is ``resident`` there. Step-local, so any run of steps
@@ -332,7 +359,7 @@ def assign_pinned(samples: np.ndarray, G: int, P: int, owner: np.ndarray, reside
     if len(cand):
         res = resident[cand]
         key = step[cand] * P + own[cand]
-        o = np.lexsort((~res, key))  # per (step, owner): resident first, then by position
+        o = _by_cell(key, res, quota.size)  # per (step, owner): resident first, then by position
         cand, key, res = cand[o], key[o], res[o]
         del o
         first = np.ones(len(key), dtype=bool)
@@ -352,7 +379,7 @@ def assign_pinned(samples: np.ndarray, G: int, P: int, owner: np.ndarray, reside
     free = quota.reshape(-1) - taken
     left = np.flatnonzero(rank < 0).astype(dt)
     key = step[left].astype(np.int64) * (int(samples.max(initial=0)) + 1) + samples[left]  # int64: no overflow
-    left = left[np.argsort(key, kind="stable")]  # index order per step
+    left = left[stable_argsort(key)]  # index order per step
     del key
     rank[left] = np.repeat(np.tile(np.arange(P, dtype=rank.dtype), len(quota)), free)
     return rank, hit, keep

@@ -68,7 +68,7 @@ def test_the_loader_plans_its_share_and_its_buffers_hit_as_planned(comm, shared_
 @pytest.mark.parametrize("prefetch", [8, 0])
 def test_the_first_steps_come_from_the_head_and_the_buffers_follow_the_plan(comm, shared_tmp, monkeypatch, prefetch):
     """An epoch not planned ahead hands out its head first (NOTE [ First steps ] in
-    solar/schedule.py), its plan made behind the first pass; an iteration stopped inside the
+    solar/schedule.py), its plan made behind the passes of the head; an iteration stopped inside the
     head (a peek) has its plan made when the next one settles it. Every step is still
     DistributedSampler's global batch and the buffers serve the hits the plans promised."""
     monkeypatch.setenv("SOLAR_PLANNER", "sharded")
