@@ -36,7 +36,7 @@ MAY_USE = {
     # sharded planning (NOTE [ Sharded planning ]): each rank plans its share; the order once per node
     "solar.rankplan": set(),
     "solar.shardplan": {"solar.schedule", "solar.order", "solar.permute", "solar.exchange", "solar.rankplan"},
-    "solar.firststeps": {"solar.dist"},  # an epoch's head first, its plan behind the first pass
+    "solar.firststeps": {"solar.dist"},  # an epoch's head first, its plan behind the head's passes
     "solar.nodeshare": {"solar.order"},
     "solar.prefetch": {"solar.dist"},
     "solar.capabilities": {"solar", "solar.dist"},
