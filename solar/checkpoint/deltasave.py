@@ -19,7 +19,9 @@ whole (reading the old bytes back would cost a full read of the previous version
 
 The mirror is refreshed chunk by chunk in the I/O threads, as each new chunk is stored (there its
 copy overlaps the other threads' writes and fsyncs), and after the save for the chunks no I/O
-thread stored (packed, repeated or already known ones).
+thread stored (packed, repeated or already known ones). A chunk that changed clearly densely
+(:func:`.delta.clearly_dense`) keeps only a sample of its words there: it would be written whole
+again next time, so copying its bytes would cost a dense save a copy of the state for nothing.
 """
 
 from __future__ import annotations
