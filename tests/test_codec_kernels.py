@@ -342,3 +342,45 @@ def test_the_kernel_scratch_is_kept_per_thread_and_stale_values_never_leak(monke
     monkeypatch.setattr(paths, "WORK_KEEP", 400)
     huge = paths.work(4, 1000)  # 4000 bytes: past WORK_KEEP, used once
     assert huge.size >= 1000 and paths.work(4, 10) is grown
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_batch_goes_blob_by_blob_through_the_one_blob_path_into_its_rows(monkeypatch, threads):
+    """A CPU batch of one shape decodes each blob through solar.codec.fast (its plan cached per
+    header), not through the group driver, from every kind of byte buffer a caller passes."""
+    from solar.codec import fast
+
+    rng = np.random.default_rng(11)
+    xs = [np.cumsum(rng.standard_normal((1, 32, 24)), 2).astype(np.float32) for _ in range(7)]
+    blobs = [sc.encode(x, rel_error=1e-3) for x in xs]
+    flat = np.frombuffer(b"".join(blobs), np.uint8)
+    cuts = np.cumsum([0] + [len(b) for b in blobs])
+    want = decode_all(blobs, "reference")
+    group = []
+    monkeypatch.setattr(paths, "_share", lambda *a: group.append(a))  # the group driver: must not run
+    for kind in (list, lambda bs: [flat[a:b] for a, b in zip(cuts[:-1], cuts[1:])],
+                 lambda bs: [bytearray(b) for b in bs], lambda bs: [memoryview(b) for b in bs]):
+        got = sc.decode_batch(kind(blobs), threads=threads)
+        assert same(got, want) and got.shape == (7, 1, 32, 24)
+    assert not group
+    assert fast._key(blobs[3])[0] in fast._PLANS
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_a_batch_with_a_forged_blob_is_refused_in_the_group_paths_words(threads):
+    """A forged blob among clean ones: a CorruptDataError naming a sample of the batch in the
+    reference's words, whatever the thread count."""
+    clean = sc.encode(np.cumsum(np.ones(2000, np.float32)), abs_error=1.0,
+                      codec={"id": "ebq", "predictor": "lorenzo", "lossless": "none"})
+    names = [f"s{i}" for i in range(12)]
+    for forged in _forgeries():
+        batch = [clean] * 12
+        batch[9] = forged
+        with pytest.raises(CorruptDataError) as ref:
+            sc.decode_batch(batch, names=names, decoder="reference")
+        with pytest.raises(CorruptDataError) as fast:
+            sc.decode_batch(batch, names=names, threads=threads)
+        assert str(fast.value).partition(": ")[2] == str(ref.value).partition(": ")[2]
+        assert str(fast.value).startswith("sample 's") and "corrupted payload" in str(fast.value)

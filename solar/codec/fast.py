@@ -34,7 +34,7 @@ from .header import Header, payload_of, read_header
 from .predict import Predictor
 from .sections import _ESCAPE_RANGE, _UNORDERED
 
-__all__ = ["decode_one"]
+__all__ = ["decode_one", "decode_rows"]
 
 _COVERED = frozenset({Predictor.INTERP, Predictor.FINE, Predictor.LORENZO})
 _INT = {4: torch.int32, 8: torch.int64}
@@ -67,6 +67,65 @@ def decode_one(blob, decoder: str | None, compile: bool | None = None, what: str
     if compile or (decoder or decoders.name()) not in ("auto", "cpu-kernel") or (compile is None and fused.enabled()) \
             or not paths.kernel_available():
         return None
+    job = _checked(blob, what)
+    if job is None:
+        return None
+    h = job.plan.h
+    x = np.empty(h.shape, h.dtype)  # numpy's allocation and from_numpy cost less than torch.empty's
+    _kernel(job.plan, job.payload, x.reshape(1, h.size), what)
+    return torch.from_numpy(x)
+
+
+def decode_rows(blobs, labels) -> torch.Tensor | None:
+    """A batch of ``blobs`` of one shape and dtype decoded on the CPU, each through the one-blob
+    path straight into its row of the ``(B, *shape)`` result, the blobs split into one contiguous
+    share per thread (:func:`solar.codec.decoders.current`'s count; the lossless stage and the
+    kernel release the GIL). Call it inside the batch's ``fused.use`` / ``decoders.use`` block.
+
+    None when the group path must decode the batch: another path or compiling in effect, numba
+    missing, a blob that is not a flat byte buffer, that the kernel does not cover, or of another
+    shape or dtype, and any damaged blob (the group path then refuses it with its own message,
+    naming the first damaged blob in batch order, as it always has)."""
+    if decoders.current().decoder not in ("auto", "cpu-kernel") or fused.enabled() or not paths.kernel_available():
+        return None
+    jobs: list[_Job] = []
+    try:
+        for blob, what in zip(blobs, labels):
+            view = _flat(blob)
+            job = None if view is None else _checked(view, what)
+            if job is None or (jobs and (job.plan.h.shape, job.plan.h.dtype) != (jobs[0].plan.h.shape,
+                                                                                 jobs[0].plan.h.dtype)):
+                return None
+            jobs.append(job)
+        h = jobs[0].plan.h
+        x = np.empty((len(jobs),) + h.shape, h.dtype)
+        rows = x.reshape(len(jobs), h.size)
+        threads = min(decoders.current().threads, len(jobs))
+        if threads <= 1:
+            _rows(jobs, labels, 0, len(jobs), rows)
+        else:
+            cuts = np.linspace(0, len(jobs), threads + 1).astype(int)
+            futures = [paths._pool(threads).submit(_rows, jobs, labels, a, b, rows)
+                       for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+            for f in futures:
+                f.exception()  # every share done before any refusal is looked at
+            for f in futures:
+                f.result()
+    except CorruptDataError:
+        return None
+    return torch.from_numpy(x)
+
+
+class _Job(NamedTuple):
+    """One checked blob: its plan and its payload (a view of the blob)."""
+
+    plan: _Plan
+    payload: memoryview
+
+
+def _checked(blob, what: str) -> _Job | None:
+    """``blob``'s plan and payload after its header and payload checksums, or None when the kernel
+    does not cover it; raises :class:`CorruptDataError` in the header's own words."""
     key, tail = _key(blob)
     p = _PLANS.get(key) if key else None
     if p is None:
@@ -82,10 +141,28 @@ def decode_one(blob, decoder: str | None, compile: bool | None = None, what: str
             or xxhash.xxh3_64_intdigest(payload) != payload_sum:
         payload_of(blob, read_header(blob, what), what)  # raises, in the header's own words
         return None  # (unreachable: a blob that passes both checks matches its cached plan)
-    h = p.h
-    x = np.empty(h.shape, h.dtype)  # numpy's allocation and from_numpy cost less than torch.empty's
-    _kernel(p, payload, x.reshape(1, h.size), what)
-    return torch.from_numpy(x)
+    return _Job(p, payload)
+
+
+def _flat(blob):
+    """``blob`` as bytes or a flat memoryview of its bytes, or None for anything else (the group
+    path reads, or refuses, those)."""
+    if type(blob) is bytes:
+        return blob
+    if isinstance(blob, np.ndarray):
+        ok = blob.dtype == np.uint8 and blob.ndim == 1 and blob.flags.c_contiguous
+        return memoryview(blob) if ok else None
+    if isinstance(blob, bytearray):
+        return memoryview(blob)
+    if isinstance(blob, memoryview) and blob.format == "B" and blob.ndim == 1 and blob.c_contiguous:
+        return blob
+    return None
+
+
+def _rows(jobs: list[_Job], labels, b0: int, b1: int, rows: np.ndarray) -> None:
+    """Blobs ``b0 .. b1 - 1`` of a batch, each into its row of ``rows``."""
+    for i in range(b0, b1):
+        _kernel(jobs[i].plan, jobs[i].payload, rows[i:i + 1], labels[i])
 
 
 def _key(blob: bytes) -> tuple[bytes, int]:
@@ -101,7 +178,7 @@ def _key(blob: bytes) -> tuple[bytes, int]:
     if e > n:
         return b"", 0
     t = e + (blob[e - 2] | blob[e - 1] << 8) + 8  # past the metadata and payload_len
-    return (blob[:t], t - 8) if t + 16 <= n else (b"", 0)
+    return (bytes(blob[:t]), t - 8) if t + 16 <= n else (b"", 0)  # (bytes of bytes: no copy)
 
 
 def _plan(blob: bytes, key: bytes, what: str) -> _Plan | None:
