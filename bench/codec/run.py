@@ -294,8 +294,9 @@ def gpu_batch_rows(fname: str, arr: np.ndarray, blobs: list, eb: float, want: to
 def batch_rows(reps: int, rel: float, sizes=(64, 128), batch: int = 64, gpu: bool = False) -> list[dict]:
     """The loader's case: a mini-batch of PtychoNN-like samples (``solar.synthetic``).
 
-    solar decodes the whole batch with one ``decode_batch`` call (one sequence of tensor ops);
-    the others decode sample by sample, as a training loop would have to. With ``gpu`` the batch
+    solar decodes the whole batch with one ``decode_batch`` call (on the CPU, each blob through the
+    one-blob fast path into its row of the result; elsewhere one sequence of tensor ops); the
+    others decode sample by sample, as a training loop would have to. With ``gpu`` the batch
     is also decoded on CUDA (:func:`gpu_batch_rows`).
     """
     from solar.synthetic import ptycho_block
