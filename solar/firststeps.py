@@ -46,9 +46,15 @@ def rest_after_head(groups: Iterator[list], rest: Callable[[], Rest | None]) -> 
     the pass after the one that ends the head: by then it has submitted that one (solar/prefetch.py
     takes the next item after submitting the last), so the MPI thread reads every pass of the
     head before it plans the rest. The passes' sizes are the same on every rank, so every rank
-    submits the plan between the same two passes."""
+    submits the plan between the same two passes.
+
+    Then an empty group: the read-ahead takes the next group before it hands out the last one it
+    submitted, and the group after the head waits for the plan (its steps come from it), so
+    without the empty one the head's last pass would wait for the plan too. The sampler reads
+    nothing for it (no collective: on the MPI thread it returns at once, behind the plan)."""
     for group in groups:
         yield group
         pending = rest()
-        if pending is not None and group and group[-1][-1][0] + 1 >= pending.head:
+        if pending is not None and pending.future is None and group and group[-1][-1][0] + 1 >= pending.head:
             pending.submit()
+            yield []

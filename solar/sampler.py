@@ -366,7 +366,8 @@ class SolarBatchSampler(BatchSampler):
         # passes in step make collective calls: on the process's one MPI thread, shared by every
         # loader (NOTE [ SOLAR's own MPI traffic ] in solar/dist.py)
         executor = mpi_executor() if in_lockstep else None
-        passes = _prefetch(groups, fetch, 1 if self.prefetch else 0, cancel=not collective, executor=executor,
+        read = lambda group: fetch(group) if group else []  # noqa: E731 (rest_after_head's empty group)
+        passes = _prefetch(groups, read, 1 if self.prefetch else 0, cancel=not collective, executor=executor,
                            timeout=self.timeout)
         try:
             for group in passes:

@@ -16,10 +16,12 @@ class _Recorded(Rest):
         super().__init__(None, 0, 0, head)
         self.taken = taken
         self.submitted_after: int | None = None
+        self.future = None
 
     def submit(self) -> None:
-        if self.submitted_after is None:
-            self.submitted_after = len(self.taken)
+        assert self.future is None, "submitted twice"
+        self.submitted_after = len(self.taken)
+        self.future = self  # submitted (nothing runs)
 
 
 def _steps(n: int, b: int):
@@ -42,6 +44,9 @@ def test_the_plan_is_submitted_after_the_heads_passes(b, size, head, want):
     # submitted when the pass after the one that ends the head was asked for, not before
     assert rest.submitted_after == want
     assert taken[want - 1][-1][-1][0] >= head - 1 > taken[want - 2][-1][-1][0]
+    # then an empty group, which the read-ahead takes before it hands out the head's last pass
+    assert taken[want] == [] and all(taken[:want]) and all(taken[want + 1:])
+    assert [s[0] for g in taken for s in g] == [list(range(k * b, (k + 1) * b)) for k in range(200)]
 
 
 def test_no_rest_no_submission():
