@@ -370,7 +370,7 @@ def test_a_batch_goes_blob_by_blob_through_the_one_blob_path_into_its_rows(monke
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_a_batch_with_a_forged_blob_is_refused_in_the_group_paths_words(threads):
-    """A forged blob among clean ones: a CorruptDataError naming a sample of the batch in the
+    """A forged blob among clean ones: a CorruptDataError naming that blob's sample in the
     reference's words, whatever the thread count."""
     clean = sc.encode(np.cumsum(np.ones(2000, np.float32)), abs_error=1.0,
                       codec={"id": "ebq", "predictor": "lorenzo", "lossless": "none"})
@@ -382,5 +382,5 @@ def test_a_batch_with_a_forged_blob_is_refused_in_the_group_paths_words(threads)
             sc.decode_batch(batch, names=names, decoder="reference")
         with pytest.raises(CorruptDataError) as fast:
             sc.decode_batch(batch, names=names, threads=threads)
-        assert str(fast.value).partition(": ")[2] == str(ref.value).partition(": ")[2]
-        assert str(fast.value).startswith("sample 's") and "corrupted payload" in str(fast.value)
+        assert str(fast.value) == str(ref.value)
+        assert str(fast.value).startswith("sample 's9'") and "corrupted payload" in str(fast.value)

@@ -77,17 +77,25 @@ def gather(blobs: Sequence[Parsed], metas: list[EbqMeta], n: int, order, int8_st
         rows = {BITPACK: list(range(B))}
     marks = side = None
     if NIBBLES in planes:  # where the side values go: found on the packed bytes, before they leave the CPU
+        nib = rows[NIBBLES]
         marks, side = check_side(planes[NIBBLES], np.concatenate(sides) if sides else np.empty(0, np.uint8),
-                                 blobs[0].what)
+                                 [blobs[i].what for i in nib], [metas[i].n_side for i in nib])
     return Gathered(planes, rows, kinds, marks, side, esc_idx, esc_val, out_idx, out_val, steps, offs)
 
 
-def check_side(packed: np.ndarray, side: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
-    """The side markers' positions in nibble codes and the side values, which must be as many."""
+def check_side(packed: np.ndarray, side: np.ndarray, names: list[str],
+               counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The side markers' positions in nibble codes and the side values, which must be as many.
+
+    ``packed``: one row of packed nibbles per blob, named by ``names``, whose side values (``side``
+    holds them all, blob after blob) number ``counts``. A mismatch names the first blob whose own
+    markers and side values disagree, the blob that is damaged, not the group's first."""
     marks = _nibble_markers(packed)
     if marks.size != side.size:
-        raise CorruptDataError(f"{what}: nibble stream has {marks.size} side markers for {side.size} side values; "
-                               "corrupted payload")
+        found = np.bincount(marks // (2 * packed.shape[-1]), minlength=len(names)) if packed.ndim == 2 else [marks.size]
+        at = next((j for j, (f, c) in enumerate(zip(found, counts)) if f != c), 0)
+        raise CorruptDataError(f"{names[at]}: nibble stream has {int(found[at])} side markers for {counts[at]} side "
+                               "values; corrupted payload")
     return marks, side
 
 
