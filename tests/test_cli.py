@@ -104,3 +104,15 @@ def test_solar_errors_from_a_command_are_one_line_with_exit_code_2(tmp_path, cap
     monkeypatch.setattr(demo, "run", boom)
     assert main(["demo", "--out", str(tmp_path / "d")]) == 2
     assert capsys.readouterr().err.strip() == "solar demo: buffer=5.0 is not a fraction; pass 0..1"
+
+
+def test_bench_writes_a_relative_out_where_the_caller_runs_it(tmp_path, monkeypatch):
+    """The benchmark runs in the checkout's root, its JSON lands in the caller's directory."""
+    from solar.cli import bench
+
+    monkeypatch.chdir(tmp_path)
+    assert bench._here(["--samples", "8", "--out", "r.json", "--out=s.json", "--out", "/abs/t.json"]) == [
+        "--samples", "8", "--out", str(tmp_path / "r.json"), f"--out={tmp_path / 's.json'}", "--out", "/abs/t.json"]
+    assert main(["bench", "plan", "--samples", "4096", "--epochs", "2", "--out", "mine.json"]) == 0
+    assert (tmp_path / "mine.json").is_file()
+    assert not (bench.bench_dir().parent / "mine.json").exists()

@@ -49,5 +49,20 @@ def run(args: argparse.Namespace) -> int:
     for name in chosen:
         print(f"== bench/{name}", flush=True)
         script = bench_dir() / name / "run.py"
-        rc |= subprocess.run([sys.executable, str(script), *args.args], cwd=bench_dir().parent).returncode
+        rc |= subprocess.run([sys.executable, str(script), *_here(args.args)], cwd=bench_dir().parent).returncode
     return rc
+
+
+def _here(argv: list[str]) -> list[str]:
+    """``argv`` with a relative ``--out`` made absolute against the caller's directory: the
+    benchmark runs in the checkout's root (its data paths are relative to it), but the JSON goes
+    where the user asked for it."""
+    out, after_out = [], False
+    for a in argv:
+        if after_out and not Path(a).is_absolute():
+            a = str(Path.cwd() / a)
+        elif a.startswith("--out=") and not Path(a[6:]).is_absolute():
+            a = "--out=" + str(Path.cwd() / a[6:])
+        out.append(a)
+        after_out = a == "--out"
+    return out
