@@ -92,7 +92,7 @@ def check_side(packed: np.ndarray, side: np.ndarray, names: list[str],
     markers and side values disagree, the blob that is damaged, not the group's first."""
     marks = _nibble_markers(packed)
     if marks.size != side.size:
-        found = np.bincount(marks // (2 * packed.shape[-1]), minlength=len(names)) if packed.ndim == 2 else [marks.size]
+        found = np.bincount(marks // (2 * packed.shape[1]), minlength=len(names))  # markers per blob (row)
         at = next((j for j, (f, c) in enumerate(zip(found, counts)) if f != c), 0)
         raise CorruptDataError(f"{names[at]}: nibble stream has {int(found[at])} side markers for {counts[at]} side "
                                "values; corrupted payload")
