@@ -27,6 +27,7 @@ from solar.errors import CheckpointError, CorruptDataError
 
 from .chunking import chunk_spans, hasher
 from .comm import plain_comm
+from .delta import want_kernel
 from .deltastore import ChunkReadError, rebuild
 from .errors import CheckpointVersionRemovedError
 from .flatten import materialize, unflatten
@@ -164,6 +165,7 @@ class Reader:
         """
         self.manifest: Manifest = manifest
         self._digest = hasher(manifest.hash)
+        self._kernel_asked = False  # want_kernel told of this version's deltas (on its first read)
         self._blobs: dict[int, torch.Tensor] = {}
 
     def retry_if_removed(self, read: Callable[[], T]) -> T:
@@ -261,6 +263,9 @@ class Reader:
         m = self.manifest
         digests = m.blob_digests(i)
         spans = chunk_spans(m.blobs[i].nbytes, m.chunk_size)
+        if m.deltas and not self._kernel_asked:
+            self._kernel_asked = True
+            want_kernel(sum(ref.nbytes for ref in m.deltas.values()))
 
         def one(j: int) -> _Got:
             d = digests[j].tobytes()
