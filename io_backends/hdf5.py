@@ -31,7 +31,7 @@ from __future__ import annotations
 import io
 import os
 import threading
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -40,7 +40,7 @@ from solar.errors import MissingKeyError, NotHDF5Error, StorageError, storage_er
 from .base import ArrayInfo, Backend
 from .mapped import MappedFile, mappable
 
-__all__ = ["HDF5Backend", "h5_keys", "h5_attrs", "h5_read_errors", "read_rows"]
+__all__ = ["HDF5Backend", "MappedRows", "h5_keys", "h5_attrs", "h5_read_errors", "read_rows"]
 
 #: iovecs per ``preadv`` call (the system's limit, POSIX's minimum where it says none)
 _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024)
@@ -255,8 +255,18 @@ class HDF5Backend(Backend):
         self.ensure_open()
         return self._span(key) is not None and self._mapping() is not None
 
-    def _read_ranges(self, key: str, ranges: np.ndarray, out: "np.ndarray | RowPlaces") -> None:
+    def _read_ranges(self, key: str, ranges: np.ndarray, out: "np.ndarray | RowPlaces | RowViews") -> None:
         span = self._span(key)
+        if isinstance(out, RowViews):  # views of the map, or nothing (mapped_rows)
+            m = self._mapping() if span is not None and span.row and span.allocated(ranges) else None
+            calls = self._view_rows(m, key, span, ranges, out) if m is not None else 0
+            self.stats.read_calls += calls
+            if out.check is not None and calls:
+                extra = self.stats.extra
+                extra["direct_reads"] = extra.get("direct_reads", 0) + 1
+                extra["mapped_reads"] = extra.get("mapped_reads", 0) + 1
+            self._check_size()
+            return
         if isinstance(out, RowPlaces) and (span is None or not span.row or not span.allocated(ranges)):
             info = self.info(key)  # read through h5py: into one buffer, then to the places
             buf = np.empty((len(out), *info.row_shape), info.dtype)
@@ -304,6 +314,45 @@ class HDF5Backend(Backend):
         self._read_ranges(key, ranges, RowPlaces(dests))
         self.stats.rows_read += total
         self.stats.bytes_read += total * info.row_nbytes
+
+    def mapped_rows(self, key: str, ranges: np.ndarray) -> "MappedRows | None":
+        """The rows of the sorted ``[start, stop)`` ``ranges`` as views of the file's map, for a
+        caller that copies them later (NOTE [ Rows copied when the batch is taken ] in
+        solar/slots.py), or None where :meth:`read_rows_to` would not copy them from a map.
+        A read as any other (counted, and checked to lie inside the file: ``StorageError``);
+        ``check()`` checks the file again, before the caller's copy (NOTE [ Mapped reads ])."""
+        self.ensure_open()
+        info = self.info(key)
+        ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        if len(ranges) and (ranges[0, 0] < 0 or ranges[-1, 1] > info.shape[0]):
+            raise IndexError(f"{self.url}:{key}: rows {int(ranges[0, 0])}..{int(ranges[-1, 1]) - 1} out of range "
+                             f"for {info.shape[0]} rows")
+        out = RowViews()
+        self._read_ranges(key, ranges, out)
+        if out.check is None:
+            return None
+        self.stats.rows_read += len(out)
+        self.stats.bytes_read += len(out) * info.row_nbytes
+        return MappedRows(list(out), out.check)
+
+    def _view_rows(self, m: MappedFile, key: str, span: "_Span", ranges: np.ndarray, out: "RowViews") -> int:
+        """:meth:`mapped_rows`' read: ``out`` gets a view of the map per row and its ``check``;
+        nothing where the map no longer covers the rows (the file grew). Returns the calls made."""
+        spans = [(a, b) for a, b in ranges.tolist() if b > a]
+        pieces = [p for a, b in spans for p in span.pieces(a, b)]
+        end = max((at + n for at, n in pieces), default=0)
+        if end > m.size:
+            return 0
+
+        def check() -> None:
+            size = m.file_size()
+            if end > size:
+                self._past_end(None, key, spans[0][0], spans[-1][1], size)
+        check()
+        info = self.info(key)
+        out.extend(r for at, n in pieces for r in m.rows(at, n, info.dtype, info.row_shape))
+        out.check = check
+        return len(spans)
 
     def _pread_places(self, fd: int, key: str, span: "_Span", ranges: np.ndarray, out: "RowPlaces") -> int:
         """:meth:`_pread_into` for rows that each have a place of their own."""
@@ -430,9 +479,24 @@ class HDF5Backend(Backend):
 _UNSET = object()
 
 
+class MappedRows(NamedTuple):
+    """:meth:`HDF5Backend.mapped_rows`: one view of the map per row, and the check to make
+    before copying from them."""
+
+    views: list
+    check: Callable[[], None]
+
+
 class RowPlaces(list):
     """Where a read's rows go, one array per row (:meth:`HDF5Backend.read_rows_to`), in place of
     one ``out`` buffer."""
+
+
+class RowViews(list):
+    """What :meth:`HDF5Backend.mapped_rows` asks ``_read_ranges`` for: a view of the map per row,
+    in place of a copy, and the ``check`` to make before copying from them (None: not mapped)."""
+
+    check: Callable[[], None] | None = None
 
 
 class _Span:

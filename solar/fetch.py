@@ -9,7 +9,6 @@ batch laid out in batch order as a :class:`StoredBatch`). The loader carries eac
 from __future__ import annotations
 
 import itertools
-import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
@@ -21,9 +20,10 @@ from torch.utils.data import default_collate
 from solar.cache import TierStats
 from solar.errors import InputError
 from solar.layout import FieldSpec
+from solar.slots import DeferredRows, DeferredStep, SlotPool, SlotRows, StepRows, deferred_fields
 
-__all__ = ["FetchPass", "FetchStats", "PassLayout", "LaidOut", "StoredBatch", "StepBatch", "StepRows", "Samples",
-           "Stay", "Held", "as_indices", "collate", "empty", "evict_samples", "forget_held", "torch_dtype"]
+__all__ = ["FetchPass", "FetchStats", "PassLayout", "LaidOut", "StoredBatch", "StepBatch", "StepRows", "SlotPool",
+           "Samples", "Stay", "Held", "as_indices", "collate", "empty", "evict_samples", "forget_held", "torch_dtype"]
 
 # NOTE [ Batches that stay ]
 #     With DataLoader workers, each step's batch travels to a worker inside its StepBatch and
@@ -152,6 +152,7 @@ class StoredBatch:
                 out.fields[name] = (blobs[int(off[a]):int(off[b])], off[a:b + 1] - off[a])
             else:
                 out.fields[name] = val[a:b]
+        out.fields = deferred_fields(out.fields)
         return out
 
 
@@ -269,11 +270,44 @@ class FetchPass:
                       if self.layout is not None and ds.reads_to_places(spec)
                       else ds._read_field(spec, self.read, disjoint, split) for spec in ds.specs}
 
-    def _to_slots(self, spec: FieldSpec, disjoint: bool, split: bool) -> "SlotRows":
+    def _deferred(self, spec: FieldSpec) -> DeferredRows | None:
+        """NOTE [ Rows copied when the batch is taken ] (solar/slots.py): raw field ``spec``'s
+        step tensors as :class:`DeferredStep`, each row's source a view of the file's map (its
+        misses) or the buffer's value (its hits); None where the field is read now instead."""
+        ds, (steps, shared) = self.dataset, self.layout
+        rows_of = getattr(ds.backend, "mapped_rows", None)
+        if (rows_of is None or (shared and not isinstance(shared, Stay))
+                or (ds.verify and ds._has_checksum.get(spec.name))):
+            return None
+        runs = ds._runs(spec, self.read)  # (sieved as the read would be: the same counters)
+        got = rows_of(spec.data_key, runs)
+        if got is None:
+            return None
+        views = got.views
+        ds.stats.read_calls += len(runs)
+        ds.stats.bytes_in += len(views) * int(np.prod(spec.sample_shape, dtype=np.int64)) * spec.dtype.itemsize
+        if len(views) != len(self.read):  # rows read through sieved gaps: none is copied
+            lengths = runs[:, 1] - runs[:, 0]
+            k = np.searchsorted(runs[:, 1], self.read, side="right")
+            at = (np.cumsum(lengths) - lengths)[k] + self.read - runs[k, 0]
+            views = [views[i] for i in at.tolist()]
+        src, name, held = self.mrank[self.inv], spec.name, self.held
+        sources = [views[r] if r >= 0 else held[u][name] for r, u in zip(src.tolist(), self.inv.tolist())]
+        bounds = np.r_[0, np.cumsum(steps, dtype=np.int64)].tolist()
+        dtype, pool = torch_dtype(spec.dtype), ds.__dict__.setdefault("_slot_pool", SlotPool())
+        parts = [DeferredStep((b - a, *spec.sample_shape), dtype, pool, sources[a:b], got.check)
+                 for a, b in zip(bounds[:-1], bounds[1:])]
+        return DeferredRows(parts, bounds, views)
+
+    def _to_slots(self, spec: FieldSpec, disjoint: bool, split: bool) -> "SlotRows | DeferredRows":
         """NOTE [ One copy into the batch ]: the pass's step tensors of raw field ``spec``, made
         now, each row read straight into the first batch slot that wants it, and the hits copied
         from the buffer into theirs on this thread while the request threads read (the slots of
-        samples the pass holds twice are filled by :meth:`finish`)."""
+        samples the pass holds twice are filled by :meth:`finish`); or, for a mapped file, filled
+        when the batch is taken (:meth:`_deferred`)."""
+        deferred = self._deferred(spec)
+        if deferred is not None:
+            return deferred
         steps, shared = self.layout
         bounds = np.r_[0, np.cumsum(steps, dtype=np.int64)]
         dtype, in_shm = torch_dtype(spec.dtype), bool(shared) and not isinstance(shared, Stay)
@@ -320,6 +354,7 @@ class FetchPass:
         for spec in ds.specs:
             hits = {u: vals[spec.name] for u, vals in p.held.items()}
             out.fields[spec.name] = _assemble(spec, datas[spec.name], hits, p.mrank, p.inv, shared, steps)
+        out.fields = deferred_fields(out.fields)
         ds.stats.hits += out.hits
         ds.stats.misses += len(p.idx) - out.hits
         ds.stats.kept += int(kept.sum())
@@ -333,55 +368,6 @@ def evict_samples(ds: Any, buffer, evict: Sequence[int] | None) -> None:
         for i in (evict if evict is not None else ()):
             for spec in ds.specs:
                 buffer.delete((spec.name, int(i)))
-
-
-#: how many of a storage's users a tensor that nobody else references counts (itself and the
-#: storage object asked); None where torch does not say (then nothing is reused)
-_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
-
-
-class SlotPool:
-    """NOTE [ Reused batch memory ]: the step tensors of a dataset's earlier passes, reused for
-    later ones once nobody references them (neither the tensor nor any view of its memory).
-
-    Why: a pass's step tensors (megabytes each) are freed by the consumer batch by batch, and
-    glibc hands such blocks back to the kernel or moves its threshold for them, so new ones came
-    as fresh pages: a fault and the zeroing of every 4 KiB before the first copy, 10-20 thousand
-    faults per epoch of bench/loader/local.py. A tensor is free when the pool's list holds its
-    only reference and its storage has no other user (a slice, a ``numpy()`` view, a batch kept
-    by the consumer all count). It remembers at most ``LIMIT`` tensors of ``LIMIT_BYTES`` in all
-    (in use or free; the oldest go): a few passes' worth, what the read-ahead has in flight, so
-    that what it keeps free between epochs stays bounded."""
-
-    LIMIT = 64
-    LIMIT_BYTES = 256 << 20
-
-    def __init__(self) -> None:
-        self._out: list[torch.Tensor] = []
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def empty(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialized tensor of ``shape`` and ``dtype``: a free one of the pool, or new."""
-        shape = torch.Size(shape)
-        with self._lock:
-            out = self._out
-            for i in range(len(out)):
-                if out[i].shape == shape and out[i].dtype == dtype and self._free(out, i):
-                    out.append(out.pop(i))
-                    return out[-1]
-            out.append(torch.empty(shape, dtype=dtype))
-            self._bytes += out[-1].nbytes
-            while len(out) > 1 and (len(out) > self.LIMIT or self._bytes > self.LIMIT_BYTES):
-                self._bytes -= out.pop(0).nbytes
-            return out[-1]
-
-    @staticmethod
-    def _free(out: list, i: int) -> bool:
-        # (references to out[i]: the list's and getrefcount's argument; users of its storage:
-        # the tensor and the storage object made here)
-        return (_USE_COUNT is not None and sys.getrefcount(out[i]) == 2
-                and _USE_COUNT(out[i].untyped_storage()._cdata) == 2)
 
 
 def empty(shape: tuple, dtype: torch.dtype, shared: bool) -> torch.Tensor:
@@ -454,32 +440,6 @@ def _rows_of(batch: "Samples", cols: tuple) -> bool:
     return True
 
 
-class StepRows:
-    """A raw field of a pass of several steps, each step's rows in a tensor of its own.
-
-    Why: one tensor for a whole pass (tens of MB) is above glibc's mmap threshold, so every pass
-    got fresh pages from the kernel and paid a page fault and a zeroing per 4 KiB before its
-    first copy: several times the copy itself. A step's tensor is small enough to be reused
-    from the heap pass after pass. ``rows[a:b]`` (a step's bounds) is that step's tensor."""
-
-    def __init__(self, tensors: list[torch.Tensor], bounds: list[int]) -> None:
-        self.tensors, self.bounds = tensors, bounds
-
-    def __len__(self) -> int:
-        return self.bounds[-1]
-
-    def __getitem__(self, part: slice) -> torch.Tensor:
-        a, b = part.start or 0, len(self) if part.stop is None else part.stop
-        k = self.bounds.index(a) if a in self.bounds else -1
-        if k >= 0 and k + 1 < len(self.bounds) and self.bounds[k + 1] == b:
-            return self.tensors[k]
-        return self.whole()[a:b]
-
-    def whole(self) -> torch.Tensor:
-        """Every row in one tensor (a copy)."""
-        return torch.cat(self.tensors)
-
-
 class PassLayout(NamedTuple):
     """The batches a pass is laid out in, as the caller that cut it knows them: the ``steps``'
     lengths (one step: the pass as one batch) and ``shared``, where they go (``fetch_stored``'s
@@ -500,45 +460,12 @@ class LaidOut:
         return self.keep(miss)
 
 
-class SlotRows:
-    """A raw field's misses read into the pass's step tensors (:meth:`FetchPass._to_slots`):
-    ``rows[j]`` (``dests[j]``) is read row ``j`` in the first slot that wanted it, at pass
-    position ``first[j]``."""
-
-    def __init__(self, tensors: list, bounds: list, dests: list, first: np.ndarray, in_shm: bool) -> None:
-        self.tensors, self.bounds, self.dests, self.first, self.in_shm = tensors, bounds, dests, first, in_shm
-        self.dtype = dests[0].dtype if dests else None
-
-    def __len__(self) -> int:
-        return len(self.dests)
-
-    def __getitem__(self, j: int) -> np.ndarray:
-        return self.dests[j]
-
-    def fill(self, hits: dict, mrank: np.ndarray, inv: np.ndarray, steps, in_shm: bool):
-        """The batch laid out as ``finish`` asks (``steps``, ``in_shm``): the repeats copied from
-        their first slot (the hits were copied from the buffer while the misses were read); None
-        when it asks for another layout than the one read into."""
-        bounds = [0, len(inv)] if steps is None else np.r_[0, np.cumsum(steps)].tolist()
-        if bounds != self.bounds or in_shm != self.in_shm:
-            return None
-        src = mrank[inv]
-        rest = src >= 0  # (the hits are in)
-        rest[self.first] = False
-        arrays = [t.numpy() for t in self.tensors]
-        ks = np.flatnonzero(rest)
-        ss = np.searchsorted(np.asarray(bounds), ks, side="right") - 1
-        for s, j, r, u in zip(ss.tolist(), (ks - np.asarray(bounds)[ss]).tolist(), src[ks].tolist(), inv[ks].tolist()):
-            arrays[s][j] = self.dests[r] if r >= 0 else hits[u]
-        return self.tensors[0] if steps is None else StepRows(self.tensors, bounds)
-
-
 def _assemble(spec: FieldSpec, data, hits: dict, mrank: np.ndarray, inv: np.ndarray, shared: bool,
               steps: Sequence[int] | None = None):
     """Lay read rows (``data``, sorted-miss order) and buffer hits out in batch order: a raw
     field as one tensor, or with ``steps`` (step lengths) as :class:`StepRows`."""
     if spec.kind == "raw":
-        if isinstance(data, SlotRows):
+        if isinstance(data, (SlotRows, DeferredRows)):
             filled = data.fill(hits, mrank, inv, steps, shared and not isinstance(shared, Stay))
             if filled is not None:
                 return filled
