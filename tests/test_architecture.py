@@ -46,7 +46,8 @@ MAY_USE = {
     "solar.io_backends": {"solar.registry", "solar.capabilities", "solar.collective", "solar.dist", "solar.failfast"},
     # the data path, in the order a batch travels
     "solar.reads": {"solar.collective", "solar.layout"},
-    "solar.fetch": {"solar.cache", "solar.layout"},
+    "solar.slots": set(),  # a pass's batch tensors: reused memory, rows copied in when taken
+    "solar.fetch": {"solar.cache", "solar.layout", "solar.slots"},
     "solar.dataset": {"solar.io_backends", "solar.codec", "solar.collective", "solar.layout", "solar.reads",
                       "solar.fetch"},
     "solar.subset": {"solar.dataset"},
