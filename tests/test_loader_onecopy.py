@@ -1,0 +1,151 @@
+"""A mapped file's rows copied into their batch when it is taken (NOTE [ Rows copied when the batch
+is taken ] in solar/slots.py): the batches, hits and counters are those of rows read ahead; a file
+cut shorter meanwhile raises from that batch; buffered values stay what they were."""
+
+from __future__ import annotations
+
+import pickle
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import solar
+from solar.io_backends.hdf5 import HDF5Backend
+from solar.layout import checksum_key, sample_checksum
+from solar.slots import DeferredStep, SlotPool
+
+N = 48
+
+
+def _write(path, checksums=False, chunks=None):
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((N, 2, 3)).astype("f4")
+    y = np.arange(N, dtype="i8").reshape(N, 1) * 10 + 3
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=x, chunks=(5, 2, 3) if chunks else None)
+        f.create_dataset("y", data=y, chunks=(5, 1) if chunks else None)
+        if checksums:
+            f[checksum_key("x")] = np.array([sample_checksum(r) for r in x], dtype=np.uint64)
+            f[checksum_key("y")] = np.array([sample_checksum(r) for r in y], dtype=np.uint64)
+    return x, y
+
+
+def _loader(path, mmap="auto", **kw):
+    ds = solar.H5Dataset(path, ("x", "y"), backend_options={"mmap": mmap}, sieve_bytes=kw.pop("sieve_bytes", 64))
+    return solar.DataLoader(ds, batch_size=6, shuffle=True, distributed=True, buffer=kw.pop("buffer", 20), **kw)
+
+
+def _epochs(loader, epochs=3):
+    out = []
+    for e in range(epochs):
+        loader.set_epoch(e)
+        out.append([(bx.clone(), by.clone()) for bx, by in loader])
+    return out
+
+
+@pytest.mark.parametrize("chunks", [False, True], ids=["contiguous", "chunked"])
+def test_batches_hits_and_counters_are_those_of_rows_read_ahead(tmp_path, chunks):
+    """Mapped (copied when taken) and not mapped (read ahead by preadv): the same batches in the
+    same order, the same hits, the same bytes and requests, sieved gaps included."""
+    path = str(tmp_path / "d.h5")
+    x, y = _write(path, chunks=chunks)
+    taken, ahead = _loader(path), _loader(path, mmap=False)
+    got, want = _epochs(taken), _epochs(ahead)
+    for a, b in zip(got, want):
+        assert len(a) == len(b) == N // 6
+        for (ax, ay), (bx, by) in zip(a, b):
+            assert torch.equal(ax, bx) and torch.equal(ay, by)
+            assert torch.equal(ax, torch.from_numpy(x[((ay[:, 0] - 3) // 10).numpy()]))
+    s, t = taken.dataset.stats, ahead.dataset.stats
+    assert (s.hits, s.misses, s.kept, s.bytes_in, s.read_calls) == (t.hits, t.misses, t.kept, t.bytes_in, t.read_calls)
+    assert s.hits > 0
+    assert taken.dataset.backend.stats.extra["mapped_reads"] > 0
+    assert "mapped_reads" not in ahead.dataset.backend.stats.extra
+
+
+def test_a_steps_rows_are_copied_when_its_field_is_read(tmp_path):
+    """The read-ahead hands out steps whose raw fields are not made yet; reading a field makes
+    that step's tensor, once, with the stored rows (and a pickled batch carries tensors)."""
+    path = str(tmp_path / "d.h5")
+    x, y = _write(path)
+    loader = _loader(path, buffer=0)
+    steps = list(loader.batch_sampler)
+    assert len(steps) == N // 6
+    for step in steps:
+        stored = step.stored
+        assert isinstance(dict.__getitem__(stored.fields, "x"), DeferredStep)
+        bx = stored.fields["x"]
+        assert isinstance(bx, torch.Tensor) and stored.fields["x"] is bx
+        assert torch.equal(bx, torch.from_numpy(x[list(step)]))
+        again = pickle.loads(pickle.dumps(stored.fields))
+        assert type(again) is dict and torch.equal(again["y"], torch.from_numpy(y[list(step)]))
+
+
+def test_fields_with_checksums_are_read_and_verified_ahead(tmp_path):
+    path = str(tmp_path / "d.h5")
+    x, _ = _write(path, checksums=True)
+    loader = _loader(path, buffer=0)
+    step = next(iter(loader.batch_sampler))
+    assert isinstance(dict.__getitem__(step.stored.fields, "x"), torch.Tensor)
+    assert torch.equal(step.stored.fields["x"], torch.from_numpy(x[list(step)]))
+
+
+def test_a_file_cut_shorter_before_the_batch_is_taken_raises_from_that_batch(tmp_path):
+    """The rows were checked when the pass was made; the copy checks again, and a cut file
+    gives StorageError naming it, not a SIGBUS."""
+    path = str(tmp_path / "cut.h5")
+    _write(path)
+    loader = _loader(path, buffer=0)
+    it = iter(loader.batch_sampler)
+    steps = [next(it) for _ in range(3)]
+    with open(path, "r+b") as fh:
+        fh.truncate(1024)
+    with pytest.raises(solar.StorageError, match=r"cut\.h5: .*(shrank|past the end)"):
+        for step in steps:
+            step.stored.fields["x"]
+
+
+def test_buffered_values_evicted_before_the_batch_is_taken_keep_their_rows(tmp_path):
+    """A hit is held by reference until its batch is taken: a buffer that drops or replaces the
+    value meanwhile does not change the batch."""
+    path = str(tmp_path / "d.h5")
+    x, _ = _write(path)
+    loader = _loader(path, buffer=N)  # every sample kept after the first epoch
+    _epochs(loader, 1)
+    loader.set_epoch(1)
+    hits = loader.dataset.stats.hits
+    steps = list(loader.batch_sampler)
+    assert loader.dataset.stats.hits - hits == N
+    buffer = loader.solar_sampler.buffer
+    for key in list(buffer.keys()):
+        buffer.delete(key)
+    for step in steps:
+        assert torch.equal(step.stored.fields["x"], torch.from_numpy(x[list(step)]))
+
+
+def test_mapped_rows_are_views_of_the_stored_rows_and_none_when_not_mapped(tmp_path):
+    path = str(tmp_path / "d.h5")
+    x, _ = _write(path, chunks=True)
+    b = HDF5Backend(path)
+    got = b.mapped_rows("x", np.array([[2, 4], [7, 12]]))
+    assert np.array_equal(np.stack(got.views), x[[2, 3, 7, 8, 9, 10, 11]])
+    got.check()
+    assert b.stats.rows_read == 7 and b.stats.read_calls == 2 and b.stats.extra["mapped_reads"] == 1
+    with pytest.raises(IndexError, match="out of range"):
+        b.mapped_rows("x", np.array([[40, 49]]))
+    assert HDF5Backend(path, mmap=False).mapped_rows("x", np.array([[0, 3]])) is None
+    assert HDF5Backend(path, direct_reads=False).mapped_rows("x", np.array([[0, 3]])) is None
+    b.close()
+
+
+def test_the_pool_hands_out_the_most_recently_used_free_tensor_first():
+    pool = SlotPool()
+    a, b, c = (pool.empty((4, 3), torch.float32) for _ in range(3))
+    pa, pc = a.data_ptr(), c.data_ptr()
+    del a, c
+    first = pool.empty((4, 3), torch.float32)
+    second = pool.empty((4, 3), torch.float32)
+    assert first.data_ptr() == pc and second.data_ptr() == pa  # c was handed out last
+    assert pool.empty((4, 3), torch.float32).data_ptr() not in (pa, b.data_ptr(), pc)
