@@ -16,8 +16,8 @@ from typing import Callable, TypeVar
 
 from solar import failfast
 
-__all__ = ["DistInfo", "get_dist_info", "under_mpirun", "mpi_comm", "private_comm", "mpi_executor", "on_mpi_thread",
-           "collective_call"]
+__all__ = ["DistInfo", "get_dist_info", "under_mpirun", "mpi_comm", "private_comm", "plan_comm", "mpi_executor",
+           "plan_executor", "on_mpi_thread", "collective_call"]
 
 T = TypeVar("T")
 
@@ -80,6 +80,15 @@ def get_dist_info() -> DistInfo:
 #       thread per loader would make its calls when it got to them, and a validation loader's
 #       pass would meet the training loader's read-ahead in a different order on each rank.
 #
+#     Sharded planning (NOTE [ Sharded planning ] in solar/shardplan.py) is the one exception, for
+#     a reason: an epoch's plan takes seconds of exchanges, and queued between the reads it held
+#     up every read behind it (the first epoch's batches after its head waited for the whole
+#     plan: NOTE [ First steps ] in solar/schedule.py). Its calls go over a communicator of their
+#     own (:func:`plan_comm`, a second duplicate) on a thread of their own (:func:`plan_executor`),
+#     submitted, like the reads, from the training loop's thread in program order: each
+#     communicator's calls keep one order on every rank, and the two threads' calls never pair
+#     with each other (MPI_THREAD_MULTIPLE, mpi4py's default level).
+#
 #     Reads outside the loader's passes (``ds[i]``) stay independent and run where they are
 #     called. A script making its own *parallel HDF5* calls (an ``mpio`` h5py file of its own)
 #     while a loader reads ahead should do them through :func:`collective_call` too: h5py holds
@@ -91,6 +100,7 @@ _COMMS_LOCK = threading.Lock()
 _EXECUTOR: ThreadPoolExecutor | None = None
 _EXECUTOR_PID: int | None = None
 _EXECUTOR_IDENT: int | None = None  # its thread, noted by the thread itself as it starts
+_PLANNER: tuple[int, ThreadPoolExecutor] | None = None  # (pid, the planning thread's executor)
 
 
 def private_comm(comm=None):
@@ -114,6 +124,31 @@ def private_comm(comm=None):
     if made:
         failfast.install(dup)  # NOTE [ Fail fast ] in solar/failfast.py (collective, as the Dup)
     return dup
+
+
+def plan_comm(comm):
+    """The sharded planner's duplicate of ``comm`` (SOLAR's private communicator), one per
+    process and communicator (NOTE [ SOLAR's own MPI traffic ]). The first call for ``comm`` is
+    collective over it (``MPI_Comm_dup``, made on the MPI thread, in ``comm``'s order); later
+    calls return the cached duplicate and make no MPI call."""
+    key = (os.getpid(), comm.py2f(), "plan")
+    with _COMMS_LOCK:
+        dup = _COMMS.get(key)
+    if dup is None:
+        dup = collective_call(comm.Dup)
+        with _COMMS_LOCK:
+            _COMMS[key] = dup
+    return dup
+
+
+def plan_executor() -> ThreadPoolExecutor:
+    """The process's one planning thread (created on first use; a forked child makes its own):
+    plans made ahead, and a sharded planner's collective calls over :func:`plan_comm`."""
+    global _PLANNER
+    with _COMMS_LOCK:
+        if _PLANNER is None or _PLANNER[0] != os.getpid():
+            _PLANNER = (os.getpid(), _MPIExecutor(max_workers=1, thread_name_prefix="solar-plan"))
+        return _PLANNER[1]
 
 
 def _note_thread() -> None:

@@ -17,12 +17,14 @@ NOTE [ Fail fast ]
     * **A rank that ends is announced.** A rank that ends without an exception (``sys.exit(3)``
       in the loop, one more epoch on the other ranks) tells rank 0 at exit, over a separate
       duplicate communicator, and rank 0 tells every rank once (O(P) messages per job, not
-      O(P^2)). A watchdog thread on each rank then aborts the job if this rank's MPI thread
-      (where all of SOLAR's collective calls run: :func:`solar.dist.mpi_executor`) is still in
-      one call ``SOLAR_PEER_EXIT_GRACE`` seconds (default 10) after both the announcement and
-      the call's start: a rank that has ended joins no collective call any more, and a call the
-      ended rank did join returns within moments. A rank that is busy with anything else (a
-      long checkpoint save on rank 0 while the others have ended) is never aborted.
+      O(P^2)). A watchdog thread on each rank then aborts the job if one of this rank's two
+      collective threads (where all of SOLAR's collective calls run: the MPI thread,
+      :func:`solar.dist.mpi_executor`, and the planning thread, :func:`solar.dist.plan_executor`)
+      is still in one call ``SOLAR_PEER_EXIT_GRACE`` seconds (default 10) after both the
+      announcement and the call's start: a rank that has ended joins no collective call any
+      more, and a call the ended rank did join returns within moments. A rank that is busy with
+      anything else (a long checkpoint save on rank 0 while the others have ended) is never
+      aborted.
     * **At exit, collective closes wait for every rank.** Parallel-HDF5 files still open at
       exit must be closed collectively before MPI is finalized. They are closed by one exit
       handler, in the order they were opened, only after a barrier that every rank enters at
@@ -52,7 +54,7 @@ _POLL_S = 0.05
 
 
 class _Guard:
-    """The process's failure watch: its communicator, what it heard, and the MPI thread's state."""
+    """The process's failure watch: its communicator, what it heard, and the collective threads' state."""
 
     def __init__(self, comm) -> None:
         self.comm = comm  # a duplicate used only for exit notices: they never pair with a collective
@@ -60,8 +62,9 @@ class _Guard:
         self.grace = float(os.environ.get("SOLAR_PEER_EXIT_GRACE", "10"))
         self.gone: int | None = None  # the first rank known to have ended
         self.gone_at: float | None = None
-        self.busy_since: float | None = None  # when the MPI thread's current call started
-        self.busy_what = ""
+        #: each collective thread's current call (thread ident -> (start, what)): the MPI thread's
+        #: and the planning thread's (solar/dist.py), which run on communicators of their own
+        self.calls: dict[int, tuple[float, str]] = {}
         self.stop = threading.Event()
         self.sends: list = []
         self.relayed = False
@@ -113,12 +116,13 @@ class _Guard:
 
     def _check(self) -> None:
         with self.lock:
-            gone_at, since = self.gone_at, self.busy_since
-        if gone_at is None or since is None or self.stop.is_set():
+            gone_at, oldest = self.gone_at, min(self.calls.values(), default=None)
+        if gone_at is None or oldest is None or self.stop.is_set():
             return
+        since, what = oldest
         if time.monotonic() - max(gone_at, since) > self.grace:
             _abort(f"solar: rank {self.rank} of {self.size} has waited {self.grace:.0f} s in a collective call "
-                   f"({self.busy_what or 'SOLAR MPI call'}) that rank {self.gone} will never join: rank {self.gone} "
+                   f"({what or 'SOLAR MPI call'}) that rank {self.gone} will never join: rank {self.gone} "
                    "has ended (its script returned or called sys.exit) while this rank still iterates a loader "
                    "that every rank must iterate together. Ending the MPI job (MPI_Abort) instead of waiting "
                    "forever; see rank " f"{self.gone}'s output for why it ended early")
@@ -193,13 +197,16 @@ def install(comm) -> None:
 
 
 def busy(what: str | None) -> None:
-    """The MPI thread starts (``what``: a short description) or ends (``None``) a call."""
+    """The calling collective thread starts (``what``: a short description) or ends (``None``) a call."""
     g = _GUARD
     if g is None:
         return
+    me = threading.get_ident()
     with g.lock:
-        g.busy_since = time.monotonic() if what is not None else None
-        g.busy_what = what or ""
+        if what is None:
+            g.calls.pop(me, None)
+        else:
+            g.calls[me] = (time.monotonic(), what)
 
 
 def register_exit_close(close: Callable[[], None]) -> int:

@@ -1,60 +1,50 @@
-"""An epoch's first steps before its plan: the plan of the rest, made behind the head's passes.
+"""An epoch's first steps before its plan: the head in pieces, the whole plan behind them.
 
 Where a sharded epoch was not planned ahead (the first epoch, a resumed run), the sampler hands
-out the epoch's head (``ShardPlanner.plan_head``: NOTE [ First steps ] in solar/schedule.py)
-and the rest of the epoch from its whole plan, which :class:`Rest` makes on the MPI thread.
-That thread runs SOLAR's collective calls in the order they are submitted, the same on every
-rank (NOTE [ SOLAR's own MPI traffic ] in solar/dist.py), so where the plan is submitted decides
-what waits for it: :func:`rest_after_head` submits it once the read-ahead has submitted
-every pass of the head's steps, whose batches then come without waiting for the plan; a step
-after the head waits for it (NOTE [ First steps ]).
+out the epoch's head piece by piece (``ShardPlanner.plan_head``: NOTE [ First steps ] in
+solar/schedule.py) and the rest of the epoch from its whole plan. :class:`Head` submits every
+piece and then the whole plan to the planning thread at once (``solar.dist.plan_executor``,
+over the planner's own communicator: NOTE [ SOLAR's own MPI traffic ] in solar/dist.py), from
+the training loop's thread, at the same point of every rank's program. That thread makes them
+in order while the loader reads and trains, so a step waits only for its own piece (the first
+one, before the first batch) or, after the head, for the whole plan.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
-from solar.dist import mpi_executor
+from solar.dist import plan_executor
 
-__all__ = ["Rest", "rest_after_head"]
+__all__ = ["Head"]
 
 
-class Rest:
-    """The whole plan of ``epoch`` from ``start`` on ``planner`` (a ShardPlanner, collective),
-    whose first ``head`` steps were handed out from the head's plan, submitted to the MPI thread
-    at most once: by :func:`rest_after_head` once the passes of the head's steps are submitted,
-    else by :meth:`take` (a step after the head in a pass that also holds head steps, or the
-    next iteration settling one that stopped before: on every rank alike)."""
+class Head:
+    """The pieces of ``epoch``'s head (from ``start``) and its whole plan, all submitted to the
+    planning thread when made (collective: every rank makes its Head at the same point). Falsy
+    where the epoch has no head: then only the whole plan is submitted."""
 
-    def __init__(self, planner: Any, epoch: int, start: int, head: int) -> None:
-        self.planner, self.epoch, self.start, self.head = planner, epoch, start, head
-        self.future = None
+    def __init__(self, planner, epoch: int, start: int) -> None:
+        cuts = planner.head_cuts(epoch, start)
+        thread = plan_executor()
+        self.pieces = [(lo, thread.submit(planner.head, epoch, start, lo, hi)) for lo, hi in zip(cuts, cuts[1:])]
+        self.rest = thread.submit(planner.plan, epoch, start)
+        self.num_steps = cuts[-1] if cuts else 0
 
-    def submit(self) -> None:
-        if self.future is None:
-            self.future = mpi_executor().submit(self.planner.plan, self.epoch, self.start)
+    def __bool__(self) -> bool:
+        return bool(self.pieces)
+
+    def first(self):
+        """The first piece's plan (waits for it): what the iteration shows before the rest."""
+        return self.pieces[0][1].result()
+
+    def iter_steps(self, rank: int) -> Iterator[tuple[int, tuple]]:
+        """``(step, (samples, (held after reading, evicted)))`` for every step of the head, each
+        piece waited for when its first step is asked for."""
+        for lo, piece in self.pieces:
+            for k, step in enumerate(piece.result().iter_steps(rank, lo), lo):
+                yield k, step
 
     def take(self):
-        """The plan (waits for it)."""
-        self.submit()
-        return self.future.result()
-
-
-def rest_after_head(groups: Iterator[list], rest: Callable[[], Rest | None]) -> Iterator[list]:
-    """``groups`` (an iteration's passes of steps, each step's last item ``(step, twin)``),
-    submitting the :class:`Rest` that ``rest()`` returns, if any, when the read-ahead asks for
-    the pass after the one that ends the head: by then it has submitted that one (solar/prefetch.py
-    takes the next item after submitting the last), so the MPI thread reads every pass of the
-    head before it plans the rest. The passes' sizes are the same on every rank, so every rank
-    submits the plan between the same two passes.
-
-    Then an empty group: the read-ahead takes the next group before it hands out the last one it
-    submitted, and the group after the head waits for the plan (its steps come from it), so
-    without the empty one the head's last pass would wait for the plan too. The sampler reads
-    nothing for it (no collective: on the MPI thread it returns at once, behind the plan)."""
-    for group in groups:
-        yield group
-        pending = rest()
-        if pending is not None and pending.future is None and group and group[-1][-1][0] + 1 >= pending.head:
-            pending.submit()
-            yield []
+        """The whole plan (waits for it)."""
+        return self.rest.result()

@@ -31,12 +31,12 @@ NOTE [ Buffer and workers ]
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import gc
 import os
 import weakref
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import numpy as np
@@ -45,10 +45,10 @@ from torch.utils.data import BatchSampler, DistributedSampler
 from solar.cache import MemoryTier
 from solar.cache.spill import SpillTier
 from solar.collective import agree_iteration
-from solar.dist import collective_call, mpi_executor
+from solar.dist import collective_call, mpi_executor, plan_comm, plan_executor
 from solar.errors import ConfigError
 from solar.exchange import run_mpi
-from solar.firststeps import Rest, rest_after_head
+from solar.firststeps import Head
 from solar.nodeshare import NodeOrder
 from solar.options import BufferSpec, parse_buffer, parse_spill
 from solar.passes import PassFetcher, PassGeometry, drop_frame_locals, in_groups, raise_failed
@@ -89,16 +89,10 @@ def mean_stored_bytes(dataset: Any) -> float:
     return float(sizes.mean()) if len(sizes) else 0.0
 
 
-_PLAN_THREAD: tuple[int, Any] | None = None
-
-
-def _plan_thread():
-    """The process's one thread for planning ahead (NOTE [ Planning ahead ]); a forked child
-    makes its own."""
-    global _PLAN_THREAD
-    if _PLAN_THREAD is None or _PLAN_THREAD[0] != os.getpid():
-        _PLAN_THREAD = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="solar-plan"))
-    return _PLAN_THREAD[1]
+def _on_plan_thread(fn, *args):
+    """``fn(*args)`` on the planning thread (a sharded planner's collective calls: NOTE [ SOLAR's
+    own MPI traffic ] in solar/dist.py)."""
+    return plan_executor().submit(fn, *args).result()
 
 
 def _stock_distributed(sampler: Any) -> bool:
@@ -154,7 +148,7 @@ class SolarBatchSampler(BatchSampler):
         self._live: Any = _no_iteration  # weakref to the newest iteration's generator
         self._capacities: dict[tuple[int, int, int], int] = {}
         self._ahead: tuple | None = None  # (planner it was copied from, epoch, future): NOTE [ Planning ahead ]
-        self._rest: Rest | None = None  # the plan of an epoch whose head was handed out first (NOTE [ First steps ])
+        self._rest: Head | None = None  # an epoch whose head was handed out first (NOTE [ First steps ])
         self._last_epoch: int | None = None  # the epoch the last scheduled iteration planned
         #: plan the next epoch in the background (NOTE [ Planning ahead ]); False saves its memory
         self.plan_ahead = True
@@ -227,8 +221,10 @@ class SolarBatchSampler(BatchSampler):
         """The schedule configuration of the next iteration (schedule mode)."""
         s = self.sampler
         P, _, b = self._geometry()
-        return PlanConfig(len(s.dataset), P, b, self.capacity(P, b), int(s.seed), bool(s.shuffle),
-                          bool(s.drop_last), bool(self.drop_last))
+        cfg = PlanConfig(len(s.dataset), P, b, self.capacity(P, b), int(s.seed), bool(s.shuffle),
+                         bool(s.drop_last), bool(self.drop_last))
+        # a sharded plan's head is planned in pieces ahead of the rest (NOTE [ First steps ])
+        return dataclasses.replace(cfg, long_head=True) if self._sharded_for(cfg) else cfg
 
     def _prepare(self) -> tuple[int, int]:
         """Make the buffer (and planner) for the current geometry; reuse them while it holds."""
@@ -269,11 +265,11 @@ class SolarBatchSampler(BatchSampler):
         shows every rank's part). ``SOLAR_PLANNER=sharded`` or ``full`` decides for any size."""
         old = self._planner
         if isinstance(old, ShardPlanner) and isinstance(old.order, NodeOrder):
-            collective_call(old.order.close)  # every rank replaces its planner at the same point
+            _on_plan_thread(old.order.close)  # every rank replaces its planner at the same point
         if not self._sharded_for(cfg):
             return Planner(cfg)
-        comm = self.dataset.backend.comm
-        order = None if cfg.order == "feistel" and cfg.shuffle else collective_call(NodeOrder, cfg, comm)
+        comm = plan_comm(self.dataset.backend.comm)
+        order = None if cfg.order == "feistel" and cfg.shuffle else _on_plan_thread(NodeOrder, cfg, comm)
         return ShardPlanner(cfg, comm.rank, order, exchange=functools.partial(run_mpi, comm=comm))
 
     @property
@@ -300,13 +296,15 @@ class SolarBatchSampler(BatchSampler):
                 # a state saved with more padding (another world size) may lie past this epoch's end
                 start = min(int(resume["position"]), self._planner.config.epoch_length)
             plan, head = self._planned_ahead(epoch, start), None
-            if plan is None and self._sharded:  # NOTE [ First steps ]: the head, the rest behind its passes
-                head = collective_call(self._planner.head, epoch, start)
-                self._rest = Rest(self._planner, epoch, start, head.num_steps) if head is not None else None
-            if plan is None and head is None:  # a sharded plan is collective: on the MPI thread
-                plan = collective_call(self._planner.plan, epoch, start) if self._sharded else \
-                    self._planner.plan(epoch, start)
-            shown = plan if head is None else head
+            if plan is None and self._sharded:  # NOTE [ First steps ]: the head in pieces, then the rest
+                head = Head(self._planner, epoch, start)
+                if head:
+                    self._rest = head
+                else:
+                    plan, head = head.take(), None
+            if plan is None and head is None:
+                plan = self._planner.plan(epoch, start)
+            shown = plan if head is None else head.first()
             self.current = {"mode": "schedule", "epoch": epoch, "start": start, "global_batch": shown.global_batch,
                             "world_size": P, "plan": plan}
             # the next iteration's epoch: the next one, or this one again where the epoch does not
@@ -315,11 +313,10 @@ class SolarBatchSampler(BatchSampler):
             ahead = epoch if last == epoch else epoch + 1
             twin = shown.twin_steps()
             k0 = 0 if head is None else head.num_steps
-            # planned ahead once the first pass is on its way (a sharded plan queues behind it),
-            # and after the plan it copies
+            # planned ahead once the first pass is on its way, and after the plan it copies
             first = max(k0, self.group_size(self._geometry()[2]))
             if head is not None:
-                for k, (step, (keep, evict)) in enumerate(head.iter_steps(rank)):
+                for k, (step, (keep, evict)) in head.iter_steps(rank):
                     yield step.tolist(), keep, evict, (k, int(twin[k]))
                 plan = self._take_rest()
             lazy = getattr(plan, "iter_steps", None)  # a RankPlan: each step as it is asked for
@@ -361,13 +358,11 @@ class SolarBatchSampler(BatchSampler):
         fetch = PassFetcher(self.dataset, buffer, PassGeometry(P, rank, b, self._capacity), shared=self.shared,
                             in_step=in_step, decode=self._decode_ahead, must_agree=in_lockstep and P > 1)
         groups = in_groups(self._steps(resume, P, rank), self.group_size(b))
-        groups = rest_after_head(groups, lambda: self._rest)
         handed = 0
         # passes in step make collective calls: on the process's one MPI thread, shared by every
         # loader (NOTE [ SOLAR's own MPI traffic ] in solar/dist.py)
         executor = mpi_executor() if in_lockstep else None
-        read = lambda group: fetch(group) if group else []  # noqa: E731 (rest_after_head's empty group)
-        passes = _prefetch(groups, read, 1 if self.prefetch else 0, cancel=not collective, executor=executor,
+        passes = _prefetch(groups, fetch, 1 if self.prefetch else 0, cancel=not collective, executor=executor,
                            timeout=self.timeout)
         try:
             for group in passes:
@@ -399,8 +394,8 @@ class SolarBatchSampler(BatchSampler):
         torch's ``randperm`` there (bench/plan/ahead.json: first batch inline vs ahead). The next
         iteration is usually ``epoch + 1`` from its start (or the same epoch again, where the last
         two iterations had one: a loader never given ``set_epoch``), with the residency the
-        current plan left, so the plan is made on a copy of the planner on :func:`_plan_thread`
-        (a sharded plan, which is collective, on the MPI thread, after the epoch's first pass)
+        current plan left, so the plan is made on a copy of the planner on the planning thread
+        (``solar.dist.plan_executor``; a sharded plan, which is collective, after the epoch's first pass)
         while this epoch trains, and taken at the next iteration if nothing changed the planner
         meanwhile (:meth:`_planned_ahead`). An early stop (rewind), a new geometry, a loaded state
         or another epoch discards it and plans inline: the plans are the same either way
@@ -415,19 +410,18 @@ class SolarBatchSampler(BatchSampler):
             return
         planner = self._planner
         spec = copy.deepcopy(planner)
-        # a sharded plan is collective: queued on the MPI thread, where every rank submits it
-        # at the same point of its program (NOTE [ SOLAR's own MPI traffic ] in solar/dist.py)
-        thread = mpi_executor() if self._sharded else _plan_thread()
-        self._ahead = (planner, epoch, thread.submit(lambda: (spec, spec.plan(epoch))))
+        # a sharded plan is collective: every rank submits it at the same point of its program
+        # (NOTE [ SOLAR's own MPI traffic ] in solar/dist.py)
+        self._ahead = (planner, epoch, plan_executor().submit(lambda: (spec, spec.plan(epoch))))
 
     def _take_rest(self):
-        """The plan of the epoch whose head the last iteration handed out (NOTE [ First steps ]),
-        made now if it was not submitted (collective: every rank's iteration got as far); it
-        becomes the iteration's plan. None where there is none pending."""
+        """The whole plan of the epoch whose head the last iteration handed out (NOTE [ First
+        steps ]; it waits for it): the iteration's plan from then on. None where there is none
+        pending."""
         rest, self._rest = self._rest, None
         if rest is None:
             return None
-        plan = rest.take()  # (submitted from this thread where it was not: never the MPI thread's)
+        plan = rest.take()
         if self.current.get("mode") == "schedule" and self.current.get("plan") is None:
             self.current["plan"] = plan
         return plan
@@ -528,7 +522,7 @@ class SolarBatchSampler(BatchSampler):
             self._key = None  # start over: new planner and buffer, on every rank alike
             return
         if self._sharded:
-            collective_call(self._planner.rewind, plan, steps)
+            _on_plan_thread(self._planner.rewind, plan, steps)
         else:
             self._planner.rewind(plan, steps)
         if self.buffer is not None:

@@ -40,15 +40,16 @@ NOTE [ First steps ]
     its own samples, as the epoch starts. So the rebalancing leaves the epoch's first
     :attr:`PlanConfig.head_steps` steps alone (it drops residents used from that step on; each
     drop's adoption is at or after its step): the plan of those steps is the pinned one, and
-    ``ShardPlanner.plan_head`` makes it with three exchanges of O(head * G / P) records, without
-    the next epoch's order. The loader's first two passes read up to 32 and 64 samples per rank
-    (NOTE [ First batch ] in solar/passes.py), which the head covers (``HEAD_SAMPLES``); the
-    sampler hands the head's steps out and submits the epoch's plan to the MPI thread once the
-    read-ahead has submitted the head's passes (solar/firststeps.py). That thread runs its calls
-    in order, so no head step waits for the plan, and the first step after the head does (where
-    a pass holds steps on both sides of the head's end, that pass waits). The head is at most an
-    eighth of the epoch (none below 8 steps), so the swaps keep most of the epoch and the hit
-    rate its bound.
+    ``ShardPlanner.plan_head`` makes any run of them with three exchanges of O(steps * G / P)
+    records, without the next epoch's order.
+
+    A sharded plan's head (``long_head``) is an eighth of the epoch, in pieces each four times
+    the last; the first (:attr:`PlanConfig.first_steps`) covers the loader's first two passes
+    (NOTE [ First batch ] in solar/passes.py). The planning thread makes the pieces, then the
+    whole plan, while the loader trains (solar/firststeps.py): the first batch waits for the
+    first piece, a later step only where an eighth of the epoch trains faster than the plan is
+    made. Rebalancing then works on seven eighths of the epoch (the hit rate keeps its bound:
+    tests/test_scale_firststeps.py). Otherwise the head is the first piece alone.
 
 NOTE [ Resumed tail ]
     A run resumed with another world size ``P`` (or per-rank batch) continues from a global
@@ -79,7 +80,7 @@ __all__ = ["PlanConfig", "EpochPlan", "Planner", "global_order", "index_dtype", 
            "epoch_positions", "owner_of", "capacity_for_bytes", "POLICIES"]
 
 POLICIES = ("solar", "lru", "fifo")
-#: samples per rank at the head of every epoch that the rebalancing leaves alone (NOTE [ First steps ])
+#: samples per rank in the first piece of an epoch's head (NOTE [ First steps ])
 HEAD_SAMPLES = 96
 INT64_MAX = 2**63 - 1
 
@@ -101,6 +102,7 @@ class PlanConfig:
             baselines ``"lru"`` and ``"fifo"`` (:class:`solar.testing.baselines.BaselinePlanner`).
         order: ``"torch"`` (DistributedSampler's), or ``"feistel"``: not torch's order, one no
             rank materializes (NOTE [ Feistel order ] in solar/permute.py).
+        long_head: the head is an eighth of the epoch (a sharded plan's: NOTE [ First steps ]).
     """
 
     num_samples: int
@@ -113,6 +115,7 @@ class PlanConfig:
     drop_last_batch: bool = False
     policy: str = "solar"
     order: str = "torch"
+    long_head: bool = False
 
     def __post_init__(self) -> None:
         N, P, b, C = self.num_samples, self.world_size, self.batch_size, self.capacity
@@ -160,9 +163,12 @@ class PlanConfig:
         return n // self.batch_size if self.drop_last_batch else -(-n // self.batch_size)
 
     @property
-    def head_steps(self) -> int:
-        """The first steps of an epoch the rebalancing leaves alone (NOTE [ First steps ])."""
+    def first_steps(self) -> int:  # the head's first piece: the first two passes (NOTE [ First steps ])
         return min(max(3, HEAD_SAMPLES // self.batch_size), self.steps_per_epoch() // 8)
+
+    @property
+    def head_steps(self) -> int:  # the first steps of an epoch the rebalancing leaves alone
+        return self.steps_per_epoch() // 8 if self.long_head else self.first_steps
 
     @property
     def bound(self) -> float:

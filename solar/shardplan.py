@@ -173,8 +173,8 @@ class ShardPlanner:
     def rewind(self, plan: RankPlan, steps: int) -> None:
         self._drive(self.rewind_steps(plan, steps))
 
-    def head(self, epoch: int, start: int = 0) -> RankPlan | None:
-        return self._drive(self.plan_head(epoch, start))
+    def head(self, epoch: int, start: int = 0, lo: int = 0, hi: int | None = None) -> RankPlan | None:
+        return self._drive(self.plan_head(epoch, start, lo, hi))
 
     def _drive(self, gen: Generator):
         if self.exchange is None:
@@ -351,21 +351,40 @@ class ShardPlanner:
         plan.undo = before[2]
         return plan
 
-    def plan_head(self, epoch: int, start: int = 0):
-        """Generator (collective): this rank's :class:`RankPlan` of the epoch's first
-        ``head_steps`` steps, the same as :meth:`plan_steps` gives for them (NOTE [ First steps ]
-        in solar/schedule.py), or None where the epoch has no head (decided alike on every rank,
-        before any exchange). Changes nothing: :meth:`plan_steps` still plans the whole epoch."""
+    def head_cuts(self, epoch: int, start: int = 0) -> list[int]:
+        """The steps where the pieces of the epoch's head begin and end (NOTE [ First steps ] in
+        solar/schedule.py): ``[0, first_steps, 4 * first_steps, ..., head]``, or ``[]`` where the
+        epoch has no head. Local: the same on every rank without asking."""
+        c = self.config
+        G = c.global_batch
+        lay = self.layout(epoch, start)
+        head = min(c.head_steps * G, lay.parts(G)[0][1] if lay.length else 0) // G  # before any repeat
+        if head == 0 or head * G >= lay.length:
+            return []
+        cuts = [0, min(head, max(1, c.first_steps))]
+        while cuts[-1] < head:
+            cuts.append(min(head, 4 * cuts[-1]))
+        return cuts
+
+    def plan_head(self, epoch: int, start: int = 0, lo: int = 0, hi: int | None = None):
+        """Generator (collective): this rank's :class:`RankPlan` of steps ``lo`` to ``hi`` (the
+        whole head by default) of the epoch's head (:meth:`head_cuts`), the same as
+        :meth:`plan_steps` gives for them (NOTE [ First steps ] in solar/schedule.py), or None
+        where the epoch has no head (decided alike on every rank, before any exchange). The plan
+        lists those steps only (``iter_steps(rank, lo)``). Changes nothing: :meth:`plan_steps`
+        still plans the whole epoch."""
         c = self.config
         P, G = c.world_size, c.global_batch
         lay = self.layout(epoch, start)
-        n = min(c.head_steps * G, lay.parts(G)[0][1] if lay.length else 0) // G * G  # before any repeat
-        if n == 0 or n >= lay.length:
+        cuts = self.head_cuts(epoch, start)
+        if not cuts:
             return None
+        hi = cuts[-1] if hi is None else min(hi, cuts[-1])
         prepare = getattr(self.order, "prepare", None)
         if prepare is not None:
             prepare((epoch,))
-        pos = np.arange(*self._share(n, G), dtype=self.dtype)
+        a, b = self._share((hi - lo) * G, G)
+        pos = np.arange(lo * G + a, lo * G + b, dtype=self.dtype)
         samples = self.samples_at(lay, pos)
         own, res, _ = yield from self._ask_homes(samples)
         rank, flags = np.zeros(len(pos), own.dtype), np.zeros(len(pos), np.uint8)
@@ -375,7 +394,7 @@ class ShardPlanner:
         box = [post((pos, samples, flags), rank, P, self.dtype)]
         del pos, samples, rank, flags, own, res
         mine = (yield box.pop()).rows
-        plan = RankPlan(lay._replace(length=n), G, P, self.rank, mine[:, 0].copy(), mine[:, 1].copy(),
+        plan = RankPlan(lay._replace(length=hi * G), G, P, self.rank, mine[:, 0].copy(), mine[:, 1].copy(),
                         mine[:, 2].astype(np.uint8))
         plan.twins = self._twin_steps(lay)
         return plan

@@ -65,18 +65,27 @@ def test_the_loader_plans_its_share_and_its_buffers_hit_as_planned(comm, shared_
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("prefetch", [8, 0])
-def test_the_first_steps_come_from_the_head_and_the_buffers_follow_the_plan(comm, shared_tmp, monkeypatch, prefetch):
-    """An epoch not planned ahead hands out its head first (NOTE [ First steps ] in
-    solar/schedule.py), its plan made behind the passes of the head; an iteration stopped inside the
-    head (a peek) has its plan made when the next one settles it. Every step is still
-    DistributedSampler's global batch and the buffers serve the hits the plans promised."""
+@pytest.mark.parametrize("prefetch, n, b", [(8, 600, 2), (0, 600, 2), (8, 4000, 16)])
+def test_the_first_steps_come_from_the_head_and_the_buffers_follow_the_plan(comm, shared_tmp, monkeypatch, prefetch,
+                                                                             n, b):
+    """An epoch not planned ahead hands out its head first, in pieces (NOTE [ First steps ] in
+    solar/schedule.py: one piece at b = 2, two at b = 16), its plan made behind them on the
+    planning thread; an iteration stopped inside the head (a peek) has its plan taken when the
+    next one settles it. Every step is still DistributedSampler's global batch and the buffers
+    serve the hits the plans promised."""
     monkeypatch.setenv("SOLAR_PLANNER", "sharded")
-    heads = []
+    heads, pieces = [], []
     real_head = ShardPlanner.head
-    monkeypatch.setattr(ShardPlanner, "head", lambda self, *a: heads.append(real_head(self, *a)) or heads[-1])
-    n, P, b = 600, comm.size, 2
-    path = os.path.join(shared_tmp, f"head{prefetch}.h5")
+
+    def head(self, epoch, start, lo=0, hi=None):
+        pieces.append((lo, hi, real_head(self, epoch, start, lo, hi)))
+        if lo == 0:
+            heads.append(pieces[-1][2])
+        return pieces[-1][2]
+
+    monkeypatch.setattr(ShardPlanner, "head", head)
+    P = comm.size
+    path = os.path.join(shared_tmp, f"head{prefetch}-{b}.h5")
     write_ptycho_h5(path, n, 4, seed=3, comm=comm, progress=False)
     comm.Barrier()
     ds = solar.H5Dataset(path)
@@ -96,12 +105,15 @@ def test_the_first_steps_come_from_the_head_and_the_buffers_follow_the_plan(comm
         everyone = comm.allgather(mine)
         order = global_order(n, P, 6, e)
         for k in range(len(mine)):
-            want = y_ref[order[k * P * b:(k + 1) * P * b]].reshape(P * b, -1)
-            got = np.concatenate([everyone[r][k] for r in range(P)]).reshape(P * b, -1)
+            want = y_ref[order[k * P * b:(k + 1) * P * b]]  # (at b = 16 the last step is partial)
+            want = want.reshape(len(want), -1)
+            got = np.concatenate([everyone[r][k] for r in range(P)]).reshape(len(want), -1)
             assert sorted(map(bytes, got)) == sorted(map(bytes, want)), f"epoch {e} step {k}"
     # the peek, epoch 0 after it (rewound) and epoch 1 begin with their heads (after two
     # iterations of epoch 0 the sampler plans epoch 0 ahead); epoch 2 was planned ahead, except
     # without read-ahead (prefetch=0), where every epoch is planned inline
     assert len(heads) == (3 if prefetch else 4) and all(h is not None for h in heads)
+    cuts = loader.solar_sampler._planner.head_cuts(0, 0)
+    assert len(pieces) == len(heads) * (len(cuts) - 1) and len(cuts) == (3 if b == 16 else 2)
     assert 0 < planned and 0.9 * planned <= served <= planned
     ds.close()
