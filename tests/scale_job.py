@@ -2,8 +2,9 @@
 ``mpirun -n P python tests/scale_job.py - POINT FAIL_RANK`` (the first argument is unused: the
 launcher is tests/test_failfast.py's, which passes its data file there).
 
-Every rank plans epochs 0..2 over SOLAR's private communicator, the order in its node's shared
-window (``SOLAR_NODE_RANKS=2``: two "nodes" on 4 ranks). Before epoch 1, rank ``FAIL_RANK``:
+Every rank plans epochs 0..2 as the loader does: on the planning thread, over the planner's own
+duplicate of SOLAR's private communicator (NOTE [ SOLAR's own MPI traffic ] in solar/dist.py), the
+order in its node's shared window (``SOLAR_NODE_RANKS=2``: two "nodes" on 4 ranks). Before epoch 1, rank ``FAIL_RANK``:
 
 * ``none``: does nothing (control: the job ends with 0, every rank prints ``done``).
 * ``raise``: raises; the others are waiting in the plan's first exchange.
@@ -18,7 +19,7 @@ import os
 import signal
 import sys
 
-from solar.dist import collective_call, private_comm
+from solar.dist import plan_comm, plan_executor, private_comm
 from solar.exchange import run_mpi
 from solar.nodeshare import NodeOrder
 from solar.schedule import PlanConfig
@@ -27,10 +28,11 @@ from solar.shardplan import ShardPlanner
 
 def main() -> None:
     point, fail_rank = sys.argv[2], int(sys.argv[3])
-    comm = private_comm()
+    comm = plan_comm(private_comm())
     P, me = comm.size, comm.rank == fail_rank
-    c = PlanConfig(4000, P, 4, 4000 // 2 // P, seed=1)
-    order = collective_call(NodeOrder, c, comm)
+    c = PlanConfig(4000, P, 4, 4000 // 2 // P, seed=1, long_head=True)
+    planning = plan_executor()
+    order = planning.submit(NodeOrder, c, comm).result()
     planner = ShardPlanner(c, comm.rank, order, exchange=functools.partial(run_mpi, comm=comm))
     for e in range(3):
         if e == 1 and me:
@@ -40,8 +42,8 @@ def main() -> None:
                 sys.exit(3)
             if point == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-        collective_call(planner.plan, e)
-    collective_call(order.close)
+        planning.submit(planner.plan, e).result()
+    planning.submit(order.close).result()
     print("done", flush=True)
 
 

@@ -71,7 +71,7 @@ def plan_bytes(plan) -> int:
 
 
 def simulate(n: int, P: int, per_node: int, b: int, epochs: int, spill: str | None = None) -> dict:
-    c = PlanConfig(n, P, b, n // 2 // P, seed=1)
+    c = PlanConfig(n, P, b, n // 2 // P, seed=1, long_head=True)  # as the sampler plans sharded
     order = LocalOrder(c)
     planners = [ShardPlanner(c, q, order) for q in range(P)]
     watched = sorted(set(range(min(per_node, P))) | set(range(0, P, max(1, P // 8))) | {P - 1})
