@@ -110,3 +110,19 @@ def test_a_restore_tells_want_kernel_its_delta_bytes_once_per_version(tmp_path, 
     load(tmp_path, 2)
     m = CheckpointStore(tmp_path).read_manifest(2)
     assert asked == [sum(r.nbytes for r in m.deltas.values())] and asked[0] > 0
+
+
+def test_clearly_dense_changes_are_decided_from_the_first_quarter_of_the_sample(monkeypatch):
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 1 << 32, 1 << 18, dtype=np.uint32)  # 1 MiB of fp32 words
+    whole = []
+    monkeypatch.setattr(delta, "_sampled_fraction", lambda x, y: whole.append(1) or 1.0)
+    assert delta.changed_positions(memoryview(a ^ 1).cast("B"), memoryview(a).cast("B"), 4, delta.DENSE) is None
+    assert whole == []  # every word changed: the first runs decided alone
+    half = a.copy()
+    half[::2] ^= 1
+    assert delta.changed_positions(memoryview(half).cast("B"), memoryview(a).cast("B"), 4, delta.DENSE) is None
+    assert whole == [1]  # half of the words: the whole sample decides
+    head = delta._sample(a.size)[:delta._FIRST * delta._BLOCK]
+    assert head.min() < a.size // 4 and head.max() > 3 * a.size // 4  # the first runs span the chunk
+    assert np.array_equal(delta.sample_words(memoryview(a).cast("B"), 4), a[head])

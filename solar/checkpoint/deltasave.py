@@ -63,6 +63,14 @@ class _Mirror(NamedTuple):
     samples: dict  # chunk index -> sample_words of a chunk left out of ``data`` (clearly dense)
 
 
+class _Tried(NamedTuple):
+    """What :meth:`DeltaSaver._try_delta` did with a chunk."""
+
+    written: int | None  # bytes written as a delta; None: to be written whole
+    dense: bool  # it changed clearly densely
+    words: np.ndarray | None  # its sample_words, when taken
+
+
 class DeltaSaver:
     """Per-writer state of delta saves; ``put`` runs in the writer's I/O threads, the rest in its
     save thread (one save at a time)."""
@@ -155,11 +163,14 @@ class DeltaSaver:
         mirror.digests[j] = np.frombuffer(d, np.uint8)
         mirror.samples.pop(j, None)
 
-    def _leave_out(self, name: str, j: int, view: memoryview, elem: int) -> bool:
-        """Keep only a sample of clearly dense chunk ``j`` of blob ``name``: the next save writes it
-        whole (no base), without the copy of its bytes now, unless its sample shows the changes
-        have become sparse (then its bytes are kept again). False: it is too short to sample."""
-        mirror, words = self._mirror.get(name), sample_words(view, elem)
+    def _leave_out(self, name: str, j: int, view: memoryview, elem: int, words: np.ndarray | None) -> bool:
+        """Keep only a sample of clearly dense chunk ``j`` of blob ``name`` (``words``, if already
+        taken): the next save writes it whole (no base), without the copy of its bytes now, unless
+        its sample shows the changes have become sparse (then its bytes are kept again). False: it
+        is too short to sample."""
+        mirror = self._mirror.get(name)
+        if words is None:
+            words = sample_words(view, elem)
         if mirror is None or words is None or (j + 1) * 16 > mirror.digests.size:
             return False
         mirror.digests[j] = 0
@@ -178,22 +189,21 @@ class DeltaSaver:
         sample of them when it changed densely (a chunk written whole does not pay for the copy)."""
         blob = self._blobs.get(name)
         elem = element_size(view.nbytes, blob.elem if blob else 1)
-        written, dense = self._try_delta(sink, d, view, name, j, elem)
-        if not (dense and written is None and self._leave_out(name, j, view, elem)):
+        tried = self._try_delta(sink, d, view, name, j, elem)
+        if not (tried.dense and tried.written is None and self._leave_out(name, j, view, elem, tried.words)):
             self._keep(name, j, d, view)
-        return written
+        return tried.written
 
-    def _try_delta(self, sink, d: bytes, view: memoryview, name: str, j: int, elem: int) -> tuple[int | None, bool]:
-        """``(bytes written as a delta or None, whether the chunk changed clearly densely)``."""
+    def _try_delta(self, sink, d: bytes, view: memoryview, name: str, j: int, elem: int) -> "_Tried":
         n = view.nbytes
         base = self._base(sink.known, name, j)
         changed = n // elem
-        dense = False
+        dense, words = False, None
         if base is None:  # left out of the mirror last time: its sample says whether it is still dense
             mirror = self._mirror.get(name)
             old = mirror.samples.get(j) if mirror is not None else None
-            new = sample_words(view, elem) if old is not None else None
-            dense = new is not None and clearly_dense(new, old)
+            words = sample_words(view, elem) if old is not None else None
+            dense = words is not None and clearly_dense(words, old)
         else:
             a = j * self.chunk_size
             prev = self.chains.get(base)
@@ -218,11 +228,11 @@ class DeltaSaver:
             if written is not None:
                 with self._lock:
                     self._changed += changed
-                return written, dense
+                return _Tried(written, dense, words)
         with self._lock:
             self._whole.add(d)
             self._changed += changed
-        return None, dense
+        return _Tried(None, dense, words)
 
     def mine(self) -> dict[bytes, DeltaRef]:
         """The deltas this process wrote in the current save."""
