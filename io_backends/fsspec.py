@@ -29,7 +29,7 @@ from .fsspec_common import (CHANGED, INHERITED, _protocols, is_http, missing_pro
                             url_to_fs)
 from .fsspec_hdf5 import h5_errors, open_file_object, open_h5, pinned_fs
 from .fsspec_stage import StagedFile
-from .hdf5 import HDF5Backend, RowPlaces, _Span
+from .hdf5 import HDF5Backend, RowPlaces, RowViews, _Span
 from .npy_format import npy_header
 from .npy_store import NpyStore, write_npy_store
 
@@ -234,7 +234,10 @@ class FsspecBackend(HDF5Backend):
         stage = self.__dict__.get("_stage")
         return stage is not None and stage.complete and self._range_span(key) is not None
 
-    def _read_ranges(self, key: str, ranges: np.ndarray, out: np.ndarray) -> None:
+    def _read_ranges(self, key: str, ranges: np.ndarray, out: "np.ndarray | RowPlaces | RowViews") -> None:
+        if isinstance(out, RowViews):  # (mapped_rows) views of a complete staged copy, or nothing
+            self._view_staged(key, ranges, out)
+            return
         if isinstance(out, RowPlaces):
             span = self._range_span(key)
             if self._stage is not None and self._stage.complete and span is not None and span.row:
@@ -283,6 +286,26 @@ class FsspecBackend(HDF5Backend):
             return s3_ranges(self._range_fs, self._path, starts, ends, self._etag)
         # (http: the filesystem's If-Match header pins them)
         return self._range_fs.cat_ranges([self._path] * len(starts), starts, ends, on_error="raise")
+
+    def _view_staged(self, key: str, ranges: np.ndarray, out: RowViews) -> None:
+        """``out`` gets a view per row of a complete staged copy's map, its rows copied when the
+        batch is taken (NOTE [ Rows copied when the batch is taken ] in solar/slots.py), as a
+        local mapped file's; nothing (read now instead) before the copy is complete or where the
+        rows are not plain bytes."""
+        stage = self.__dict__.get("_stage")
+        if stage is None or not stage.complete:
+            return
+        span = self._range_span(key)
+        if span is None or not span.row:
+            return
+        with h5_errors(self.url, f"reading the layout of {key!r}"):
+            if not span.allocated(ranges):
+                return
+        info = self.info(key)
+        pieces = [p for start, stop in ranges.tolist() for p in span.pieces(start, stop)]
+        out.extend(stage.row_views(pieces, info.dtype, info.row_shape))
+        out.check = stage.check
+        self.stats.read_calls += int((ranges[:, 1] > ranges[:, 0]).sum())
 
     def _read_staged(self, span, ranges: np.ndarray, out: np.ndarray) -> None:
         """Rows of ``ranges`` from the staged copy (NOTE [ Staging a remote file ])."""

@@ -275,6 +275,19 @@ class StagedFile:
                 dest.reshape(-1).view(np.uint8)[...] = flat[a:a + row]
                 pos += 1
 
+    def row_views(self, runs: list[tuple[int, int]], dtype: np.dtype, row_shape: tuple) -> list[np.ndarray]:
+        """Rows of ``runs`` (``(file offset, length)`` of whole rows) as views of a complete
+        copy's map: each keeps the map alive, even past :meth:`close`."""
+        if not self.complete:
+            raise RuntimeError(f"{self.url}: row_views before the copy is complete")
+        with self._cond:
+            flat = self._mapped()
+        return [r for at, n in runs for r in flat[at:at + n].view(dtype).reshape(-1, *row_shape)]
+
+    def check(self) -> None:
+        """Nothing to check before copying from :meth:`row_views`: the copy is this process's
+        own nameless file, which nobody else can cut."""
+
     def close(self) -> None:
         """Stop the copy and close the local file (its space is freed when the last read ends)."""
         with self._cond:
