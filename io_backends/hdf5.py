@@ -349,6 +349,7 @@ class HDF5Backend(Backend):
             if end > size:
                 self._past_end(None, key, spans[0][0], spans[-1][1], size)
         check()
+        m.populate(pieces)
         info = self.info(key)
         out.extend(r for at, n in pieces for r in m.rows(at, n, info.dtype, info.row_shape))
         out.check = check

@@ -78,6 +78,9 @@ def mappable(path: str, option) -> bool:
     return fs_type(path) in LOCAL_FS
 
 
+#: the bytes :meth:`MappedFile.populate` remembers as one (more for files over 2**24 of them)
+_GRAIN = 64 << 10
+
 _SHARED: "weakref.WeakValueDictionary[tuple, MappedFile]" = weakref.WeakValueDictionary()
 _LOCK = threading.Lock()
 
@@ -97,11 +100,13 @@ class MappedFile:
     One map per file, size and process, shared by every backend that opens it (the request
     threads' clones): each map's pages are faulted in once, not once per clone."""
 
-    __slots__ = ("size", "flat", "_map", "__weakref__")
+    __slots__ = ("size", "flat", "_map", "_known", "_grain", "__weakref__")
 
     def __init__(self, m: mmap.mmap) -> None:
         self._map, self.flat = m, np.frombuffer(m, dtype=np.uint8)
         self.size = len(self.flat)
+        self._known: np.ndarray | None = None  # per _grain bytes: advised by populate()
+        self._grain = _GRAIN
 
     @classmethod
     def open(cls, path: str, fd: int, size: int) -> "MappedFile | None":
@@ -137,6 +142,36 @@ class MappedFile:
         them first."""
         if hasattr(mmap, "MADV_DONTNEED"):
             self._map.madvise(mmap.MADV_DONTNEED)
+        if self._known is not None:
+            self._known[:] = False
+
+    def populate(self, pieces: list) -> None:
+        """Start reading the pages of the ``(file offset, bytes)`` pieces into the page cache
+        (``MADV_WILLNEED``: the kernel's read-ahead, in the background), so that the caller
+        that copies them later waits for no storage (NOTE [ Rows copied when the batch is
+        taken ] in solar/slots.py). ``MADV_POPULATE_READ`` would also map them, but reads them
+        one after the other on the calling thread, more slowly from a cold page cache. A second
+        ``madvise`` of pages already cached costs about what the first did, so the map
+        remembers, per ``_grain`` bytes, what it advised (until :meth:`drop_pages`). Advice
+        only: without it (or where it fails) the copy faults the pages in."""
+        if not pieces or self.size <= 0 or not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        if self._known is None:
+            self._grain = max(_GRAIN, 1 << max(0, (self.size >> 24).bit_length()))  # (at most 2**24 places)
+            self._known = np.zeros(-(-self.size // self._grain), dtype=bool)
+        known, g = self._known, self._grain
+        at = np.fromiter((p[0] for p in pieces), np.int64, len(pieces))
+        end = at + np.fromiter((p[1] for p in pieces), np.int64, len(pieces))
+        a, b = at // g, np.minimum(-(-end // g), len(known))
+        need = ~(known[a] & known[b - 1])
+        for i in np.flatnonzero(~need & (b - a > 2)).tolist():
+            need[i] = not known[a[i]:b[i]].all()
+        for lo, hi in zip(a[need].tolist(), b[need].tolist()):
+            try:
+                self._map.madvise(mmap.MADV_WILLNEED, lo * g, min(hi * g, self.size) - lo * g)
+            except (OSError, ValueError):  # (refused, or closed)
+                return
+            known[lo:hi] = True
 
     def file_size(self) -> int:
         """The mapped file's size now (one ``fstat``)."""

@@ -133,3 +133,41 @@ def test_the_pool_hands_out_the_most_recently_used_free_tensor_first():
     second = pool.empty((4, 3), torch.float32)
     assert first.data_ptr() == pc and second.data_ptr() == pa  # c was handed out last
     assert pool.empty((4, 3), torch.float32).data_ptr() not in (pa, b.data_ptr(), pc)
+
+
+def test_the_read_ahead_advises_each_piece_of_a_mapped_file_once_until_its_pages_are_dropped(tmp_path):
+    """MappedFile.populate: ``MADV_WILLNEED`` for pieces not advised yet, in whole grains; none
+    again for pages advised before; all again after drop_pages."""
+    import mmap
+    import os
+
+    from solar.io_backends.mapped import MappedFile
+
+    path = str(tmp_path / "f.bin")
+    with open(path, "wb") as fh:
+        fh.write(b"\1" * (1 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        m = MappedFile.open(path, fd, 1 << 20)
+    finally:
+        os.close(fd)
+    calls, real = [], m._map
+
+    class Spy:
+        def madvise(self, *args):
+            calls.append(args)
+            return real.madvise(*args)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+    m._map = Spy()
+    g = m._grain
+    m.populate([(100, 10), (g + 5, 2 * g)])
+    assert calls == [(mmap.MADV_WILLNEED, 0, g), (mmap.MADV_WILLNEED, g, 3 * g)]
+    m.populate([(5, 50), (2 * g, 10), (3 * g - 1, 1)])
+    assert len(calls) == 2
+    m.populate([(3 * g - 1, 2), (4 * g, 1), ((1 << 20) - 3, 3)])
+    assert calls[2:] == [(mmap.MADV_WILLNEED, 4 * g, g), (mmap.MADV_WILLNEED, (1 << 20) - g, g)]
+    m.drop_pages()
+    m.populate([(5, 50)])
+    assert calls[-2:] == [(mmap.MADV_DONTNEED,), (mmap.MADV_WILLNEED, 0, g)]
