@@ -112,17 +112,29 @@ def test_a_restore_tells_want_kernel_its_delta_bytes_once_per_version(tmp_path, 
     assert asked == [sum(r.nbytes for r in m.deltas.values())] and asked[0] > 0
 
 
-def test_clearly_dense_changes_are_decided_from_the_first_quarter_of_the_sample(monkeypatch):
+def test_clearly_dense_changes_are_decided_from_the_first_quarter_of_the_sample():
     rng = np.random.default_rng(3)
     a = rng.integers(0, 1 << 32, 1 << 18, dtype=np.uint32)  # 1 MiB of fp32 words
-    whole = []
-    monkeypatch.setattr(delta, "_sampled_fraction", lambda x, y: whole.append(1) or 1.0)
-    assert delta.changed_positions(memoryview(a ^ 1).cast("B"), memoryview(a).cast("B"), 4, delta.DENSE) is None
-    assert whole == []  # every word changed: the first runs decided alone
+    idx = delta._sample(a.size)
+    head = idx[:delta._FIRST * delta._BLOCK]
+    read = []
+
+    class Words(np.ndarray):
+        def take(self, i, *args, **kw):
+            read.append(len(i))
+            return np.asarray(self).take(i, *args, **kw)
+
+    def dense(new):
+        read.clear()
+        return delta._clearly_dense(new.view(Words), a.view(Words), 2 * delta.DENSE)
+
+    assert dense(a ^ 1) and read == [head.size] * 2  # every word changed: the first runs decided alone
     half = a.copy()
     half[::2] ^= 1
+    assert not dense(half) and sorted(read) == [head.size] * 2 + [idx.size - head.size] * 2  # each run read once
+    two_thirds = a.copy()
+    two_thirds[np.arange(a.size) % 3 > 0] ^= 1
+    assert dense(two_thirds) and len(read) == 4  # the whole sample: 2/3 > 1/2
     assert delta.changed_positions(memoryview(half).cast("B"), memoryview(a).cast("B"), 4, delta.DENSE) is None
-    assert whole == [1]  # half of the words: the whole sample decides
-    head = delta._sample(a.size)[:delta._FIRST * delta._BLOCK]
     assert head.min() < a.size // 4 and head.max() > 3 * a.size // 4  # the first runs span the chunk
     assert np.array_equal(delta.sample_words(memoryview(a).cast("B"), 4), a[head])
