@@ -67,10 +67,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "mpirun every rank's share is simulated in this process")
 
 
-def _config(args: argparse.Namespace, policy: str):
+def _config(args: argparse.Namespace, policy: str, long_head: bool = False):
     return PlanConfig(args.samples, args.world_size, args.batch_size, args.buffer, args.seed,
                       shuffle=not args.no_shuffle, drop_last=args.drop_last, drop_last_batch=args.drop_last,
-                      policy=policy, order=getattr(args, "order", "torch"))
+                      policy=policy, order=getattr(args, "order", "torch"), long_head=long_head)
 
 
 def _balanced(plan) -> bool:
@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         check_disk(args, _config(args, args.policy))
         dump: list | None = [] if args.dump else None
         if args.rank is not None:
-            report = rank_view(args, _config(args, "solar"))
+            report = rank_view(args, _config(args, "solar", long_head=True))  # as the loader plans sharded
             if report is None:
                 return 0  # another rank of the job prints
         else:
