@@ -3,20 +3,22 @@ bounds checked, loaded only when it pays."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import zstandard
 
+import solar.checkpoint
 from solar.checkpoint import delta, load
 from solar.checkpoint.delta import SPARSE, SPARSE16, apply, encode, header
 from solar.checkpoint.store import CheckpointStore
 from test_checkpoint_delta import BASE, _equal, _series
 
-pytest.importorskip("numba")
-
 
 @pytest.fixture(scope="module")
 def kernel():
+    pytest.importorskip("numba")
     delta.warm_kernel(wait=True)
     assert set(delta._READY) == set(delta._SIGNATURES)  # every (gap width, element size) is loaded
     return dict(delta._READY)
@@ -138,3 +140,16 @@ def test_clearly_dense_changes_are_decided_from_the_first_quarter_of_the_sample(
     assert delta.changed_positions(memoryview(half).cast("B"), memoryview(a).cast("B"), 4, delta.DENSE) is None
     assert head.min() < a.size // 4 and head.max() > 3 * a.size // 4  # the first runs span the chunk
     assert np.array_equal(delta.sample_words(memoryview(a).cast("B"), 4), a[head])
+
+
+def test_without_numba_the_kernel_is_not_loaded_and_numpy_applies(monkeypatch):
+    monkeypatch.setitem(sys.modules, "solar.checkpoint.deltakernel", None)  # its import fails
+    monkeypatch.delattr(solar.checkpoint, "deltakernel", raising=False)
+    monkeypatch.setattr(delta, "_READY", {})
+    monkeypatch.setattr(delta, "_warming", None)
+    delta.warm_kernel(wait=True)
+    assert delta._READY == {}
+    new, old = _pair(2, False, seed=9)
+    out = bytearray(old)
+    apply(encode(memoryview(new), memoryview(old), BASE, 2).data, memoryview(out), BASE)
+    assert bytes(out) == new

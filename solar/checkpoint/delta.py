@@ -186,7 +186,7 @@ def clearly_dense(new: np.ndarray, old: np.ndarray) -> bool:
 
     For a chunk that changed densely in the previous save (its bytes were not kept): a wrong
     'dense' writes it whole once more, so the first runs alone decide, with the bound
-    exp(-2 * 32 * f**2) at a fraction f of changed words (4e-5 at f = 0.1)."""
+    exp(-2 * 32 * (0.5 - f)**2) at a fraction f of changed words (4e-5 at f = 0.1)."""
     return new.shape == old.shape and np.count_nonzero(new != old) > 2 * DENSE * new.size
 
 
@@ -390,7 +390,8 @@ def _warm() -> None:
     global _READY
     try:
         from . import deltakernel  # optional dependency (numba), heavy import: in the background, see warm_kernel
-    except ImportError:
+    except Exception:  # no numba, or one that does not import here: numpy applies  # noqa: BLE001
+        log.debug("solar.checkpoint: numba does not import; deltas are applied with numpy", exc_info=True)
         return
     for width, elem in _SIGNATURES:
         gaps, vals = np.zeros(1, _GAP_TYPE[width]), np.zeros(1, _NP[elem])
