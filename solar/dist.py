@@ -141,7 +141,7 @@ def plan_comm(comm):
     return dup
 
 
-def plan_executor() -> ThreadPoolExecutor:
+def plan_executor() -> _MPIExecutor:
     """The process's one planning thread (created on first use; a forked child makes its own):
     plans made ahead, and a sharded planner's collective calls over :func:`plan_comm`."""
     global _PLANNER
@@ -163,6 +163,11 @@ class _MPIExecutor(ThreadPoolExecutor):
 
     def submit(self, fn, /, *args, **kwargs):
         return super().submit(_tracked, fn, *args, **kwargs)
+
+    def submit_local(self, fn, /, *args, **kwargs):
+        """Submit a call that makes no collective call (an unsharded plan made ahead): the
+        failure watch leaves it alone, however long it runs."""
+        return super().submit(fn, *args, **kwargs)
 
 
 def _tracked(fn: Callable[..., T], *args, **kwargs) -> T:

@@ -412,7 +412,9 @@ class SolarBatchSampler(BatchSampler):
         spec = copy.deepcopy(planner)
         # a sharded plan is collective: every rank submits it at the same point of its program
         # (NOTE [ SOLAR's own MPI traffic ] in solar/dist.py)
-        self._ahead = (planner, epoch, plan_executor().submit(lambda: (spec, spec.plan(epoch))))
+        pool = plan_executor()
+        submit = pool.submit if self._sharded else pool.submit_local
+        self._ahead = (planner, epoch, submit(lambda: (spec, spec.plan(epoch))))
 
     def _take_rest(self):
         """The whole plan of the epoch whose head the last iteration handed out (NOTE [ First
