@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -231,6 +232,19 @@ def test_a_rank_dying_between_plans_aborts_the_job_naming_it(monkeypatch, point,
 def test_a_sharded_job_on_two_nodes_ends_cleanly(monkeypatch):
     res = _scale_job(monkeypatch, "none")
     assert res.returncode == 0 and res.stdout.count("done") == 4, res.stderr[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun")
+def test_the_sharded_loader_on_four_ranks_and_two_nodes():
+    """tests/test_scale_loader_mpi.py under ``mpirun -n 4`` on two "nodes" (SOLAR_NODE_RANKS=2):
+    every step's union over the ranks is DistributedSampler's global batch, the buffers serve the
+    planned hits, and both nodes' windows hold torch's order (the MPI suite runs on 2 and 3)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, NODE_RANKS_ENV: "2", "SOLAR_EXPECT_WORLD": "4", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+    res = subprocess.run(["mpirun", "-n", "4", "--bind-to", "none", "bash", "scripts/mpi-pytest.sh", "-m", "mpi", "-q",
+                          "tests/test_scale_loader_mpi.py"], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0 and " passed" in res.stdout, res.stdout[-4000:] + res.stderr[-3000:]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

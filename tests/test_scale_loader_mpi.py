@@ -41,6 +41,7 @@ def test_the_loader_plans_its_share_and_its_buffers_hit_as_planned(comm, shared_
         planned += comm.allreduce(plan.hits)
         everyone = comm.allgather(mine)
         order = global_order(n, P, 4, e)
+        _assert_windows_hold_torchs_order(loader, n, P, 4)
         for k in range(len(mine)):
             want = y_ref[order[k * P * b:(k + 1) * P * b]]  # the last step is partial
             want = want.reshape(len(want), -1)
@@ -62,6 +63,20 @@ def test_the_loader_plans_its_share_and_its_buffers_hit_as_planned(comm, shared_
         promised = comm.allreduce(loader.solar_sampler.current["plan"].hits)
         assert 0.9 * promised <= served <= promised, (e, served, promised)
     ds.close()
+
+
+def _assert_windows_hold_torchs_order(loader, n: int, P: int, seed: int) -> None:
+    """Every node's window (NOTE [ One order per node ]) holds DistributedSampler's order of the
+    epochs it names, once the planning thread is done with it."""
+    ss = loader.solar_sampler
+    if ss._ahead is not None:
+        ss._ahead[2].result()  # the plan made ahead may still be filling a slot
+    window = ss._planner.order
+    assert any(e is not None for e in window.epochs)
+    for epoch, slot in zip(window.epochs, window.slots):
+        if epoch is not None:
+            want = global_order(n, P, seed, epoch)[:n]  # (the padding repeats the head)
+            assert np.array_equal(slot, want), f"node window's epoch {epoch}"
 
 
 @pytest.mark.mpi
