@@ -227,15 +227,15 @@ class FsspecBackend(HDF5Backend):
         return spans[key]
 
     def scatter_ready(self, key: str) -> bool:
-        """Whether :meth:`read_rows_to` reads ``key``'s rows straight into their places: from a
-        staged copy once it is complete (NOTE [ Staging a remote file ]); before, a pass's rows
-        are read in one buffer, the few of pieces not on their way yet directly from the URL."""
+        """Whether :meth:`read_rows_to` reads ``key``'s rows straight into their places, or
+        :meth:`mapped_rows` gives views of them: from a staged copy (NOTE [ Staging a remote
+        file ]; ``read_rows_to`` reads a pass's rows in one buffer until the copy is complete)."""
         self.ensure_open()
         stage = self.__dict__.get("_stage")
-        return stage is not None and stage.complete and self._range_span(key) is not None
+        return stage is not None and self._range_span(key) is not None
 
     def _read_ranges(self, key: str, ranges: np.ndarray, out: "np.ndarray | RowPlaces | RowViews") -> None:
-        if isinstance(out, RowViews):  # (mapped_rows) views of a complete staged copy, or nothing
+        if isinstance(out, RowViews):  # (mapped_rows) views of rows of a staged copy, or nothing
             self._view_staged(key, ranges, out)
             return
         if isinstance(out, RowPlaces):
@@ -288,12 +288,13 @@ class FsspecBackend(HDF5Backend):
         return self._range_fs.cat_ranges([self._path] * len(starts), starts, ends, on_error="raise")
 
     def _view_staged(self, key: str, ranges: np.ndarray, out: RowViews) -> None:
-        """``out`` gets a view per row of a complete staged copy's map, its rows copied when the
-        batch is taken (NOTE [ Rows copied when the batch is taken ] in solar/slots.py), as a
-        local mapped file's; nothing (read now instead) before the copy is complete or where the
-        rows are not plain bytes."""
+        """``out`` gets a view per row, its rows copied when the batch is taken (NOTE [ Rows
+        copied when the batch is taken ] in solar/slots.py), as a local mapped file's: of the
+        staged copy's map once their pieces are there, or of the bytes requested directly for
+        rows of pieces not on their way yet (:meth:`StagedFile.row_views`); nothing (read now
+        instead) without a staged copy or where the rows are not plain bytes."""
         stage = self.__dict__.get("_stage")
-        if stage is None or not stage.complete:
+        if stage is None:
             return
         span = self._range_span(key)
         if span is None or not span.row:
@@ -303,16 +304,21 @@ class FsspecBackend(HDF5Backend):
                 return
         info = self.info(key)
         pieces = [p for start, stop in ranges.tolist() for p in span.pieces(start, stop)]
-        out.extend(stage.row_views(pieces, info.dtype, info.row_shape))
+        out.extend(stage.row_views(pieces, span.row, info.dtype, info.row_shape))
         out.check = stage.check
         self.stats.read_calls += int((ranges[:, 1] > ranges[:, 0]).sum())
+        self._count_stage()
 
     def _read_staged(self, span, ranges: np.ndarray, out: np.ndarray) -> None:
         """Rows of ``ranges`` from the staged copy (NOTE [ Staging a remote file ])."""
         runs = [piece for start, stop in ranges.tolist() for piece in span.pieces(start, stop)]
         self._stage.read_into(runs, memoryview(out.reshape(-1).view(np.uint8)))
         self.stats.read_calls += int((ranges[:, 1] > ranges[:, 0]).sum())
-        made = self._stage.requests + self._stage.direct_requests  # since the last read counted them
+        self._count_stage()
+
+    def _count_stage(self) -> None:
+        """``stats.extra["stage_requests"]``: the staged copy's requests since the last count."""
+        made = self._stage.requests + self._stage.direct_requests
         self.stats.extra["stage_requests"] = self.stats.extra.get("stage_requests", 0) + made - self._stage_counted
         self._stage_counted = made
 

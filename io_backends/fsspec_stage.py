@@ -9,22 +9,33 @@ NOTE [ Staging a remote file ]
     chunks: copy the bytes to node-local disk once, in large pieces, and read rows from there.
 
     With ``backend_options={"stage": DIR}`` the fsspec backend does that for an HDF5 file whose
-    rows it reads by byte range (NOTE [ Remote rows by byte ranges ] in fsspec.py): a background
-    thread downloads the whole file in ``PIECE``-byte pieces, ``INFLIGHT`` at a time, into an
-    unnamed file under ``DIR`` (created and unlinked at once: nothing is left behind, even when
-    the job is killed); a read waits only for the pieces holding its rows, which jump the file
-    order when they are not on their way yet, then copies the rows from a read-only map of the
-    local copy (NOTE [ Mapped reads ] in mapped.py; once the copy is complete, straight into
-    their batch slots: ``FsspecBackend.scatter_ready``); rows that are a small part of a piece
-    not on its way yet are requested directly instead (a shuffled pass over a large file wants
-    a few rows in every piece: waiting for the pieces would be waiting for the whole file). So
-    the first epoch runs at about the link's throughput, and the passes left when the last piece
-    arrives (most of the epoch: each wants rows of nearly every piece) and later epochs read the
-    local copy at memory speed. Every piece is requested pinned to the version
-    opened (``If-Match`` / ``IfMatch=ETag``), so a file replaced meanwhile is refused, as for
-    range reads; the dataset's checksums are still verified once per row the backend returns.
-    Costs: disk space for the whole file per process that opens it (checked up front), and the
-    whole file crosses the link even when a rank reads only part of it.
+    rows it reads by byte range (NOTE [ Remote rows by byte ranges ] in fsspec.py). When the
+    file is opened (before the first iteration: while the loader is made and plans), threads
+    start downloading the whole file in ``PIECE``-byte pieces, ``INFLIGHT`` at a time (below
+    botocore's pool of 10 connections, so a request of anybody else never queues behind the
+    copy), into an unnamed file under ``DIR`` (created and unlinked at once: nothing is left
+    behind, even when the job is killed). One write at a time, by whichever fetching thread
+    finds a piece queued and nobody writing: concurrent writes to one file serialize on its
+    inode's lock in the kernel, whose waiters spin on the cores the server and the downloads
+    need, and a thread that only queues its piece goes on fetching.
+
+    A read waits only for the pieces holding its rows, which jump the file order when they are
+    not on their way yet. Its rows are then views of a read-only map of the copy (NOTE [ Mapped
+    reads ] in mapped.py), copied once, when their batch is taken (``FsspecBackend.mapped_rows``
+    through ``_view_staged``; NOTE [ Rows copied when the batch is taken ] in solar/slots.py).
+    Rows that are a small part of a piece not on its way yet, far past the copy's front
+    (``DIRECT_AHEAD``), are requested directly instead: a shuffled pass over a large file wants
+    a few rows in every piece, and waiting for them would hold the first batches for the whole
+    file. Nearer, the read waits: direct requests cost the server and the client per request,
+    on the cores that move the copy's bytes, and the first epoch ends when the copy does either
+    way (each pass wants rows of nearly every piece). So the first epoch takes about the copy's
+    time, the copy about a plain parallel download's, and later epochs read the local copy at
+    memory speed. Every piece is requested pinned to the version opened (``If-Match`` /
+    ``IfMatch=ETag``), so a file replaced meanwhile is refused, as for range reads; the
+    dataset's checksums are still verified once per row the backend returns (such fields are
+    read into their slots, not as views). Costs: disk space for the whole file per process that
+    opens it (checked up front), and the whole file crosses the link even when a rank reads only
+    part of it.
 """
 
 from __future__ import annotations
@@ -44,19 +55,25 @@ from solar.errors import ConfigError, StorageError
 from .fsspec_common import CHANGED, url_errors
 from .mapped import fs_type
 
-__all__ = ["StagedFile", "PIECE", "INFLIGHT", "DIRECT_BELOW", "DIRECT_MIN"]
+__all__ = ["StagedFile", "PIECE", "INFLIGHT", "DIRECT_BELOW", "DIRECT_MIN", "DIRECT_AHEAD"]
 
 #: File systems whose ``fallocate`` reserves blocks without writing them.
 FALLOCATE_FS = frozenset({"ext4", "xfs", "btrfs", "tmpfs", "f2fs", "bcachefs"})
 #: Bytes per request of the copy.
 PIECE = 8 << 20
 #: Requests of the background copy in flight at once.
-INFLIGHT = 16
+INFLIGHT = 8
 #: A read that wants less than this fraction of a piece nobody fetches yet requests its bytes
 #: directly instead of waiting for the piece (see :meth:`StagedFile.read_into`) ...
 DIRECT_BELOW = 0.25
-#: ... when the piece is at least this large (a smaller one costs one request either way).
+#: ... when the piece is at least this large (a smaller one costs one request either way) ...
 DIRECT_MIN = 1 << 20
+#: ... and lies at least this far past the copy's front (the next piece in file order nobody
+#: fetches yet). Nearer, the read waits for the copy: what a direct request saves in waiting,
+#: its requests cost the copy (each is work for the server and the client, on the cores that
+#: move the copy's bytes), and the epoch ends with the copy either way. Farther, the wait would
+#: hold the first batches for seconds (at ~1 GB/s: one per GiB).
+DIRECT_AHEAD = 1 << 30
 
 #: ``fetch(starts, ends) -> [bytes]``: the file's bytes ``[starts[i], ends[i])``, requested together.
 Fetch = Callable[[list, list], list]
@@ -71,7 +88,7 @@ class StagedFile:
     disk space once no read uses it."""
 
     def __init__(self, url: str, size: int, fetch: Fetch, directory: str, piece: int = PIECE,
-                 inflight: int = INFLIGHT) -> None:
+                 inflight: int = INFLIGHT, direct_ahead: int = DIRECT_AHEAD) -> None:
         if not os.path.isdir(directory):
             raise ConfigError(f"{url}: stage={directory!r} is not a directory; pass an existing directory on "
                               "node-local disk to copy the file into, or leave stage unset to read byte ranges")
@@ -80,6 +97,7 @@ class StagedFile:
             raise ConfigError(f"{url}: stage={directory!r} has {free} bytes free and the file takes {size}; "
                               "pass a directory with room for it, or leave stage unset to read byte ranges")
         self.url, self.size, self.piece, self.inflight = url, int(size), int(piece), int(inflight)
+        self.direct_ahead = int(direct_ahead)
         self._fetch = fetch
         fd, name = tempfile.mkstemp(prefix="solar-stage-", dir=directory)
         os.unlink(name)  # nameless: the space returns when the last descriptor closes
@@ -100,6 +118,8 @@ class StagedFile:
         self._urgent: collections.deque = collections.deque()  # pieces a read waits for
         self._next = 0  # the next piece in file order not claimed yet
         self._cond = threading.Condition()
+        self._queued: collections.deque = collections.deque()  # (piece, bytes) fetched, not written yet
+        self._writer = False  # a thread writes the queued pieces
         self._error: BaseException | None = None
         self._closed = False
         self._running = 0  # copying threads alive
@@ -156,7 +176,11 @@ class StagedFile:
                 self._cond.notify_all()
 
     def _get(self, k: int) -> None:
-        """Fetch piece ``k``, write it to the copy, mark it done."""
+        """Fetch piece ``k`` and queue it to be written; the first thread to queue a piece while
+        nobody writes writes every queued one (:meth:`_write_queued`). One write at a time:
+        concurrent writes to one file queue on its inode's lock in the kernel, whose waiters spin
+        on a core the server and the downloads need; and a thread that queues goes on fetching
+        instead of waiting for that lock."""
         a, b = k * self.piece, min(self.size, (k + 1) * self.piece)
         with url_errors(self.url, "copying it to the stage directory"):
             (data,) = self._fetch([a], [b])
@@ -165,20 +189,42 @@ class StagedFile:
         if len(data) != b - a:
             raise StorageError(f"{self.url}: got {len(data)} of {b - a} bytes at offset {a}; {CHANGED}")
         with self._cond:
-            fd = None if self._closed else os.dup(self._fd)
-        if fd is None:
-            return
-        try:
-            view = memoryview(data)
-            while view.nbytes:
-                n = os.pwrite(fd, view, a)
-                view, a = view[n:], a + n
-        finally:
-            os.close(fd)
-        with self._cond:
-            self._done[k] = True
-            self.requests += 1
-            self._cond.notify_all()
+            if self._closed:
+                return
+            self._queued.append((k, data))
+            if self._writer:  # (bounded: a slow disk holds the fetches back)
+                while len(self._queued) > self.inflight and not self._closed and self._writer:
+                    self._cond.wait()
+                return
+            self._writer = True
+        self._write_queued()
+
+    def _write_queued(self) -> None:
+        """Write queued pieces to the copy until none is left (this thread is the writer)."""
+        while True:
+            with self._cond:
+                if not self._queued or self._closed:
+                    self._writer = False
+                    self._cond.notify_all()
+                    return
+                k, data = self._queued.popleft()
+                fd = os.dup(self._fd)
+            try:
+                view, at = memoryview(data), k * self.piece
+                while view.nbytes:
+                    n = os.pwrite(fd, view, at)
+                    view, at = view[n:], at + n
+            except BaseException:
+                with self._cond:
+                    self._claimed[k], self._next, self._writer = False, min(self._next, k), False
+                    self._cond.notify_all()
+                raise
+            finally:
+                os.close(fd)
+            with self._cond:
+                self._done[k] = True
+                self.requests += 1
+                self._cond.notify_all()
 
     def _ensure(self, ks: np.ndarray) -> None:
         """Wait until pieces ``ks`` are in the copy, asking for them ahead of the file order."""
@@ -210,27 +256,88 @@ class StagedFile:
                 at, pos = at + m, pos + m
         return parts
 
-    def read_into(self, runs: list[tuple[int, int]], out: memoryview) -> None:
-        """Bytes of ``runs`` (``(file offset, length)``, in order) into consecutive bytes of ``out``.
-
-        A piece that nobody fetches yet and of which this read wants less than ``DIRECT_BELOW``
-        is not waited for: its bytes are requested directly (one range each), and the copy gets
-        to the piece in its turn. So the first passes over a large file do not wait for whole
-        pieces around the few rows they want (in a shuffled pass, a few in every piece)."""
-        parts = self._parts(runs)
-        if not parts:
-            return
+    def _far(self, parts: list[tuple[int, int, int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(pieces, far, inv)``: the pieces ``parts`` touch, whether each is one to request
+        directly (nobody fetches it yet, the read wants less than ``DIRECT_BELOW`` of it, and it
+        lies ``direct_ahead`` bytes or more past the copy's front), and each part's index in
+        ``pieces``."""
         ks, inv = np.unique(np.array([p[3] for p in parts]), return_inverse=True)
         wanted = np.bincount(inv, weights=[p[1] for p in parts])
         lens = np.minimum(self.size, (ks + 1) * self.piece) - ks * self.piece
         with self._cond:
-            direct = ~self._claimed[ks] & (wanted < DIRECT_BELOW * lens) & (lens >= DIRECT_MIN)
-        if direct.any():
-            self._read_direct([p for p, d in zip(parts, direct[inv]) if d], out)
-        staged = [p for p, d in zip(parts, direct[inv]) if not d]
+            ahead = (ks - self._next) * self.piece >= self.direct_ahead
+            far = ~self._claimed[ks] & (wanted < DIRECT_BELOW * lens) & (lens >= DIRECT_MIN) & ahead
+        return ks, far, inv
+
+    def read_into(self, runs: list[tuple[int, int]], out: memoryview) -> None:
+        """Bytes of ``runs`` (``(file offset, length)``, in order) into consecutive bytes of ``out``.
+
+        A piece that nobody fetches yet, of which this read wants less than ``DIRECT_BELOW`` and
+        which lies ``direct_ahead`` bytes or more past the copy's front is not waited for: its
+        bytes are requested directly (one range each), and the copy gets to the piece in its
+        turn. So the first passes over a large file do not wait for the whole file around the
+        few rows they want (in a shuffled pass, a few in every piece); pieces nearer, they wait
+        for (``DIRECT_AHEAD``)."""
+        parts = self._parts(runs)
+        if not parts:
+            return
+        ks, far, inv = self._far(parts)
+        if far.any():
+            self._read_direct([p for p, d in zip(parts, far[inv]) if d], out)
+        staged = [p for p, d in zip(parts, far[inv]) if not d]
         if staged:
-            self._ensure(ks[~direct])
+            self._ensure(ks[~far])
             self._pread(staged, out)
+
+    def row_views(self, runs: list[tuple[int, int]], row: int, dtype: np.dtype, row_shape: tuple) -> list:
+        """Rows of ``runs`` (``(file offset, length)`` of whole rows of ``row`` bytes, in order),
+        one read-only array each, for a caller that copies them later: views of the copy's map
+        (each keeps it alive, even past :meth:`close`) once their pieces are there, waited for
+        as :meth:`read_into` waits; rows touching a piece that read would request directly are
+        requested so (consecutive ones as one range) and are views of the bytes received."""
+        if self.complete:
+            with self._cond:
+                flat = self._mapped()
+            return [r for at, n in runs for r in flat[at:at + n].view(dtype).reshape(-1, *row_shape)]
+        at = np.array([a for s, n in runs for a in range(s, s + n, row)], np.int64)
+        parts = self._parts(runs)
+        if not parts:
+            return []
+        ks, far, _ = self._far(parts)
+        first, last = at // self.piece, (at + row - 1) // self.piece
+        direct = np.isin(first, ks[far]) | np.isin(last, ks[far])
+        views: list = [None] * len(at)
+        if direct.any():
+            for i, r in zip(np.flatnonzero(direct).tolist(), self._request_rows(at[direct], row)):
+                views[i] = r.view(dtype).reshape(row_shape)
+        near = ~direct
+        if near.any():
+            self._ensure(np.unique(np.r_[first[near], last[near]]))
+            with self._cond:
+                flat = self._mapped()
+            for i, a in zip(np.flatnonzero(near).tolist(), at[near].tolist()):
+                views[i] = flat[a:a + row].view(dtype).reshape(row_shape)
+        return views
+
+    def _request_rows(self, at: np.ndarray, row: int) -> list[np.ndarray]:
+        """Rows of ``row`` bytes at the sorted offsets ``at``, requested from the URL, each run of
+        adjacent ones as one range: one read-only byte array per row."""
+        cut = np.flatnonzero(np.diff(at) != row) + 1
+        groups = np.split(at, cut)
+        starts = [int(g[0]) for g in groups]
+        ends = [int(g[-1]) + row for g in groups]
+        with url_errors(self.url, "reading rows"):
+            got = self._fetch(starts, ends)
+        rows = []
+        for a, b, data in zip(starts, ends, got):
+            if isinstance(data, BaseException):
+                raise data
+            if len(data) != b - a:
+                raise StorageError(f"{self.url}: got {len(data)} of {b - a} bytes at offset {a}; {CHANGED}")
+            rows.extend(np.frombuffer(data, np.uint8).reshape(-1, row))
+        with self._cond:
+            self.direct_requests += len(starts)
+        return rows
 
     def _read_direct(self, parts: list[tuple[int, int, int, int]], out: memoryview) -> None:
         """``parts`` requested from the URL, each copied into its place in ``out``."""
@@ -274,15 +381,6 @@ class StagedFile:
                 dest = places[pos]
                 dest.reshape(-1).view(np.uint8)[...] = flat[a:a + row]
                 pos += 1
-
-    def row_views(self, runs: list[tuple[int, int]], dtype: np.dtype, row_shape: tuple) -> list[np.ndarray]:
-        """Rows of ``runs`` (``(file offset, length)`` of whole rows) as views of a complete
-        copy's map: each keeps the map alive, even past :meth:`close`."""
-        if not self.complete:
-            raise RuntimeError(f"{self.url}: row_views before the copy is complete")
-        with self._cond:
-            flat = self._mapped()
-        return [r for at, n in runs for r in flat[at:at + n].view(dtype).reshape(-1, *row_shape)]
 
     def check(self) -> None:
         """Nothing to check before copying from :meth:`row_views`: the copy is this process's

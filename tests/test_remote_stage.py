@@ -154,23 +154,29 @@ def test_a_missing_object_is_still_not_found(remote, tmp_path):
         open_backend(url + ".gone", "fsspec", storage_options=opts, stage=_stage_dir(tmp_path)).ensure_open()
 
 
-def test_rows_of_a_piece_not_on_its_way_are_read_directly(remote, tmp_path):
-    """A read wanting a small part of a piece nobody fetches yet takes its bytes by range (and
-    the copy still fetches the piece in its turn); a large part waits for the piece."""
-    local = str(tmp_path / "big.bin")
-    want = np.random.default_rng(3).integers(0, 255, 4 << 20, dtype=np.uint8).tobytes()
+def _served_bytes(remote, tmp_path, name: str, seed: int, gate: threading.Event | None = None):
+    """``(bytes, url, fetch)``: 4 MiB of random bytes served as ``name``; ``fetch`` for a
+    :class:`StagedFile`, whose requests of a whole ``PIECE_`` (the copy's) wait for ``gate``."""
+    local = str(tmp_path / name)
+    want = np.random.default_rng(seed).integers(0, 255, 4 << 20, dtype=np.uint8).tobytes()
     with open(local, "wb") as f:
         f.write(want)
     url, opts = remote(local)
-    gate = threading.Event()
     fs, path = fsspec.core.url_to_fs(url, **opts)
 
     def fetch(starts, ends):
-        if ends[0] - starts[0] == PIECE_:  # the copy's requests wait until the reads are done
+        if gate is not None and ends[0] - starts[0] == PIECE_:  # the copy waits until the reads are done
             gate.wait(30)
         return [fs.cat_file(path, start=a, end=b) for a, b in zip(starts, ends)]
+    return want, url, fetch
 
-    st = StagedFile(url, len(want), fetch, _stage_dir(tmp_path), piece=PIECE_, inflight=1)
+
+def test_rows_of_a_piece_not_on_its_way_are_read_directly(remote, tmp_path):
+    """A read wanting a small part of a piece nobody fetches yet takes its bytes by range (and
+    the copy still fetches the piece in its turn); a large part waits for the piece."""
+    gate = threading.Event()
+    want, url, fetch = _served_bytes(remote, tmp_path, "big.bin", 3, gate)
+    st = StagedFile(url, len(want), fetch, _stage_dir(tmp_path), piece=PIECE_, inflight=1, direct_ahead=PIECE_)
     try:
         out = bytearray(300)
         st.read_into([(3 * PIECE_ + 5, 100), (3 * PIECE_ + 1000, 200)], memoryview(out))
@@ -185,3 +191,65 @@ def test_rows_of_a_piece_not_on_its_way_are_read_directly(remote, tmp_path):
         assert bytes(out) == want and st.complete and st.requests == 4
     finally:
         st.close()
+
+
+def test_a_piece_near_the_copy_is_waited_for_not_read_directly(remote, tmp_path):
+    """A small part of a piece nobody fetches yet, but near the copy's front (less than
+    ``direct_ahead`` past it), is waited for: no direct request."""
+    want, url, fetch = _served_bytes(remote, tmp_path, "near.bin", 4)
+    st = StagedFile(url, len(want), fetch, _stage_dir(tmp_path), piece=PIECE_, inflight=1, direct_ahead=4 * PIECE_)
+    try:
+        out = bytearray(300)
+        st.read_into([(3 * PIECE_ + 5, 100), (3 * PIECE_ + 1000, 200)], memoryview(out))
+        assert bytes(out) == want[3 * PIECE_ + 5:3 * PIECE_ + 105] + want[3 * PIECE_ + 1000:3 * PIECE_ + 1200]
+        assert st.direct_requests == 0 and st._done[3]
+    finally:
+        st.close()
+
+
+def test_row_views_before_and_after_the_copy_is_complete(remote, tmp_path):
+    """``row_views``: rows of pieces far past the copy's front are requested directly (adjacent
+    rows as one range), the others wait for their pieces and are views of the copy's map, a row
+    across two pieces too; the views keep their bytes after ``close``."""
+    gate = threading.Event()
+    want, url, fetch = _served_bytes(remote, tmp_path, "rows.bin", 5, gate)
+    row = 1000
+    st = StagedFile(url, len(want), fetch, _stage_dir(tmp_path), piece=PIECE_, inflight=1, direct_ahead=3 * PIECE_)
+    try:
+        far = [(3 * PIECE_ + 3000, 2 * row), (3 * PIECE_ + 9000, row)]
+        views = st.row_views(far, row, np.dtype(np.uint8), (row,))
+        assert [bytes(v) for v in views] == [want[a:a + row] for a in (3 * PIECE_ + 3000, 3 * PIECE_ + 4000,
+                                                                          3 * PIECE_ + 9000)]
+        assert st.direct_requests == 2 and st.requests == 0
+        gate.set()
+        near = [(PIECE_ - row // 2, row), (2 * PIECE_, row)]  # (the first across pieces 0 and 1)
+        views = st.row_views(near, row, np.dtype(np.uint8), (row,))
+        assert st.direct_requests == 2 and st._done[:3].all()
+        assert [bytes(v) for v in views] == [want[PIECE_ - row // 2:PIECE_ + row // 2],
+                                             want[2 * PIECE_:2 * PIECE_ + row]]
+        st._ensure(np.arange(len(st._done)))
+        views = st.row_views([(0, 2 * row)], row, np.dtype(np.uint8), (row,))
+    finally:
+        st.close()
+    assert [bytes(v) for v in views] == [want[:row], want[row:2 * row]]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "chunked"])
+def test_mapped_rows_of_a_staged_file_are_h5pys_rows(remote, tmp_path, layout):
+    """``mapped_rows`` of a staged file: views of its rows whether the copy is complete or not
+    (their values h5py's), none for a dataset read without a stage."""
+    local = str(tmp_path / f"{layout}.h5")
+    data = _write(local, layout)
+    url, opts = remote(local)
+    be = open_backend(url, "fsspec", storage_options=opts, stage=_stage_dir(tmp_path))
+    plain = open_backend(url, "fsspec", storage_options=opts)
+    try:
+        for key in ("x", "y"):
+            got = be.mapped_rows(key, RANGES)
+            want = np.concatenate([data[key][a:b] for a, b in RANGES.tolist()])
+            got.check()
+            np.testing.assert_array_equal(np.stack(got.views), want, err_msg=key)
+            assert plain.mapped_rows(key, RANGES) is None
+    finally:
+        be.close()
+        plain.close()
