@@ -330,6 +330,7 @@ def apply(obj, out: memoryview, base: bytes) -> None:
         raise DeltaFormatError(f"its compressed stream is damaged ({exc})") from None
     if len(raw) != want:
         raise DeltaFormatError(f"its sparse stream has {len(raw)} B, not {want} B")
+    raw = memoryview(raw)  # the planes are read in place, not sliced into copies
     gaps = _unplanes(raw[:width * k], width, gtype)
     vals = _unplanes(raw[width * k:], h.elem, dt)
     kernel = _READY.get((width, h.elem))
