@@ -90,7 +90,8 @@ class FsspecBackend(HDF5Backend):
         self._file = open_h5(self._fobj, self.url, self.options)
         self._range_spans = {}
         if self.options.get("stage") and self.options.get("direct_reads", True) and "::" not in self.url:
-            self._stage = StagedFile(self.url, int(info["size"]), self._fetch_ranges, os.fspath(self.options["stage"]))
+            self._stage = StagedFile(self.url, int(info["size"]), self._fetch_ranges, os.fspath(self.options["stage"]),
+                                     fetch_piece=self._fetch_piece)
             self._stage_counted = 0
 
     def _check_same_version(self, info: dict) -> None:
@@ -308,6 +309,13 @@ class FsspecBackend(HDF5Backend):
         out.check = stage.check
         self.stats.read_calls += int((ranges[:, 1] > ranges[:, 0]).sum())
         self._count_stage()
+
+    def _fetch_piece(self, start: int, end: int) -> list:
+        """Bytes ``[start, end)`` of the file, pinned to the version opened, as the byte strings
+        received (s3: not joined into one) or one."""
+        if self._etag is not None:
+            return s3_ranges(self._range_fs, self._path, [start], [end], self._etag, chunks=True)[0]
+        return self._fetch_ranges([start], [end])
 
     def _read_staged(self, span, ranges: np.ndarray, out: np.ndarray) -> None:
         """Rows of ``ranges`` from the staged copy (NOTE [ Staging a remote file ])."""

@@ -153,24 +153,38 @@ def url_to_fs(url: str, **storage_options: Any):
         raise err from exc
 
 
-def s3_ranges(fs, path: str, starts: list[int], ends: list[int], etag: str) -> list[bytes]:
+def s3_ranges(fs, path: str, starts: list[int], ends: list[int], etag: str, chunks: bool = False) -> list:
     """Bytes ``[starts[i], ends[i])`` of the S3 object ``path``, requested concurrently on the
     filesystem's event loop, each with ``IfMatch=etag``: an object replaced since it was opened
-    is refused (s3fs's own ``cat_ranges`` does not pin the version; its file objects do)."""
+    is refused (s3fs's own ``cat_ranges`` does not pin the version; its file objects do).
+
+    ``chunks``: each range as the list of byte strings the transport received, not joined into
+    one (a copy of every byte saved, for a caller that writes them with ``pwritev``)."""
     import asyncio
 
     from fsspec.asyn import sync  # fsspec: imported by the fsspec backends only
 
     bucket, key, _ = fs.split_path(path)
 
-    async def one(start: int, end: int) -> bytes:
+    async def one(start: int, end: int):
         resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=etag)
+        body = resp["Body"]
         try:
-            return await resp["Body"].read()
+            content = getattr(getattr(body, "raw_stream", None), "content", None)  # aiohttp's StreamReader
+            if not chunks or content is None or not hasattr(content, "readchunk"):
+                data = await body.read()
+                return [data] if chunks else data
+            got = []
+            while True:
+                data, boundary = await content.readchunk()  # (a chunk as received: none joined)
+                if not data and not boundary:
+                    return got
+                if data:
+                    got.append(data)
         finally:
-            resp["Body"].close()
+            body.close()
 
-    async def every() -> list[bytes]:
+    async def every() -> list:
         return await asyncio.gather(*(one(a, b) for a, b in zip(starts, ends)))
 
     return sync(fs.loop, every)

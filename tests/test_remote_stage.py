@@ -15,7 +15,7 @@ import pytest
 
 import solar
 from solar.io_backends import open_backend
-from solar.io_backends.fsspec_stage import DIRECT_MIN, StagedFile
+from solar.io_backends.fsspec_stage import DIRECT_MIN, IOV_MAX, StagedFile, _write_all
 from test_remote_ranges import RANGES, _write, putter
 
 
@@ -253,3 +253,19 @@ def test_mapped_rows_of_a_staged_file_are_h5pys_rows(remote, tmp_path, layout):
     finally:
         be.close()
         plain.close()
+
+
+def test_pieces_received_in_many_chunks_are_written_in_order(tmp_path):
+    """A piece arrives as many byte strings (more than one ``pwritev`` takes, some empty): they
+    land one after another at the piece's offset."""
+    rng = np.random.default_rng(6)
+    data = [rng.integers(0, 255, int(n), dtype=np.uint8).tobytes() for n in rng.integers(0, 50, IOV_MAX + 300)]
+    path = str(tmp_path / "w.bin")
+    with open(path, "wb") as f:
+        f.write(b"\xff" * 7)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        _write_all(fd, data, 7)
+    finally:
+        os.close(fd)
+    assert open(path, "rb").read() == b"\xff" * 7 + b"".join(data)
