@@ -84,6 +84,9 @@ Fetch = Callable[[list, list], list]
 FetchPiece = Callable[[int, int], list]
 #: Most buffers one ``pwritev`` takes (Linux's ``IOV_MAX``).
 IOV_MAX = 1024
+#: madvise advice mapping pages of the page cache into the map (Linux 5.14; Python's mmap
+#: module names it from 3.12 only).
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
 class StagedFile:
@@ -119,8 +122,8 @@ class StagedFile:
         self._fd: int | None = fd
         # the copy's bytes, read as memory (NOTE [ Mapped reads ] in mapped.py): no system call
         # per row; only pieces already written are read, and nobody else can cut this file
-        self._flat = np.frombuffer(mmap.mmap(fd, self.size, access=mmap.ACCESS_READ), np.uint8) \
-            if self.size else np.zeros(0, np.uint8)
+        self._map = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ) if self.size else None
+        self._flat = np.frombuffer(self._map, np.uint8) if self.size else np.zeros(0, np.uint8)
         n = -(-self.size // self.piece)
         self._done = np.zeros(n, bool)
         self._claimed = np.zeros(n, bool)  # done, or being fetched
@@ -221,6 +224,7 @@ class StagedFile:
                 fd = os.dup(self._fd)
             try:
                 _write_all(fd, data, k * self.piece)
+                self._map_in(k)
             except BaseException:
                 with self._cond:
                     self._claimed[k], self._next, self._writer = False, min(self._next, k), False
@@ -232,6 +236,15 @@ class StagedFile:
                 self._done[k] = True
                 self.requests += 1
                 self._cond.notify_all()
+
+    def _map_in(self, k: int) -> None:
+        """Map piece ``k``'s pages (just written: in the page cache) into the copy's map now, on
+        the copying thread, so that the rows' copies into their batches take no page faults.
+        Advice only: an older kernel leaves them to be faulted in."""
+        try:
+            self._map.madvise(MADV_POPULATE_READ, k * self.piece, min(self.piece, self.size - k * self.piece))
+        except (OSError, ValueError):  # (EINVAL before Linux 5.14; ValueError: closed meanwhile)
+            pass
 
     def _ensure(self, ks: np.ndarray) -> None:
         """Wait until pieces ``ks`` are in the copy, asking for them ahead of the file order."""
