@@ -25,8 +25,8 @@ import numpy as np
 from solar.errors import DatasetFormatError, StorageError
 
 from .base import ArrayInfo
-from .fsspec_common import (CHANGED, INHERITED, _protocols, is_http, missing_protocol_error, s3_ranges, url_errors,
-                            url_to_fs)
+from .fsspec_common import (CHANGED, INHERITED, _protocols, http_chunks, is_http, missing_protocol_error, s3_ranges,
+                            url_errors, url_to_fs)
 from .fsspec_hdf5 import h5_errors, open_file_object, open_h5, pinned_fs
 from .fsspec_stage import StagedFile
 from .hdf5 import HDF5Backend, RowPlaces, RowViews, _Span
@@ -312,9 +312,11 @@ class FsspecBackend(HDF5Backend):
 
     def _fetch_piece(self, start: int, end: int) -> list:
         """Bytes ``[start, end)`` of the file, pinned to the version opened, as the byte strings
-        received (s3: not joined into one) or one."""
+        received (s3 and http: not joined into one) or one."""
         if self._etag is not None:
             return s3_ranges(self._range_fs, self._path, [start], [end], self._etag, chunks=True)[0]
+        if is_http(self._range_fs):
+            return http_chunks(self._range_fs, self._path, start, end)
         return self._fetch_ranges([start], [end])
 
     def _read_staged(self, span, ranges: np.ndarray, out: np.ndarray) -> None:

@@ -15,7 +15,7 @@ from solar.capabilities import fsspec_protocol_missing, pip_name
 from solar.errors import ConfigError, MissingDependencyError, SolarError, StorageError, storage_errors
 
 __all__ = ["INHERITED", "CHANGED", "transport_error", "url_errors", "range_hint", "missing_protocol_error",
-           "url_to_fs", "is_http", "full_url", "s3_ranges"]
+           "url_to_fs", "is_http", "full_url", "s3_ranges", "http_chunks"]
 
 # NOTE [ fsspec after fork ]
 #     A forked child inherits the parent's asyncio event loop *and its epoll instance*, which the
@@ -174,13 +174,7 @@ def s3_ranges(fs, path: str, starts: list[int], ends: list[int], etag: str, chun
             if not chunks or content is None or not hasattr(content, "readchunk"):
                 data = await body.read()
                 return [data] if chunks else data
-            got = []
-            while True:
-                data, boundary = await content.readchunk()  # (a chunk as received: none joined)
-                if not data and not boundary:
-                    return got
-                if data:
-                    got.append(data)
+            return await _chunks(content)
         finally:
             body.close()
 
@@ -188,6 +182,34 @@ def s3_ranges(fs, path: str, starts: list[int], ends: list[int], etag: str, chun
         return await asyncio.gather(*(one(a, b) for a, b in zip(starts, ends)))
 
     return sync(fs.loop, every)
+
+
+async def _chunks(content) -> list[bytes]:
+    """What is left of an aiohttp response's body, as the chunks received (none joined)."""
+    got = []
+    while True:
+        data, boundary = await content.readchunk()
+        if not data and not boundary:
+            return got
+        if data:
+            got.append(data)
+
+
+def http_chunks(fs, path: str, start: int, end: int) -> list[bytes]:
+    """Bytes ``[start, end)`` of ``path`` on the HTTP filesystem ``fs`` (its headers, the version
+    pin among them, sent as fsspec's ``cat_file`` sends them), as the chunks received: not joined
+    into one byte string (see :func:`s3_ranges`' ``chunks``)."""
+    from fsspec.asyn import sync  # fsspec: imported by the fsspec backends only
+
+    async def get() -> list[bytes]:
+        kw = dict(fs.kwargs)
+        headers = {**(kw.pop("headers", None) or {}), "Range": f"bytes={start}-{end - 1}"}
+        session = await fs.set_session()
+        async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
+            fs._raise_not_found_for_status(r, path)
+            return await _chunks(r.content)
+
+    return sync(fs.loop, get)
 
 
 def _protocols(fs) -> tuple[str, ...]:

@@ -110,7 +110,10 @@ def test_a_copy_in_small_pieces_is_the_file(remote, tmp_path):
         be.close()
 
 
-def test_a_file_replaced_before_it_is_copied_is_refused(remote, tmp_path):
+@pytest.mark.parametrize("pieces", ["joined", "as received"])
+def test_a_file_replaced_before_it_is_copied_is_refused(remote, tmp_path, pieces):
+    """Pieces fetched as ranges of one byte string each, or as the chunks received (the
+    backend's own ``_fetch_piece``), are pinned to the version opened alike."""
     local = str(tmp_path / "r.h5")
     _write(local, "contiguous")
     url, opts = remote(local)
@@ -121,7 +124,8 @@ def test_a_file_replaced_before_it_is_copied_is_refused(remote, tmp_path):
         with h5py.File(local, "r+") as f:
             f.attrs["changed"] = np.arange(100)  # another version, of another size
         assert remote(local)[0] == url
-        st = StagedFile(url, size, be._fetch_ranges, _stage_dir(tmp_path), piece=4096, inflight=2)
+        st = StagedFile(url, size, be._fetch_ranges, _stage_dir(tmp_path), piece=4096, inflight=2,
+                        fetch_piece=be._fetch_piece if pieces == "as received" else None)
         try:
             with pytest.raises(solar.StorageError, match="changed since it was opened") as err:
                 st.read_into([(0, 100)], memoryview(bytearray(100)))
