@@ -173,8 +173,13 @@ class StagedFile:
             while True:
                 with self._cond:
                     k = None if self._closed or self._error is not None else self._claim()
-                    if k is None:
-                        return
+                    # nothing left to fetch, pieces left to write (a write failed meanwhile)
+                    write = k is None and self._error is None and bool(self._queued) and not self._writer
+                    self._writer = self._writer or write
+                if k is None:
+                    if write:
+                        self._write_queued()
+                    return
                 self._get(k)
         except BaseException as exc:
             with self._cond:
@@ -225,10 +230,13 @@ class StagedFile:
             try:
                 _write_all(fd, data, k * self.piece)
                 self._map_in(k)
-            except BaseException:
+            except BaseException as exc:
                 with self._cond:
                     self._claimed[k], self._next, self._writer = False, min(self._next, k), False
                     self._cond.notify_all()
+                if isinstance(exc, OSError):
+                    raise StorageError(f"{self.url}: writing its copy to the stage directory failed ({exc}); "
+                                       "free space there, or pass another stage directory") from exc
                 raise
             finally:
                 os.close(fd)

@@ -15,6 +15,7 @@ import pytest
 
 import solar
 from solar.io_backends import open_backend
+from solar.io_backends import fsspec_stage as stage_module
 from solar.io_backends.fsspec_stage import DIRECT_MIN, IOV_MAX, StagedFile, _write_all
 from test_remote_ranges import RANGES, _write, putter
 
@@ -273,3 +274,27 @@ def test_pieces_received_in_many_chunks_are_written_in_order(tmp_path):
     finally:
         os.close(fd)
     assert open(path, "rb").read() == b"\xff" * 7 + b"".join(data)
+
+
+def test_a_failed_write_is_a_storage_error_and_the_next_read_retries(remote, tmp_path, monkeypatch):
+    """A write of the copy that fails (a full disk) reaches the read waiting for it as a
+    StorageError saying what to do; the next read fetches and writes the piece again."""
+    want, url, fetch = _served_bytes(remote, tmp_path, "full.bin", 7)
+    real, failed = stage_module._write_all, []
+
+    def write_once_full(fd, data, at):
+        if not failed:
+            failed.append(at)
+            raise OSError(28, "No space left on device")
+        real(fd, data, at)
+
+    monkeypatch.setattr(stage_module, "_write_all", write_once_full)
+    st = StagedFile(url, len(want), fetch, _stage_dir(tmp_path), piece=PIECE_, inflight=2)
+    try:
+        out = bytearray(len(want))
+        with pytest.raises(solar.StorageError, match="writing its copy to the stage directory failed.*free space"):
+            st.read_into([(0, len(want))], memoryview(out))
+        st.read_into([(0, len(want))], memoryview(out))
+        assert bytes(out) == want and st.complete and len(failed) == 1
+    finally:
+        st.close()
