@@ -17,9 +17,11 @@ NOTE [ Staging a remote file ]
     behind, even when the job is killed). One write at a time, by whichever fetching thread
     finds a piece queued and nobody writing: concurrent writes to one file serialize on its
     inode's lock in the kernel, whose waiters spin on the cores the server and the downloads
-    need, and a thread that only queues its piece goes on fetching. Over s3 a piece is written
-    as the transport received it (``pwritev`` of its chunks; ``s3_ranges(chunks=True)``), not
-    joined into one byte string first: one copy of every byte fewer than a plain download makes.
+    need, and a thread that only queues its piece goes on fetching. Over s3 and http a piece is
+    written as the transport received it (``pwritev`` of its chunks: ``s3_ranges(chunks=True)``,
+    ``http_chunks``), not joined into one byte string first: one copy of every byte fewer than a
+    plain download makes. The writer then maps the piece's pages into the copy's map, so that
+    the copies of its rows into batches take no page faults.
 
     A read waits only for the pieces holding its rows, which jump the file order when they are
     not on their way yet. Its rows are then views of a read-only map of the copy (NOTE [ Mapped
@@ -130,7 +132,7 @@ class StagedFile:
         self._urgent: collections.deque = collections.deque()  # pieces a read waits for
         self._next = 0  # the next piece in file order not claimed yet
         self._cond = threading.Condition()
-        self._queued: collections.deque = collections.deque()  # (piece, bytes) fetched, not written yet
+        self._queued: collections.deque = collections.deque()  # (piece, [bytes]) fetched, not written yet
         self._writer = False  # a thread writes the queued pieces
         self._error: BaseException | None = None
         self._closed = False
