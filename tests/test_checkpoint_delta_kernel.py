@@ -3,7 +3,9 @@ bounds checked, loaded only when it pays."""
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -153,3 +155,19 @@ def test_without_numba_the_kernel_is_not_loaded_and_numpy_applies(monkeypatch):
     out = bytearray(old)
     apply(encode(memoryview(new), memoryview(old), BASE, 2).data, memoryview(out), BASE)
     assert bytes(out) == new
+
+
+def test_a_fork_waits_for_the_warm_up(monkeypatch):
+    done = []
+
+    def slow_warm():
+        time.sleep(0.3)
+        done.append(True)
+
+    monkeypatch.setattr(delta, "_warm", slow_warm)
+    monkeypatch.setattr(delta, "_warming", None)
+    delta.warm_kernel()
+    pid = os.fork()
+    if pid == 0:  # the child: the warm-up had finished before the fork (its import locks released)
+        os._exit(0 if done else 1)
+    assert os.waitpid(pid, 0)[1] == 0 and done

@@ -380,9 +380,18 @@ def warm_kernel(wait: bool = False) -> None:
     with _warm_lock:
         if _warming is None and os.environ.get("SOLAR_CKPT_KERNEL", "1") != "0":
             _warming = threading.Thread(target=_warm, name="solar-ckpt-kernel")
+            os.register_at_fork(before=_finish_warming)
             _warming.start()
         thread = _warming
     if wait and thread is not None:
+        thread.join()
+
+
+def _finish_warming() -> None:
+    """Before a fork (DataLoader workers): wait for the warm-up, whose thread would hold import locks
+    that a child importing numba could then wait on forever."""
+    thread = _warming
+    if thread is not None and thread is not threading.current_thread():
         thread.join()
 
 

@@ -194,7 +194,7 @@ class DeltaSaver:
             self._keep(name, j, d, view)
         return tried.written
 
-    def _try_delta(self, sink, d: bytes, view: memoryview, name: str, j: int, elem: int) -> "_Tried":
+    def _try_delta(self, sink, d: bytes, view: memoryview, name: str, j: int, elem: int) -> _Tried:
         n = view.nbytes
         base = self._base(sink.known, name, j)
         changed = n // elem
