@@ -100,13 +100,14 @@ class MappedFile:
     One map per file, size and process, shared by every backend that opens it (the request
     threads' clones): each map's pages are faulted in once, not once per clone."""
 
-    __slots__ = ("size", "flat", "_map", "_known", "_grain", "__weakref__")
+    __slots__ = ("size", "flat", "_map", "_known", "_grain", "_all_known", "__weakref__")
 
     def __init__(self, m: mmap.mmap) -> None:
         self._map, self.flat = m, np.frombuffer(m, dtype=np.uint8)
         self.size = len(self.flat)
         self._known: np.ndarray | None = None  # per _grain bytes: advised by populate()
         self._grain = _GRAIN
+        self._all_known = False  # every grain advised: nothing to do
 
     @classmethod
     def open(cls, path: str, fd: int, size: int) -> "MappedFile | None":
@@ -144,6 +145,7 @@ class MappedFile:
             self._map.madvise(mmap.MADV_DONTNEED)
         if self._known is not None:
             self._known[:] = False
+        self._all_known = False
 
     def populate(self, pieces: list) -> None:
         """Start reading the pages of the ``(file offset, bytes)`` pieces into the page cache
@@ -154,7 +156,7 @@ class MappedFile:
         ``madvise`` of pages already cached costs about what the first did, so the map
         remembers, per ``_grain`` bytes, what it advised (until :meth:`drop_pages`). Advice
         only: without it (or where it fails) the copy faults the pages in."""
-        if not pieces or self.size <= 0 or not hasattr(mmap, "MADV_WILLNEED"):
+        if not pieces or self.size <= 0 or not hasattr(mmap, "MADV_WILLNEED") or self._all_known:
             return
         if self._known is None:
             self._grain = max(_GRAIN, 1 << max(0, (self.size >> 24).bit_length()))  # (at most 2**24 places)
@@ -172,6 +174,7 @@ class MappedFile:
             except (OSError, ValueError):  # (refused, or closed)
                 return
             known[lo:hi] = True
+        self._all_known = bool(need.any()) and bool(known.all())
 
     def file_size(self) -> int:
         """The mapped file's size now (one ``fstat``)."""
