@@ -351,7 +351,9 @@ class HDF5Backend(Backend):
         check()
         m.populate(pieces)
         info = self.info(key)
-        out.extend(r for at, n in pieces for r in m.rows(at, n, info.dtype, info.row_shape))
+        dtype, shape = info.dtype, info.row_shape
+        for at, n in pieces:
+            out.extend(m.rows(at, n, dtype, shape))  # (rows as views, iterated in C)
         out.check = check
         return len(spans)
 
