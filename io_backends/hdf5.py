@@ -352,8 +352,16 @@ class HDF5Backend(Backend):
         m.populate(pieces)
         info = self.info(key)
         dtype, shape = info.dtype, info.row_shape
-        for at, n in pieces:
-            out.extend(m.rows(at, n, dtype, shape))  # (rows as views, iterated in C)
+        if span.offset is not None:  # contiguous: rows of one view of the whole dataset
+            rows = m.rows(span.offset, info.shape[0] * span.row, dtype, shape)
+            for a, b in spans:
+                if b - a == 1:
+                    out.append(rows[a])
+                else:
+                    out.extend(rows[a:b])  # (numpy iterates the rows' views)
+        else:
+            for at, n in pieces:
+                out.extend(m.rows(at, n, dtype, shape))
         out.check = check
         return len(spans)
 
