@@ -297,7 +297,6 @@ class FetchPass:
         dtype, pool = torch_dtype(spec.dtype), ds.__dict__.setdefault("_slot_pool", SlotPool())
         parts = [DeferredStep((b - a, *spec.sample_shape), dtype, pool, sources[a:b], got.check)
                  for a, b in zip(bounds[:-1], bounds[1:])]
-        pool.chain(name, parts)
         return DeferredRows(parts, bounds, views)
 
     def _to_slots(self, spec: FieldSpec, disjoint: bool, split: bool) -> "SlotRows | DeferredRows":

@@ -10,12 +10,8 @@ only when its batch is taken (NOTE [ Rows copied when the batch is taken ]).
 
 from __future__ import annotations
 
-import itertools
-import os
 import sys
 import threading
-import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import numpy as np
@@ -44,12 +40,11 @@ __all__ = ["SlotPool", "StepRows", "SlotRows", "DeferredRows", "DeferredStep", "
 #     to verify (verified where read, by the read-ahead), batches bound for workers' shared
 #     memory, or files that are not mapped: those are read by the read-ahead as before. The file
 #     is checked again (one ``fstat``) before each step's copy: a file cut shorter meanwhile raises
-#     ``StorageError`` from that batch instead of killing the process with ``SIGBUS``. While the
-#     consumer works on a step, the process's one fill thread fills the same field's next step of
-#     the pass (:meth:`DeferredStep.make` hands it over; one step ahead, so its lines are still
-#     in cache when the consumer reads them), and the consumer's own make waits for it or finds
-#     it made. The read-ahead asks the kernel to read the pass's rows into the page cache
-#     meanwhile (``MappedFile.populate``), so the copy waits for no storage on a cold cache.
+#     ``StorageError`` from that batch instead of killing the process with ``SIGBUS``. The copy
+#     is the consumer's own: a thread filling the next step meanwhile needs a core the process
+#     may not have, and costs CPU (hand-offs, both threads on the rows) where it has none. The
+#     read-ahead asks the kernel to read the pass's rows into the page cache
+#     (``MappedFile.populate``), so the copy waits for no storage on a cold cache.
 
 
 #: how many of a storage's users a tensor that nobody else references counts (itself and the
@@ -79,20 +74,6 @@ class SlotPool:
         self._out: list[torch.Tensor] = []
         self._bytes = 0
         self._lock = threading.Lock()
-        self._last: dict[str, weakref.ref] = {}  # field -> its last DeferredStep made ready
-
-    def chain(self, name: str, steps: list["DeferredStep"]) -> None:
-        """Field ``name``'s steps of a pass made ready after those of the pass before (the
-        read-ahead's order): each is filled ahead after the one before it is made, the first
-        after the last of the pass before, where that one is still to come."""
-        for a, b in zip(steps[:-1], steps[1:]):
-            a.next = b
-        if steps:
-            ref = self._last.get(name)
-            before = ref() if ref is not None else None
-            if before is not None:
-                before.next = steps[0]
-            self._last[name] = weakref.ref(steps[-1])
 
     def empty(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized tensor of ``shape`` and ``dtype``: a free one of the pool, or new."""
@@ -179,86 +160,28 @@ class SlotRows:
 class DeferredStep:
     """One step's tensor of a raw field, made and filled at the first :meth:`make` (NOTE
     [ Rows copied when the batch is taken ]): ``sources[j]`` (a view of the map, or a buffered
-    value) is row ``j``; ``check()`` raises if the map's file no longer holds its rows.
+    value) is row ``j``; ``check()`` raises if the map's file no longer holds its rows."""
 
-    The fill thread (:meth:`make_ahead`) and the consumer (:meth:`make`) share the rows: each
-    takes the next row not taken yet, so a consumer that comes while the fill thread is at it
-    (or while that thread waits for a core) copies the rest itself, and waits at most for the
-    one row the other thread is copying."""
-
-    __slots__ = ("shape", "dtype", "pool", "sources", "check", "next", "_tensor", "_rows", "_todo", "_done",
-                 "_ready", "_error", "_lock", "__weakref__")
+    __slots__ = ("shape", "dtype", "pool", "sources", "check", "_tensor", "_lock")
 
     def __init__(self, shape: tuple, dtype: torch.dtype, pool: SlotPool, sources: list,
                  check: Callable[[], None]) -> None:
         self.shape, self.dtype, self.pool, self.sources, self.check = shape, dtype, pool, sources, check
-        self.next: DeferredStep | None = None  # the same field's step after this one
         self._tensor: torch.Tensor | None = None
-        self._rows: np.ndarray | None = None
-        self._todo = itertools.count()  # the next row to copy (next() is atomic under the GIL)
-        self._done = itertools.count(1)  # rows copied, after each copy
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
         self._lock = threading.Lock()
 
     def make(self) -> torch.Tensor:
-        """The step's tensor, filled (once; the sources are let go then). The next step is then
-        handed to the fill thread, which fills it while the consumer works on this one."""
-        if not self._ready.is_set():
-            self._copy()
-            self._ready.wait()
-        if self._error is not None:
-            raise self._error
-        after, self.next = self.next, None
-        if after is not None and FILL_AHEAD:
-            _fill_thread().submit(after.make_ahead)
-        return self._tensor
-
-    def make_ahead(self) -> None:
-        """:meth:`make`'s copies on the fill thread; a failure is left to the consumer's
-        :meth:`make` to raise."""
-        try:
-            self._copy()
-        except Exception:  # noqa: BLE001 - raised again by the consumer's make()
-            pass
-
-    def _copy(self) -> None:
-        """Copy rows not taken yet (after making the tensor, if nobody has)."""
+        """The step's tensor, filled (once; the sources are let go then). A row that cannot be
+        copied, or a failed check, raises, and raises again at the next call."""
         with self._lock:
-            if self._rows is None:
+            if self._tensor is None:
                 self.check()
-                self._tensor = self.pool.empty(self.shape, self.dtype)
-                self._rows = self._tensor.numpy()
-                if not self.sources:
-                    self._ready.set()
-        rows, sources, todo, done = self._rows, self.sources, self._todo, self._done
-        n = len(sources) if sources is not None else 0
-        while True:
-            j = next(todo)
-            if j >= n:
-                return
-            try:
-                rows[j] = sources[j]
-            except BaseException as exc:  # (the row is lost: the step fails, for both threads)
-                self._error = exc
-                self._ready.set()
-                raise
-            if next(done) == n:
-                self.sources = None
-                self._ready.set()
-
-
-#: whether a step's next one is filled on the fill thread (NOTE [ Rows copied when the batch is taken ])
-FILL_AHEAD = True
-_FILL: tuple[int, ThreadPoolExecutor] | None = None
-
-
-def _fill_thread() -> ThreadPoolExecutor:
-    """The process's one fill thread (a forked child makes its own)."""
-    global _FILL
-    if _FILL is None or _FILL[0] != os.getpid():
-        _FILL = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="solar-fill"))
-    return _FILL[1]
+                t = self.pool.empty(self.shape, self.dtype)
+                rows = t.numpy()
+                for j, src in enumerate(self.sources):
+                    rows[j] = src
+                self._tensor, self.sources = t, None
+            return self._tensor
 
 
 class DeferredRows(StepRows):
