@@ -29,11 +29,13 @@ __all__ = ["SlotPool", "StepRows", "SlotRows", "DeferredRows", "DeferredStep", "
 #     the pass does everything but the copy: which rows, which hits, what to keep and evict, the
 #     size check of the file; each step's rows (views of the map) and hits (the buffer's arrays,
 #     held by reference: a buffer never changes a value it holds, it replaces or drops it) wait in
-#     a :class:`DeferredStep`, and its tensor is taken from the pool and filled when the batch's
-#     field is first read (``StoredBatch.fields[name]``: the consumer's ``__getitems__``, or the
-#     read-ahead's own decode). The tensor is then the one the consumer dropped a step or two
-#     ago (the pool hands out the most recently used free tensor first), the copy writes lines
-#     still in cache, and the consumer reads what was just written. Each byte is still copied once:
+#     a :class:`DeferredStep`, and a tensor is taken from the pool and filled when the batch's
+#     field is read (``StoredBatch.fields[name]``: the consumer's ``__getitems__``, or the
+#     read-ahead's own decode; read again, it is made again). The batch keeps no reference to
+#     it (the read-ahead holds a pass's batches until the consumer is past them all), so it is
+#     the pool's again as soon as the consumer drops it: the next step gets the tensor dropped a
+#     step or two ago (the pool hands out the most recently used free tensor first), the copy
+#     writes lines still in cache, and the consumer reads what was just written. Each byte is still copied once:
 #     a miss from the map straight into its slot (a miss the buffer keeps, from the map into the
 #     buffer too, as before), a hit from the buffer into its slot. The counters (rows, bytes,
 #     requests, sieved gaps) are those the read would have counted. Not for fields with checksums
@@ -158,30 +160,25 @@ class SlotRows:
 
 
 class DeferredStep:
-    """One step's tensor of a raw field, made and filled at the first :meth:`make` (NOTE
-    [ Rows copied when the batch is taken ]): ``sources[j]`` (a view of the map, or a buffered
-    value) is row ``j``; ``check()`` raises if the map's file no longer holds its rows."""
+    """One step's tensor of a raw field, made and filled by :meth:`make` (NOTE [ Rows copied
+    when the batch is taken ]): ``sources[j]`` (a view of the map, or a buffered value) is row
+    ``j``; ``check()`` raises if the map's file no longer holds its rows."""
 
-    __slots__ = ("shape", "dtype", "pool", "sources", "check", "_tensor", "_lock")
+    __slots__ = ("shape", "dtype", "pool", "sources", "check")
 
     def __init__(self, shape: tuple, dtype: torch.dtype, pool: SlotPool, sources: list,
                  check: Callable[[], None]) -> None:
         self.shape, self.dtype, self.pool, self.sources, self.check = shape, dtype, pool, sources, check
-        self._tensor: torch.Tensor | None = None
-        self._lock = threading.Lock()
 
     def make(self) -> torch.Tensor:
-        """The step's tensor, filled (once; the sources are let go then). A row that cannot be
-        copied, or a failed check, raises, and raises again at the next call."""
-        with self._lock:
-            if self._tensor is None:
-                self.check()
-                t = self.pool.empty(self.shape, self.dtype)
-                rows = t.numpy()
-                for j, src in enumerate(self.sources):
-                    rows[j] = src
-                self._tensor, self.sources = t, None
-            return self._tensor
+        """A tensor of the step's rows, made now (each call a new one: the step keeps none, so
+        that its memory goes back to the pool when the consumer drops it)."""
+        self.check()
+        t = self.pool.empty(self.shape, self.dtype)
+        rows = t.numpy()
+        for j, src in enumerate(self.sources):
+            rows[j] = src
+        return t
 
 
 class DeferredRows(StepRows):
@@ -222,14 +219,12 @@ class DeferredRows(StepRows):
 
 class DeferredFields(dict):
     """A :class:`~solar.fetch.StoredBatch`'s fields where some are :class:`DeferredStep`: reading
-    one makes it (NOTE [ Rows copied when the batch is taken ]); pickled, every one is made."""
+    one makes a tensor of it, which the fields do not keep (NOTE [ Rows copied when the batch is
+    taken ]); pickled, every one is made."""
 
     def __getitem__(self, key: str) -> Any:
         val = dict.__getitem__(self, key)
-        if isinstance(val, DeferredStep):
-            val = val.make()
-            dict.__setitem__(self, key, val)
-        return val
+        return val.make() if isinstance(val, DeferredStep) else val
 
     def get(self, key: str, default: Any = None) -> Any:
         return self[key] if key in self else default

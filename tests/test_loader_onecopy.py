@@ -51,7 +51,8 @@ def test_batches_hits_and_counters_are_those_of_rows_read_ahead(tmp_path, chunks
 
 def test_a_steps_rows_are_copied_when_its_field_is_read(tmp_path):
     """The read-ahead hands out steps whose raw fields are not made yet; reading a field makes
-    that step's tensor, once, with the stored rows (and a pickled batch carries tensors)."""
+    a tensor of the stored rows, which the step does not keep (read again, it is made again,
+    equal), and a pickled batch carries tensors."""
     path = str(tmp_path / "d.h5")
     x, y = _write(path, checksums=False)
     loader = _loader(path, buffer=0)
@@ -61,8 +62,10 @@ def test_a_steps_rows_are_copied_when_its_field_is_read(tmp_path):
         stored = step.stored
         assert isinstance(dict.__getitem__(stored.fields, "x"), DeferredStep)
         bx = stored.fields["x"]
-        assert isinstance(bx, torch.Tensor) and stored.fields["x"] is bx
-        assert torch.equal(bx, torch.from_numpy(x[list(step)]))
+        assert isinstance(bx, torch.Tensor) and torch.equal(bx, torch.from_numpy(x[list(step)]))
+        assert isinstance(dict.__getitem__(stored.fields, "x"), DeferredStep)
+        again = stored.fields["x"]
+        assert again.data_ptr() != bx.data_ptr() and torch.equal(again, bx)
         again = pickle.loads(pickle.dumps(stored.fields))
         assert type(again) is dict and torch.equal(again["y"], torch.from_numpy(y[list(step)]))
 
@@ -173,18 +176,21 @@ def test_the_read_ahead_advises_each_piece_of_a_mapped_file_once_until_its_pages
     assert calls[-2:] == [(mmap.MADV_DONTNEED,), (mmap.MADV_WILLNEED, 0, g)]
 
 
-def test_a_step_is_made_once_and_a_failed_row_or_check_fails_it():
-    """DeferredStep: the tensor is made at the first make() and kept (its sources let go); a
-    row that cannot be copied, or a failed size check, raises at every make()."""
+def test_a_step_is_made_at_each_read_and_a_failed_row_or_check_fails_it():
+    """DeferredStep: each make() fills a tensor from the pool with the step's rows, and the step
+    keeps none of them, so a tensor the consumer dropped is the pool's again at the next step;
+    a row that cannot be copied, or a failed size check, raises at every make()."""
     from solar.slots import DeferredRows
 
     rows = [np.full((2, 3), j, dtype=np.float32) for j in range(40)]
     pool = SlotPool()
     steps = [DeferredStep((10, 2, 3), torch.float32, pool, rows[a:a + 10], lambda: None) for a in range(0, 40, 10)]
-    made = [s.make() for s in steps]
-    for k, t in enumerate(made):
+    for k, step in enumerate(steps):
+        t = step.make()
         assert torch.equal(t, torch.from_numpy(np.stack(rows[10 * k:10 * k + 10])))
-        assert steps[k].make() is t and steps[k].sources is None
+        ptr = t.data_ptr()
+        del t
+        assert step.make().data_ptr() == ptr  # (the one just dropped, back from the pool)
     whole = DeferredRows(steps, [0, 10, 20, 30, 40], rows)
     assert torch.equal(whole[5:25], torch.from_numpy(np.stack(rows[5:25])))
 
