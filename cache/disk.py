@@ -64,8 +64,12 @@ def _view(value: Any) -> memoryview:
     return memoryview(value).cast("B")
 
 
-def write_atomic(path: str, value: Any, *, fsync: bool = True, replace: bool = True) -> int:
+def write_atomic(path: str, value: Any, *, fsync: bool = True, replace: bool = True, drop: bool = False) -> int:
     """Write ``value`` to ``path`` via a temporary file + fsync + rename; return the bytes written.
+
+    ``drop=True`` (with ``fsync``) drops the file's pages from the page cache once they are on
+    disk: for files nobody reads soon (a checkpoint's chunks), whose cached pages would make the
+    kernel reclaim memory during every later write (``bench/checkpoint``).
 
     ``replace=False`` publishes the temporary with ``link`` instead of ``rename``: it fails with
     ``FileExistsError`` (and leaves ``path`` as it was) if ``path`` exists, atomically, so of
@@ -94,6 +98,11 @@ def write_atomic(path: str, value: Any, *, fsync: bool = True, replace: bool = T
                 done += os.write(fd, view[done:])
             if fsync:
                 os.fsync(fd)
+                if drop and hasattr(os, "posix_fadvise"):
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    except OSError:  # advice only: a file system that refuses it keeps its pages
+                        pass
         finally:
             os.close(fd)
         if replace:
@@ -324,6 +333,9 @@ class DiskTier(FileTier):
             off keeps atomicity against process crashes only).
         mode: permissions of the root if it is created (less the umask); ``0o700`` for a cache of
             a user's samples (the spill tier). An existing root keeps its own.
+        drop_written: with ``fsync``, drop each file's pages from the page cache once on disk
+            (``write_atomic``'s ``drop``): for files written to be kept, not read soon (a
+            checkpoint root's); a spill tier, read again next epoch, keeps them.
 
     Paths are kept below the root: a directory in it that is a symlink out of it, or a value
     file that is a symlink or not a regular file, raises :class:`~solar.cache.base.UnsafePathError`
@@ -333,10 +345,11 @@ class DiskTier(FileTier):
     name = "disk"
 
     def __init__(self, root: str, capacity_bytes: int | None = None, *, fsync: bool = True,
-                 mode: int = 0o777) -> None:
+                 mode: int = 0o777, drop_written: bool = False) -> None:
         super().__init__(capacity_bytes)
         self.root = os.path.abspath(os.fspath(root))
         self.fsync = fsync
+        self.drop_written = drop_written  # write_atomic's drop
         os.makedirs(self.root, mode=mode, exist_ok=True)
         # where the root really is: every value's directory must resolve to a path below it
         self._real_root = os.path.realpath(self.root)
@@ -386,13 +399,13 @@ class DiskTier(FileTier):
             return f.read()
 
     def _write(self, path: str, view: memoryview) -> None:
-        write_atomic(self._inside(path), view, fsync=self.fsync)
+        write_atomic(self._inside(path), view, fsync=self.fsync, drop=self.drop_written)
 
     exclusive_create = True  # link(2) of a finished temporary fails if the name exists
 
     def _create(self, path: str, view: memoryview) -> bool:
         try:
-            write_atomic(self._inside(path), view, fsync=self.fsync, replace=False)
+            write_atomic(self._inside(path), view, fsync=self.fsync, replace=False, drop=self.drop_written)
         except FileExistsError:
             return False
         return True

@@ -122,6 +122,37 @@ def test_write_atomic_fsyncs_the_file_its_directory_and_every_directory_it_creat
     assert str(tmp_path / "chunks") not in synced  # nothing new created: only the file and its dir
 
 
+def test_a_checkpoint_roots_files_leave_the_page_cache_after_their_fsync_and_a_spill_tiers_stay(tmp_path, monkeypatch):
+    """``drop_written``: a durable checkpoint root advises the kernel to drop each file's pages
+    after its fsync (never before, and never for a spill tier, whose files are read again); the
+    bytes are whole either way, and a file system refusing the advice changes nothing."""
+    from solar.cache import disk
+    from solar.checkpoint.store import open_tier
+
+    events = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(disk.os, "fsync", lambda fd: events.append("fsync") or real_fsync(fd))
+    monkeypatch.setattr(disk.os, "posix_fadvise", lambda fd, off, n, advice: events.append(("advise", advice)))
+    root = open_tier(str(tmp_path / "ckpt"))
+    assert isinstance(root, DiskTier) and root.drop_written
+    root.put("chunks/ab/abcd", b"x" * 4096)
+    at = events.index(("advise", os.POSIX_FADV_DONTNEED))  # right after the file's own fsync
+    assert events[at - 1] == "fsync" and events.count(("advise", os.POSIX_FADV_DONTNEED)) == 1
+    assert root.get("chunks/ab/abcd") == b"x" * 4096
+    assert not open_tier(str(tmp_path / "fast"), durable=False).drop_written  # (no fsync: dirty pages)
+    events.clear()
+    spill = DiskTier.in_directory(str(tmp_path / "spill"))
+    spill.put("s", b"y" * 10)
+    assert not any(isinstance(e, tuple) for e in events)
+
+    def refuse(*_):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(disk.os, "posix_fadvise", refuse)
+    root.put("chunks/ab/abce", b"z" * 10)
+    assert root.get("chunks/ab/abce") == b"z" * 10
+
+
 def test_spill_tier_keeps_arrays_and_cleans_up_only_in_its_own_process(tmp_path):
     """Arrays spilled to disk come back with their dtype and shape; the tier's directory is
     removed when it is collected, but not by a forked child that exits (a DataLoader worker)."""

@@ -111,7 +111,9 @@ def open_tier(root: "str | os.PathLike | Tier", *, durable: bool = True, **stora
     local = _local_dir(root)
     if local is not None:
         with _writes_to(root, local):
-            return get_tier("disk")(local, fsync=durable)  # creates the directory if missing
+            # (creates the directory if missing); a durable root's chunks leave the page cache
+            # once on disk: cached, they made every later save slower (bench/checkpoint/delta.py)
+            return get_tier("disk")(local, fsync=durable, drop_written=durable)
     return get_tier("fsspec")(root, storage_options=storage_options or None)
 
 
