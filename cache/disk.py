@@ -367,6 +367,15 @@ class DiskTier(FileTier):
     def path(self, key: Hashable) -> str:
         return os.path.join(self.root, *key_to_relpath(key).split("/"))
 
+    def file_path(self, key: Hashable) -> str:
+        """The file of ``key``, for a caller that opens it itself (with :func:`open_regular`),
+        once its directory is known to resolve below the root (:meth:`_inside`).
+
+        Raises:
+            UnsafePathError: the directory resolves elsewhere.
+        """
+        return self._inside(self.path(key))
+
     def _inside(self, path: str) -> str:
         """``path``, once its directory is known to resolve below the root.
 

@@ -294,3 +294,22 @@ def test_spill_directories_are_private(tmp_path):
             assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("kind", ["packs", "deltas"])
+def test_a_pack_or_delta_directory_symlink_is_not_read_through(tmp_path, kind):
+    """Packs and deltas are read by opening their files directly: a directory of them that is
+    a symlink out of the root (even to a faithful copy) is refused, naming it, as for chunks."""
+    root, elsewhere = tmp_path / "ck", tmp_path / "elsewhere"
+    w = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0))
+    with CheckpointWriter(root, chunk_size=4 * KB, pack=(1 << 20) if kind == "packs" else False,
+                          deltas=kind == "deltas") as writer:
+        writer.save({"w": w}, 1).result()
+        w[::1024] += 1  # one element in every chunk: each stored as a delta against step 1
+        writer.save({"w": w}, 2).result()
+    assert torch.equal(load(root, step=2)["w"], w)
+    os.rename(root / kind, elsewhere)
+    os.symlink(elsewhere, root / kind)
+    with pytest.raises(CorruptDataError, match="symlink") as err:
+        load(root, step=2)
+    assert str(root) in str(err.value)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterator, NamedTuple
 
-from solar.cache.base import TierFullError
+from solar.cache.base import TierFullError, UnsafePathError
 from solar.cache.disk import open_regular
 from solar.errors import CheckpointError, CorruptDataError
 
@@ -74,9 +74,13 @@ def get_delta(store: CheckpointStore, target: bytes, base: bytes) -> bytes | Non
     if store.local_dir is None:
         return store.tier.get(key)
     try:
-        fd = open_regular(store.tier.path(key))
+        fd = open_regular(store.tier.file_path(key))
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except UnsafePathError as exc:  # a planted symlink or special file: never read through
+        raise CorruptDataError(f"delta {target.hex()} (against {base.hex()}) in {store.root}: {exc.filename} "
+                               f"{exc.strerror}; nothing was read through it: get the checkpoint again from a "
+                               "source you trust") from None
     try:
         size = os.fstat(fd).st_size
         return os.pread(fd, size, 0) if size <= _MAX_DELTA else None
@@ -105,7 +109,9 @@ def _whole(store: CheckpointStore, m: Manifest, d: bytes, out: memoryview,
     loc = m.locations.get(d) if m.locations else None
     try:
         n = read_packed(store, d, loc, out) if loc else store.read_chunk_into(d, out)
-    except (ValueError, CorruptDataError):  # longer than expected, or missing
+    except CorruptDataError as exc:  # missing, or its file refused (a planted symlink: its message says)
+        raise ChunkReadError(f"is missing or has the wrong size ({exc})") from None
+    except ValueError:  # longer than expected
         raise ChunkReadError("is missing or has the wrong size") from None
     if n != out.nbytes:
         raise ChunkReadError(f"has {n} B instead of {out.nbytes} B")

@@ -36,6 +36,7 @@ from typing import Callable, Iterator, NamedTuple
 import numpy as np
 import xxhash
 
+from solar.cache.base import UnsafePathError
 from solar.cache.disk import open_regular
 from solar.errors import CheckpointError, ConfigError, CorruptDataError
 
@@ -244,10 +245,14 @@ def read_packed(store: CheckpointStore, digest: bytes, loc: Location, out: memor
     key = pack_key(loc.pack)
     if store.local_dir is not None:
         try:
-            fd = open_regular(store.tier.path(key))
+            fd = open_regular(store.tier.file_path(key))
         except (FileNotFoundError, NotADirectoryError):
             raise CorruptDataError(f"pack {loc.pack} holding chunk {digest.hex()} is missing from {store.root}") \
                 from None
+        except UnsafePathError as exc:  # a planted symlink or special file: never read through
+            raise CorruptDataError(f"pack {loc.pack} holding chunk {digest.hex()} in {store.root}: {exc.filename} "
+                                   f"{exc.strerror}; nothing was read through it: get the checkpoint again from "
+                                   "a source you trust") from None
         try:
             return os.preadv(fd, [out[:loc.length]], loc.offset)
         finally:
