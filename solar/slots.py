@@ -115,11 +115,14 @@ class StepRows:
         return self.bounds[-1]
 
     def __getitem__(self, part: slice) -> torch.Tensor:
+        k = self._step(part)
+        return self.tensors[k] if k >= 0 else self.whole()[part]
+
+    def _step(self, part: slice) -> int:
+        """The step whose bounds ``part`` is, or -1."""
         a, b = part.start or 0, len(self) if part.stop is None else part.stop
         k = self.bounds.index(a) if a in self.bounds else -1
-        if k >= 0 and k + 1 < len(self.bounds) and self.bounds[k + 1] == b:
-            return self.tensors[k]
-        return self.whole()[a:b]
+        return k if k >= 0 and k + 1 < len(self.bounds) and self.bounds[k + 1] == b else -1
 
     def whole(self) -> torch.Tensor:
         """Every row in one tensor (a copy)."""
@@ -145,7 +148,7 @@ class SlotRows:
         """The batch laid out as ``finish`` asks (``steps``, ``in_shm``): the repeats copied from
         their first slot (the hits were copied from the buffer while the misses were read); None
         when it asks for another layout than the one read into."""
-        bounds = [0, len(inv)] if steps is None else np.r_[0, np.cumsum(steps)].tolist()
+        bounds = _bounds(steps, len(inv))
         if bounds != self.bounds or in_shm != self.in_shm:
             return None
         src = mrank[inv]
@@ -157,6 +160,12 @@ class SlotRows:
         for s, j, r, u in zip(ss.tolist(), (ks - np.asarray(bounds)[ss]).tolist(), src[ks].tolist(), inv[ks].tolist()):
             arrays[s][j] = self.dests[r] if r >= 0 else hits[u]
         return self.tensors[0] if steps is None else StepRows(self.tensors, bounds)
+
+
+def _bounds(steps, n: int) -> list[int]:
+    """Where each step of a pass of ``n`` rows starts (and the end), ``steps`` its step lengths
+    (None: one step)."""
+    return [0, n] if steps is None else np.r_[0, np.cumsum(steps)].tolist()
 
 
 class DeferredStep:
@@ -187,31 +196,22 @@ class DeferredRows(StepRows):
     ``j`` (a view of the map, for the buffer's puts), ``dests`` all of them."""
 
     def __init__(self, steps: list[DeferredStep], bounds: list[int], dests: list) -> None:
-        super().__init__([], bounds)
-        self.steps, self.dests = steps, dests
+        self.bounds, self.steps, self.dests = bounds, steps, dests
         self.dtype = dests[0].dtype if dests else None
 
-    @property
-    def tensors(self) -> list[torch.Tensor]:  # (StepRows.whole)
-        return [s.make() for s in self.steps]
-
-    @tensors.setter
-    def tensors(self, _: list) -> None:
-        pass
+    def whole(self) -> torch.Tensor:
+        return torch.cat([s.make() for s in self.steps])
 
     def __getitem__(self, part):
         if not isinstance(part, slice):
             return self.dests[part]
-        a, b = part.start or 0, len(self) if part.stop is None else part.stop
-        k = self.bounds.index(a) if a in self.bounds else -1
-        if k >= 0 and k + 1 < len(self.bounds) and self.bounds[k + 1] == b:
-            return self.steps[k]
-        return self.whole()[a:b]
+        k = self._step(part)
+        return self.steps[k] if k >= 0 else self.whole()[part]
 
     def fill(self, hits: dict, mrank: np.ndarray, inv: np.ndarray, steps, in_shm: bool):
         """As :meth:`SlotRows.fill`: itself (or its one step) where ``finish`` asks for the layout
         it was cut in, None otherwise."""
-        bounds = [0, len(inv)] if steps is None else np.r_[0, np.cumsum(steps)].tolist()
+        bounds = _bounds(steps, len(inv))
         if bounds != self.bounds or in_shm:
             return None
         return self.steps[0] if steps is None else self
