@@ -11,7 +11,9 @@ model's). The contenders run alternated, ``--rounds`` times, each into a fresh d
 * ``solar``: a full save by a fresh writer (``save()`` returns after the host copy: the blocking
   time of a first save, which allocates its host buffer; the total time ends when the global
   manifest is committed on every rank), then an incremental save after 1% of the sharded
-  tensor's chunks changed (its blocking time is a steady save's: the host buffer is reused);
+  tensor's chunks changed (its blocking time is a steady save's: the host buffer is reused), then
+  two saves after every chunk changed (``dense_first``: the save that finds a blob changed
+  throughout, hashing before copying; ``dense_steady``: the saves after it, which copy outright);
 * ``solar_reserved``: the same after ``writer.reserve(state)`` prepared the host buffer (as a
   training job does once, at start);
 * ``dcp_save``: ``dcp.save`` (blocking for all of it);
@@ -110,12 +112,20 @@ def bench_solar(comm, state: dict, d: str, reserve: bool = False) -> dict:
     touch_one_percent(state, 1)
     steady = timed(comm, lambda: box.update(f=w.save(state, 2)), cpu, "steady_blocking_cpu_s")
     incr_s = steady + timed(comm, lambda: box["f"].result())
+    comm.Barrier()
+    second = dir_bytes(d) - first if comm.rank == 0 else 0
+    dense = []  # every chunk changed (negated: exact, and the replicated tensor stays the same on every rank)
+    for step in (3, 4):
+        for v in state.values():
+            (v.to_local() if isinstance(v, DTensor) else v).neg_()
+        dense.append(timed(comm, lambda: box.update(f=w.save(state, step)), cpu, f"dense{step}_blocking_cpu_s"))
+        box["f"].result()
     w.close()
     touch_one_percent(state, -1)
     comm.Barrier()
-    second = dir_bytes(d) - first if comm.rank == 0 else 0
     return {"blocking_s": block, "total_s": total, "bytes": first, "files": files, "incremental_s": incr_s,
-            "incremental_bytes": second, "steady_blocking_s": steady, **cpu}
+            "incremental_bytes": second, "steady_blocking_s": steady, "dense_first_blocking_s": dense[0],
+            "dense_steady_blocking_s": dense[1], **cpu}
 
 
 def bench_dcp(comm, state: dict, d: str, asynchronous: bool) -> dict:
@@ -185,7 +195,11 @@ def main() -> None:
         by_round = {"first": [r["blocking_s"] / t for r, t in zip(runs["solar"], torch_s)],
                     "first_reserved": [r["blocking_s"] / t for r, t in zip(runs["solar_reserved"], torch_s)],
                     "steady": [r["steady_blocking_s"] / t for r, t in zip(runs["solar"] + runs["solar_reserved"],
-                                                                            torch_s + torch_s)]}
+                                                                            torch_s + torch_s)],
+                    "dense_first": [r["dense_first_blocking_s"] / t
+                                    for r, t in zip(runs["solar"] + runs["solar_reserved"], torch_s + torch_s)],
+                    "dense_steady": [r["dense_steady_blocking_s"] / t
+                                     for r, t in zip(runs["solar"] + runs["solar_reserved"], torch_s + torch_s)]}
         torch_cpu = [run["cpu_s"] for run in runs["torch_save"]]
         by_round_cpu = {  # the same ratios in CPU seconds (see timed)
             "first": [r["blocking_cpu_s"] / t for r, t in zip(runs["solar"], torch_cpu)],
@@ -209,6 +223,8 @@ def main() -> None:
                "solar_reserved_first_blocking_vs_torch_save": best["solar_reserved"]["blocking_s"]
                / best["torch_save"]["total_s"],
                "solar_steady_blocking_vs_torch_save": s["steady_blocking_s"] / best["torch_save"]["total_s"],
+               "solar_dense_steady_blocking_vs_torch_save": s["dense_steady_blocking_s"]
+               / best["torch_save"]["total_s"],
                "solar_files_per_rank_first_save": s["files"] / comm.size,
                "dcp_async_blocking_vs_torch_save": best["dcp_async"]["blocking_s"] / best["torch_save"]["total_s"],
                "runs": runs}

@@ -8,21 +8,47 @@ A fresh buffer costs a page fault per page on its first copy (about as long as t
 several times longer on a loaded node): :meth:`HostPool.reserve` allocates and touches the buffers
 in a background thread ahead of the first save, as DataStates-LLM preallocates its host cache, so
 that save blocks for the copy alone.
+
+A slot's buffer also remembers the chunk digests of what it holds (:meth:`HostPool.release`
+records them once the save has hashed its copy). The next save into that slot hashes a blob's
+live chunks first and copies only the chunks whose digest differs from the one held, where the
+blob's chunks mostly stayed the same last time: frozen layers, a replicated tensor, a sparse
+update. Hashing reads each byte once where a copy reads and writes it, so an unchanged chunk
+blocks the caller for well under its copy's time; a blob that mostly changed is copied outright
+(hashing it first would add the hash to the copy). The digests hashed here are the save's own
+chunk digests: the save does not hash those blobs again. Invariant: a slot's record holds the
+digests of the bytes its buffer holds, or is absent; a staging copy that may have failed halfway
+drops it first.
 """
 
 from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 
+from .chunking import DIGEST_SIZE, hasher
 from .flatten import BlobSource
 
-__all__ = ["HostPool"]
+__all__ = ["HostPool", "SKIP_BELOW", "host_pool"]
 
 _ALIGN = 64  # each blob's copy starts on this byte boundary of the buffer
+#: a blob is hashed before it is copied when at most this fraction of its chunks changed between
+#: the slot's last two saves: hashing costs about two thirds of a copy, so past about a third of
+#: the chunks changed the hash-first staging blocks longer than a plain copy
+SKIP_BELOW = 0.25
+
+
+class _Held(NamedTuple):
+    """What a slot's buffer holds: its layout, each blob's chunk digests (``None``: not known) and
+    the fraction of each blob's chunks that differed from the slot's record before it."""
+
+    layout: tuple[tuple[int, int], ...]  # (offset, nbytes) of each blob in the buffer
+    digests: list[np.ndarray | None]
+    changed: list[float]
 
 
 class HostPool:
@@ -38,7 +64,12 @@ class HostPool:
     writer would wait forever.
     """
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, chunk_size: int = 0, digest: Callable[[memoryview], bytes] | None = None) -> None:
+        """``chunk_size`` and ``digest``: the writer's chunking and chunk hash, for the hash-first
+        staging of blobs that mostly stay the same (off without a ``digest``)."""
+        self._chunk_size, self._digest = chunk_size, digest
+        self._held: list[_Held | None] = [None] * slots
+        self._hashed: list[list[np.ndarray | None]] = [[] for _ in range(slots)]  # digests found by stage()
         self._cond = threading.Condition()
         self._free = list(range(slots))
         self._bufs: list[torch.Tensor | None] = [None] * slots
@@ -79,10 +110,21 @@ class HostPool:
             self._serving += 1
         self._cond.notify_all()
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int, digests: list[np.ndarray] | None = None) -> None:
+        """Give the slot back; ``digests``: each blob's chunk digests of what its buffer now holds
+        (``None`` when the save did not hash all of it: the slot then remembers nothing)."""
+        prev, self._hashed[slot] = self._held[slot], []
+        self._held[slot] = None
+        if digests is not None and prev is not None and self._digest is not None:
+            changed = [_changed(old, new) for old, new in zip(prev.digests, digests)]
+            self._held[slot] = _Held(prev.layout, [np.ascontiguousarray(d) for d in digests], changed)
         with self._cond:
             self._free.append(slot)
             self._cond.notify_all()
+
+    def hashed(self, slot: int) -> list[np.ndarray | None]:
+        """The chunk digests :meth:`stage` found for each blob of the slot's save (``None``: not hashed)."""
+        return self._hashed[slot]
 
     def reserve(self, blobs: list[BlobSource]) -> Future:
         """Make every slot's buffer large enough for ``blobs`` and touch its pages, in a background
@@ -100,6 +142,7 @@ class HostPool:
         def fill() -> None:
             try:
                 for s in slots:
+                    self._held[s] = None  # the new buffer holds none of the old one's chunks
                     self._bufs[s] = None  # the old buffer goes before its replacement is allocated
                     buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=on_cuda)
                     buf.zero_()  # touch every page here, not in a save's copy
@@ -122,22 +165,61 @@ class HostPool:
         ready = self._ready[slot]
         if ready is not None:
             ready.exception()  # waits; a failed reservation leaves the allocation to this save
+        held, self._held[slot], self._hashed[slot] = self._held[slot], None, []
         buf = self._bufs[slot]
         if _too_small(buf, total, on_cuda):
+            held = None  # a new buffer holds none of the old one's chunks
             self._bufs[slot] = None  # free the old buffer before allocating its replacement
             buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=on_cuda)
             self._bufs[slot] = buf
+        layout = tuple((off, b.nbytes) for b, off in zip(blobs, offsets))
+        on_cpu = all(b.storage.device.type == "cpu" for b in blobs)  # hashed where they live
+        if held is None or held.layout != layout or not on_cpu or self._digest is None:
+            held = None
         arr = buf.numpy()
-        views = []
-        for b, off in zip(blobs, offsets):
+        views, hashed = [], []
+        for i, (b, off) in enumerate(zip(blobs, offsets)):
             src = b.byte_view()
-            # torch's copy_ splits a large copy over the intra-op threads (np.copyto uses one).
-            # On CUDA: async device-to-host into pinned memory.
-            buf[off:off + b.nbytes].copy_(src, non_blocking=src.device.type == "cuda")
+            dst = buf[off:off + b.nbytes]
+            old = held.digests[i] if held is not None and held.changed[i] <= SKIP_BELOW else None
+            if old is not None and len(old) == -(-b.nbytes // self._chunk_size):
+                hashed.append(self._copy_changed(src, dst, old))
+            else:
+                # torch's copy_ splits a large copy over the intra-op threads (np.copyto uses one).
+                # On CUDA: async device-to-host into pinned memory.
+                dst.copy_(src, non_blocking=src.device.type == "cuda")
+                hashed.append(None)
             views.append(arr[off:off + b.nbytes])
         if on_cuda:
             torch.cuda.synchronize()
+        # for release(): this save's layout and the digests the buffer held before it, which the
+        # save's own digests are compared with
+        before = held.digests if held is not None else [None] * len(blobs)
+        self._held[slot] = _Held(layout, before, [0.0] * len(blobs))
+        self._hashed[slot] = hashed
         return views
+
+    def _copy_changed(self, src: torch.Tensor, dst: torch.Tensor, old: np.ndarray) -> np.ndarray:
+        """Hash ``src``'s chunks and copy into ``dst`` the runs of chunks whose digest differs from
+        ``old`` (the digests of what ``dst`` holds); return the new digests."""
+        cs, digest = self._chunk_size, self._digest
+        view = memoryview(src.numpy())
+        out = bytearray()
+        for a in range(0, len(view), cs):
+            out += digest(view[a:a + cs])
+        new = np.frombuffer(bytes(out), dtype=np.uint8).reshape(-1, DIGEST_SIZE)
+        changed = np.flatnonzero((new != old).any(axis=1))
+        if len(changed):  # copy each run of consecutive changed chunks at once
+            breaks = np.flatnonzero(np.diff(changed) > 1) + 1
+            for run in np.split(changed, breaks):
+                a, e = int(run[0]) * cs, min((int(run[-1]) + 1) * cs, len(view))
+                dst[a:e].copy_(src[a:e])
+        return new
+
+
+def host_pool(slots: int, chunk_size: int, hash: str) -> HostPool:
+    """The writer's pool; hash-first staging only with a hash that reads faster than a copy (XXH3)."""
+    return HostPool(slots, chunk_size, hasher(hash) if hash == "xxh3_128" else None)
 
 
 def _layout(blobs: list[BlobSource]) -> tuple[int, list[int]]:
@@ -147,6 +229,17 @@ def _layout(blobs: list[BlobSource]) -> tuple[int, list[int]]:
         offsets.append(total)
         total += -(-b.nbytes // _ALIGN) * _ALIGN
     return total, offsets
+
+
+def _changed(old: np.ndarray | None, new: np.ndarray) -> float:
+    """The fraction of chunks whose digest changed; 0.0 when nothing is known to compare with: a
+    blob is taken to stay the same until a save sees it change (one save of a blob that changes
+    throughout then hashes before its copy, and the saves after it copy outright)."""
+    if old is None:
+        return 0.0
+    if old.shape != new.shape:
+        return 1.0
+    return float((old != new).any(axis=1).mean()) if len(new) else 0.0
 
 
 def _too_small(buf: torch.Tensor | None, total: int, on_cuda: bool) -> bool:

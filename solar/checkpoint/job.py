@@ -47,7 +47,7 @@ from .comm import job_comm
 from .deltajob import open_job_deltas, write_deltas
 from .deltasave import DEFAULT_MAX_CHAIN
 from .flatten import Flat
-from .host import HostPool
+from .host import host_pool
 from .jobstore import JobManifest, JobStore, PartEntry, part_digest
 from .manifest import encode
 from .pack import PACK_BYTES, Packer, delete_pack, locate, located, pack_policy, stream_limit
@@ -178,7 +178,7 @@ class JobWriter(CheckpointWriter):
         self._start_threads(max_in_flight, io_threads)
 
     def _start_threads(self, max_in_flight: int, io_threads: int) -> None:
-        self._pool = HostPool(max_in_flight)
+        self._pool = host_pool(max_in_flight, self.chunk_size, self.hash)
         self._persist = ThreadPoolExecutor(1, thread_name_prefix="solar-ckpt-job")
         self._drain = None
         self._streams = max(1, io_threads)
@@ -310,7 +310,7 @@ class JobWriter(CheckpointWriter):
                 held[0] = False
                 if self._deltas is not None and plan is not None:  # before the staging copy is reused
                     self._deltas.written(flat, host, plan.digests)
-                self._pool.release(slot)
+                self._pool.release(slot, plan.digests if plan is not None else None)
 
         plan = None
         if self._deltas is not None:
@@ -321,7 +321,8 @@ class JobWriter(CheckpointWriter):
         pack: list[str] = []  # the pack this rank wrote, if any
         try:
             spot = (lambda d, _v, name, j: self._spots.__setitem__(d, (name, j))) if self._deltas else None
-            plan, news = self._together("hashing", step, lambda: self._plan(sink, flat, host, spot),
+            hashed = self._pool.hashed(slot)
+            plan, news = self._together("hashing", step, lambda: self._plan(sink, flat, host, spot, hashed),
                                         lambda p: sorted(p.new))
             mine = self._owned(news, set(plan.new))
             wrote, where = self._together("writing its chunks", step,

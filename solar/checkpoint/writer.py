@@ -32,7 +32,7 @@ from .chunking import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, chunk_
 from .collect import collect
 from .deltasave import DEFAULT_MAX_CHAIN, DeltaSaver
 from .flatten import Flat, flatten
-from .host import HostPool
+from .host import host_pool
 from .jobstore import is_job_root
 from .loaderstate import LOADER_KEY, encode_loader, loader_state_of
 from .manifest import BlobEntry, Location, Manifest
@@ -98,6 +98,7 @@ class _Written(NamedTuple):
     trees: dict[str, list[np.ndarray]]  # each blob's Merkle levels by its first tensor's name: the next diff's base
     digests: set[bytes]  # the chunks written: the store holds them once the manifest is committed
     locations: dict[bytes, Location]  # where the packed ones of them are
+    leaves: list[np.ndarray]  # each blob's chunk digests: what the staging buffer holds
 
 
 #: the class ``CheckpointWriter(root, comm=...)`` builds: solar.checkpoint.job's JobWriter, which
@@ -198,7 +199,7 @@ class CheckpointWriter:
                 names = latest.tensors_of_blob(i)
                 if names and latest.chunk_size == self.chunk_size:
                     self._prev_trees[names[0]] = merkle.build(latest.blob_digests(i), self._digest)
-        self._pool = HostPool(max_in_flight)
+        self._pool = host_pool(max_in_flight, self.chunk_size, hash)
         self._persist = ThreadPoolExecutor(1, thread_name_prefix="solar-ckpt-persist")
         self._drain = ThreadPoolExecutor(1, thread_name_prefix="solar-ckpt-drain") if self._stage else None
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="solar-ckpt-io")
@@ -381,10 +382,11 @@ class CheckpointWriter:
                 stage_seconds: float) -> SaveResult:
         t0 = time.perf_counter()
         sink = self._stage or self._main
+        out = None
         try:
-            out = self._write_chunks(sink, flat, host, step, meta)
+            out = self._write_chunks(sink, flat, host, step, meta, self._pool.hashed(slot))
         finally:
-            self._pool.release(slot)
+            self._pool.release(slot, out.leaves if out is not None else None)
         m = out.manifest
         try:
             manifest_bytes = sink.store.put_manifest(m)
@@ -415,10 +417,11 @@ class CheckpointWriter:
                           root=sink.store.root, chunks_rewritten=out.chunks_rewritten)
 
     def _plan(self, sink: _Sink, flat: Flat, host: list[np.ndarray],
-              on_new: Callable[[bytes, memoryview, str, int], None] | None = None) -> _Plan:
+              on_new: Callable[[bytes, memoryview, str, int], None] | None = None,
+              hashed: list[np.ndarray | None] | None = None) -> _Plan:
         """Hash every blob, diff its Merkle tree against the previous version's, and find the chunks
         the store is not known to hold (``on_new(digest, bytes, blob name, chunk index)`` is called
-        once for each, as it is found)."""
+        once for each, as it is found). ``hashed``: blobs' digests the staging copy already found."""
         cs, digest = self.chunk_size, self._digest
         entries, all_digests, new_trees, roots = [], [], {}, []
         new: dict[bytes, memoryview] = {}
@@ -426,7 +429,8 @@ class CheckpointWriter:
         rewritten: set[bytes] = set()
         first = 0
         for i, (blob, arr) in enumerate(zip(flat.blobs, host)):
-            leaves = hash_chunks(arr, cs, digest)
+            known = hashed[i] if hashed else None
+            leaves = known if known is not None else hash_chunks(arr, cs, digest)
             levels = merkle.build(leaves, digest)
             name = flat.tensors[blob.tensors[0]].name if blob.tensors else f"<blob {i}>"
             # The Merkle diff says what differs from the previous version (the save's statistics).
@@ -479,7 +483,8 @@ class CheckpointWriter:
             m.stats["chunks_rewritten"] = len(plan.rewritten)
         return m
 
-    def _write_chunks(self, sink: _Sink, flat: Flat, host: list[np.ndarray], step: int, meta: dict) -> _Written:
+    def _write_chunks(self, sink: _Sink, flat: Flat, host: list[np.ndarray], step: int, meta: dict,
+                      hashed: list[np.ndarray | None]) -> _Written:
         pending: dict[bytes, Future] = {}
         packer = Packer(sink.store, self._io.submit, self._packing.limit)
 
@@ -493,7 +498,7 @@ class CheckpointWriter:
 
         if self._deltas is not None:
             self._deltas.begin(flat)
-        plan = self._plan(sink, flat, host, put)
+        plan = self._plan(sink, flat, host, put, hashed)
         wait_futures(pending.values())
         failed = [f.exception() for f in pending.values() if f.exception() is not None]
         try:
@@ -516,7 +521,7 @@ class CheckpointWriter:
             self._deltas.written(flat, host, plan.digests)
             self._deltas.annotate(m, {**sink.locations, **locs})
         return _Written(m, written, nwritten, plan.unchanged, len(plan.rewritten), plan.trees,
-                        set(pending) | set(locs), locs)
+                        set(pending) | set(locs), locs, plan.digests)
 
     @staticmethod
     def _drop_orphans(sink: _Sink, digests) -> None:

@@ -1,0 +1,138 @@
+"""The staging copy's hash-first path (solar/checkpoint/host.py): a slot's buffer remembers the
+digests of what it holds, and the next save copies only the chunks that changed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from solar.checkpoint import CheckpointWriter, load
+from solar.checkpoint.chunking import hash_chunks, hasher
+from solar.checkpoint.flatten import flatten
+from solar.checkpoint.host import SKIP_BELOW, HostPool
+
+CS = 1024  # the smallest chunk size a writer takes: many chunks from small tensors
+
+
+def _pool() -> HostPool:
+    return HostPool(1, CS, hasher("xxh3_128"))
+
+
+def _stage(pool: HostPool, state: dict) -> tuple[int, list[np.ndarray]]:
+    slot = pool.acquire(pool.ticket())
+    return slot, pool.stage(slot, flatten(state).blobs)
+
+
+def _digests(views: list[np.ndarray]) -> list[np.ndarray]:
+    return [hash_chunks(v, CS, hasher("xxh3_128")) for v in views]
+
+
+def test_only_changed_chunks_are_copied_again():
+    t = torch.arange(16 * CS // 4, dtype=torch.float32)
+    pool = _pool()
+    slot, views = _stage(pool, {"t": t})
+    assert pool.hashed(slot) == [None]  # nothing held yet: a plain copy
+    pool.release(slot, _digests(views))
+    # A witness that chunk 0 is not copied again: its staged bytes are overwritten here, which no
+    # save does (the buffer must keep what its record says it holds). A copy would restore them.
+    pool._bufs[slot][:CS] = 0xAB
+    t[3 * CS // 4] = -1.0  # chunk 3 changes
+    slot, views = _stage(pool, {"t": t})
+    raw = t.view(torch.uint8).numpy()
+    assert (views[0][:CS] == 0xAB).all()
+    assert np.array_equal(views[0][CS:], raw[CS:])  # chunk 3 copied, the rest still what it was
+    expect = hash_chunks(raw, CS, hasher("xxh3_128"))
+    assert np.array_equal(pool.hashed(slot)[0], expect)  # the live bytes' digests, for the save to reuse
+    pool.release(slot, [expect])
+
+
+def test_a_blob_that_changed_throughout_is_copied_outright_next_time():
+    t = torch.zeros(8 * CS // 4)
+    pool = _pool()
+    for _ in range(2):  # the first save copies, the second hashes first (nothing known changed)
+        slot, views = _stage(pool, {"t": t})
+        first_hashed = pool.hashed(slot)[0]
+        pool.release(slot, _digests(views))
+        t.add_(1.0)  # every chunk changes
+    assert first_hashed is not None and pool._held[0].changed == [1.0] > [SKIP_BELOW]
+    slot, views = _stage(pool, {"t": t})
+    assert pool.hashed(slot) == [None]  # copied outright
+    assert np.array_equal(views[0], t.view(torch.uint8).numpy())
+    pool.release(slot, _digests(views))
+    t[0] = 5.0  # one chunk of eight changes: below SKIP_BELOW, so the next save hashes first
+    assert pool._held[0].changed == [1.0]
+    slot, views = _stage(pool, {"t": t})
+    assert pool.hashed(slot) == [None]  # the record says it changed throughout last time
+    pool.release(slot, _digests(views))
+    assert pool._held[0].changed == [1 / 8]
+    slot, _views = _stage(pool, {"t": t})
+    assert pool.hashed(slot)[0] is not None
+
+
+def test_a_save_that_did_not_hash_its_copy_leaves_no_record():
+    t = torch.arange(4 * CS // 4, dtype=torch.float32)
+    pool = _pool()
+    slot, views = _stage(pool, {"t": t})
+    pool.release(slot, _digests(views))
+    slot, views = _stage(pool, {"t": t})
+    pool._bufs[slot][:CS] = 0xAB  # as a staging copy that failed halfway could leave it
+    pool.release(slot)  # the save failed before hashing: no digests
+    slot, views = _stage(pool, {"t": t})
+    assert pool.hashed(slot) == [None]
+    assert np.array_equal(views[0], t.view(torch.uint8).numpy())
+
+
+def test_a_new_layout_is_copied_outright():
+    pool = _pool()
+    state = {"a": torch.ones(4 * CS // 4), "b": torch.zeros(2 * CS // 4)}
+    slot, views = _stage(pool, state)
+    pool.release(slot, _digests(views))
+    pool._bufs[slot][:] = 0xAB  # nothing of it may be reused for another layout
+    state["c"] = torch.full((CS // 4,), 2.0)
+    slot, views = _stage(pool, state)
+    assert pool.hashed(slot) == [None, None, None]
+    for v, t in zip(views, (state["a"], state["b"], state["c"])):
+        assert np.array_equal(v, t.view(torch.uint8).numpy())
+
+
+def test_without_a_fast_hash_every_save_copies():
+    pool = HostPool(1)
+    t = torch.ones(4 * CS // 4)
+    for _ in range(2):
+        slot, views = _stage(pool, {"t": t})
+        assert pool.hashed(slot) == [None]
+        pool.release(slot, _digests(views))
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 2])
+def test_every_version_of_randomly_changing_state_loads_exactly(tmp_path, max_in_flight):
+    """Sparse, dense, frozen and resized tensors over 30 saves: each version loads bit-exactly
+    (a chunk wrongly skipped would load its older bytes)."""
+    rng = np.random.default_rng(7)
+    state = {"w": torch.randn(37 * CS // 4 + 3), "frozen": torch.randn(9 * CS // 4),
+             "b": torch.randn(5), "half": torch.randn(6 * CS // 2).to(torch.bfloat16)}
+    saved = {}
+    with CheckpointWriter(tmp_path / "ck", chunk_size=CS, max_in_flight=max_in_flight) as w:
+        for step in range(30):
+            kind = rng.integers(4)
+            flat = state["w"].view(-1)
+            if kind == 0:  # a few elements anywhere, the last chunk's tail included
+                idx = torch.from_numpy(rng.integers(0, flat.numel(), size=int(rng.integers(1, 6))))
+                flat[idx] += 1.0
+                flat[-1] += 1.0
+            elif kind == 1:  # every chunk
+                flat.neg_()
+            elif kind == 2:  # a run of consecutive chunks of the bf16 tensor
+                a = int(rng.integers(0, 5)) * CS // 2
+                state["half"][a:a + CS].add_(1.0)
+            if step == 20:  # another layout: a tensor grows
+                state["b"] = torch.randn(700)
+            state["b"][0] = float(step)
+            w.save(state, step)
+            saved[step] = {k: v.clone() for k, v in state.items()}
+        w.wait()
+    for step, want in saved.items():
+        got = load(tmp_path / "ck", step=step)
+        for k, v in want.items():
+            assert torch.equal(got[k], v), (step, k)
