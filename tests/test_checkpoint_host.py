@@ -32,7 +32,7 @@ def test_only_changed_chunks_are_copied_again():
     t = torch.arange(16 * CS // 4, dtype=torch.float32)
     pool = _pool()
     slot, views = _stage(pool, {"t": t})
-    assert pool.hashed(slot) == [None]  # nothing held yet: a plain copy
+    assert pool.staged(slot).hashed == [None]  # nothing held yet: a plain copy
     pool.release(slot, _digests(views))
     # A witness that chunk 0 is not copied again: its staged bytes are overwritten here, which no
     # save does (the buffer must keep what its record says it holds). A copy would restore them.
@@ -43,7 +43,7 @@ def test_only_changed_chunks_are_copied_again():
     assert (views[0][:CS] == 0xAB).all()
     assert np.array_equal(views[0][CS:], raw[CS:])  # chunk 3 copied, the rest still what it was
     expect = hash_chunks(raw, CS, hasher("xxh3_128"))
-    assert np.array_equal(pool.hashed(slot)[0], expect)  # the live bytes' digests, for the save to reuse
+    assert np.array_equal(pool.staged(slot).hashed[0], expect)  # the live bytes' digests, for the save to reuse
     pool.release(slot, [expect])
 
 
@@ -52,22 +52,22 @@ def test_a_blob_that_changed_throughout_is_copied_outright_next_time():
     pool = _pool()
     for _ in range(2):  # the first save copies, the second hashes first (nothing known changed)
         slot, views = _stage(pool, {"t": t})
-        first_hashed = pool.hashed(slot)[0]
+        first_hashed = pool.staged(slot).hashed[0]
         pool.release(slot, _digests(views))
         t.add_(1.0)  # every chunk changes
     assert first_hashed is not None and pool._held[0].changed == [1.0] > [SKIP_BELOW]
     slot, views = _stage(pool, {"t": t})
-    assert pool.hashed(slot) == [None]  # copied outright
+    assert pool.staged(slot).hashed == [None]  # copied outright
     assert np.array_equal(views[0], t.view(torch.uint8).numpy())
     pool.release(slot, _digests(views))
     t[0] = 5.0  # one chunk of eight changes: below SKIP_BELOW, so the next save hashes first
     assert pool._held[0].changed == [1.0]
     slot, views = _stage(pool, {"t": t})
-    assert pool.hashed(slot) == [None]  # the record says it changed throughout last time
+    assert pool.staged(slot).hashed == [None]  # the record says it changed throughout last time
     pool.release(slot, _digests(views))
     assert pool._held[0].changed == [1 / 8]
     slot, _views = _stage(pool, {"t": t})
-    assert pool.hashed(slot)[0] is not None
+    assert pool.staged(slot).hashed[0] is not None
 
 
 def test_a_save_that_did_not_hash_its_copy_leaves_no_record():
@@ -79,7 +79,7 @@ def test_a_save_that_did_not_hash_its_copy_leaves_no_record():
     pool._bufs[slot][:CS] = 0xAB  # as a staging copy that failed halfway could leave it
     pool.release(slot)  # the save failed before hashing: no digests
     slot, views = _stage(pool, {"t": t})
-    assert pool.hashed(slot) == [None]
+    assert pool.staged(slot).hashed == [None]
     assert np.array_equal(views[0], t.view(torch.uint8).numpy())
 
 
@@ -91,7 +91,7 @@ def test_a_new_layout_is_copied_outright():
     pool._bufs[slot][:] = 0xAB  # nothing of it may be reused for another layout
     state["c"] = torch.full((CS // 4,), 2.0)
     slot, views = _stage(pool, state)
-    assert pool.hashed(slot) == [None, None, None]
+    assert pool.staged(slot).hashed == [None, None, None]
     for v, t in zip(views, (state["a"], state["b"], state["c"])):
         assert np.array_equal(v, t.view(torch.uint8).numpy())
 
@@ -101,7 +101,7 @@ def test_without_a_fast_hash_every_save_copies():
     t = torch.ones(4 * CS // 4)
     for _ in range(2):
         slot, views = _stage(pool, {"t": t})
-        assert pool.hashed(slot) == [None]
+        assert pool.staged(slot).hashed == [None]
         pool.release(slot, _digests(views))
 
 
@@ -136,3 +136,19 @@ def test_every_version_of_randomly_changing_state_loads_exactly(tmp_path, max_in
         got = load(tmp_path / "ck", step=step)
         for k, v in want.items():
             assert torch.equal(got[k], v), (step, k)
+
+
+def test_save_result_counts_the_bytes_the_host_copy_copied(tmp_path):
+    state = {"w": torch.zeros(64 * CS // 4), "frozen": torch.ones(16 * CS // 4)}
+    total = 80 * CS
+    with CheckpointWriter(tmp_path / "ck", chunk_size=CS) as w:
+        first = w.save(state, 0).result()
+        state["w"][10 * CS // 4] = 1.0  # one chunk of w
+        second = w.save(state, 1).result()
+        state["w"].add_(2.0)  # all of w: hashed first once (nothing changed much before) ...
+        third = w.save(state, 2).result()
+        state["w"].add_(2.0)
+        fourth = w.save(state, 3).result()  # ... then copied outright; frozen is never copied again
+    assert (first.bytes_staged, second.bytes_staged) == (total, CS)
+    assert (third.bytes_staged, fourth.bytes_staged) == (64 * CS, 64 * CS)
+    assert second.logical_bytes == total

@@ -335,3 +335,19 @@ def test_loading_a_version_saved_by_another_world_size_is_refused_on_every_rank(
                                               r"load_into"):
         load(root, comm=comm)
     assert same(load(root, rank=0), state(3, 0))  # rank 0's state, from any rank
+
+
+def test_a_job_save_copies_only_what_changed_and_loads_exactly(comm, shared_tmp):
+    root = os.path.join(shared_tmp, "job-staged")
+    st = state(0, comm.rank)
+    nbytes = sum(v.numel() * v.element_size() for v in (st["model"]["rep"], st["model"]["own"], st["optim"]["step"]))
+    with CheckpointWriter(root, comm=comm, chunk_size=CHUNK) as w:
+        first = w.save(st, 0).result()
+        if comm.rank == comm.size - 1:
+            st["model"]["own"][5] = -1.0  # one chunk of this rank's own tensor; nothing else changes
+        second = w.save(st, 1).result()
+    assert first.bytes_staged == nbytes
+    assert second.bytes_staged == (CHUNK if comm.rank == comm.size - 1 else 0)
+    assert same(load(root, 0, rank=comm.rank), state(0, comm.rank))
+    assert same(load(root, 1, rank=comm.rank), st)
+    comm.barrier()

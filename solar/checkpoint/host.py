@@ -33,13 +33,21 @@ import torch
 from .chunking import DIGEST_SIZE, hasher
 from .flatten import BlobSource
 
-__all__ = ["HostPool", "SKIP_BELOW", "host_pool"]
+__all__ = ["HostPool", "SKIP_BELOW", "Staged", "host_pool"]
 
 _ALIGN = 64  # each blob's copy starts on this byte boundary of the buffer
 #: a blob is hashed before it is copied when at most this fraction of its chunks changed between
 #: the slot's last two saves: hashing costs about two thirds of a copy, so past about a third of
 #: the chunks changed the hash-first staging blocks longer than a plain copy
 SKIP_BELOW = 0.25
+
+
+class Staged(NamedTuple):
+    """What one save's staging copy did: each blob's chunk digests where it hashed the blob before
+    copying it (``None``: copied outright), and the bytes it copied."""
+
+    hashed: list[np.ndarray | None]
+    bytes_copied: int
 
 
 class _Held(NamedTuple):
@@ -69,7 +77,7 @@ class HostPool:
         staging of blobs that mostly stay the same (off without a ``digest``)."""
         self._chunk_size, self._digest = chunk_size, digest
         self._held: list[_Held | None] = [None] * slots
-        self._hashed: list[list[np.ndarray | None]] = [[] for _ in range(slots)]  # digests found by stage()
+        self._staged: list[Staged] = [Staged([], 0)] * slots  # what each slot's last stage() did
         self._cond = threading.Condition()
         self._free = list(range(slots))
         self._bufs: list[torch.Tensor | None] = [None] * slots
@@ -113,7 +121,7 @@ class HostPool:
     def release(self, slot: int, digests: list[np.ndarray] | None = None) -> None:
         """Give the slot back; ``digests``: each blob's chunk digests of what its buffer now holds
         (``None`` when the save did not hash all of it: the slot then remembers nothing)."""
-        prev, self._hashed[slot] = self._held[slot], []
+        prev, self._staged[slot] = self._held[slot], Staged([], 0)
         self._held[slot] = None
         if digests is not None and prev is not None and self._digest is not None:
             changed = [_changed(old, new) for old, new in zip(prev.digests, digests)]
@@ -122,9 +130,9 @@ class HostPool:
             self._free.append(slot)
             self._cond.notify_all()
 
-    def hashed(self, slot: int) -> list[np.ndarray | None]:
-        """The chunk digests :meth:`stage` found for each blob of the slot's save (``None``: not hashed)."""
-        return self._hashed[slot]
+    def staged(self, slot: int) -> Staged:
+        """What :meth:`stage` did for the save holding ``slot``."""
+        return self._staged[slot]
 
     def reserve(self, blobs: list[BlobSource]) -> Future:
         """Make every slot's buffer large enough for ``blobs`` and touch its pages, in a background
@@ -165,7 +173,7 @@ class HostPool:
         ready = self._ready[slot]
         if ready is not None:
             ready.exception()  # waits; a failed reservation leaves the allocation to this save
-        held, self._held[slot], self._hashed[slot] = self._held[slot], None, []
+        held, self._held[slot], self._staged[slot] = self._held[slot], None, Staged([], 0)
         buf = self._bufs[slot]
         if _too_small(buf, total, on_cuda):
             held = None  # a new buffer holds none of the old one's chunks
@@ -177,18 +185,21 @@ class HostPool:
         if held is None or held.layout != layout or not on_cpu or self._digest is None:
             held = None
         arr = buf.numpy()
-        views, hashed = [], []
+        views, hashed, copied = [], [], 0
         for i, (b, off) in enumerate(zip(blobs, offsets)):
             src = b.byte_view()
             dst = buf[off:off + b.nbytes]
             old = held.digests[i] if held is not None and held.changed[i] <= SKIP_BELOW else None
             if old is not None and len(old) == -(-b.nbytes // self._chunk_size):
-                hashed.append(self._copy_changed(src, dst, old))
+                digests, n = self._copy_changed(src, dst, old)
+                hashed.append(digests)
+                copied += n
             else:
                 # torch's copy_ splits a large copy over the intra-op threads (np.copyto uses one).
                 # On CUDA: async device-to-host into pinned memory.
                 dst.copy_(src, non_blocking=src.device.type == "cuda")
                 hashed.append(None)
+                copied += b.nbytes
             views.append(arr[off:off + b.nbytes])
         if on_cuda:
             torch.cuda.synchronize()
@@ -196,12 +207,12 @@ class HostPool:
         # save's own digests are compared with
         before = held.digests if held is not None else [None] * len(blobs)
         self._held[slot] = _Held(layout, before, [0.0] * len(blobs))
-        self._hashed[slot] = hashed
+        self._staged[slot] = Staged(hashed, copied)
         return views
 
-    def _copy_changed(self, src: torch.Tensor, dst: torch.Tensor, old: np.ndarray) -> np.ndarray:
+    def _copy_changed(self, src: torch.Tensor, dst: torch.Tensor, old: np.ndarray) -> tuple[np.ndarray, int]:
         """Hash ``src``'s chunks and copy into ``dst`` the runs of chunks whose digest differs from
-        ``old`` (the digests of what ``dst`` holds); return the new digests."""
+        ``old`` (the digests of what ``dst`` holds); return the new digests and the bytes copied."""
         cs, digest = self._chunk_size, self._digest
         view = memoryview(src.numpy())
         out = bytearray()
@@ -209,12 +220,14 @@ class HostPool:
             out += digest(view[a:a + cs])
         new = np.frombuffer(bytes(out), dtype=np.uint8).reshape(-1, DIGEST_SIZE)
         changed = np.flatnonzero((new != old).any(axis=1))
+        copied = 0
         if len(changed):  # copy each run of consecutive changed chunks at once
             breaks = np.flatnonzero(np.diff(changed) > 1) + 1
             for run in np.split(changed, breaks):
                 a, e = int(run[0]) * cs, min((int(run[-1]) + 1) * cs, len(view))
                 dst[a:e].copy_(src[a:e])
-        return new
+                copied += e - a
+        return new, copied
 
 
 def host_pool(slots: int, chunk_size: int, hash: str) -> HostPool:

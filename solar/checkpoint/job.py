@@ -312,7 +312,7 @@ class JobWriter(CheckpointWriter):
                     self._deltas.written(flat, host, plan.digests)
                 self._pool.release(slot, plan.digests if plan is not None else None)
 
-        plan = None
+        plan, staged = None, self._pool.staged(slot)
         if self._deltas is not None:
             self._deltas.begin(flat)
             self._spots = {}
@@ -321,8 +321,7 @@ class JobWriter(CheckpointWriter):
         pack: list[str] = []  # the pack this rank wrote, if any
         try:
             spot = (lambda d, _v, name, j: self._spots.__setitem__(d, (name, j))) if self._deltas else None
-            hashed = self._pool.hashed(slot)
-            plan, news = self._together("hashing", step, lambda: self._plan(sink, flat, host, spot, hashed),
+            plan, news = self._together("hashing", step, lambda: self._plan(sink, flat, host, spot, staged.hashed),
                                         lambda p: sorted(p.new))
             mine = self._owned(news, set(plan.new))
             wrote, where = self._together("writing its chunks", step,
@@ -352,7 +351,7 @@ class JobWriter(CheckpointWriter):
                           chunks_total=m.nchunks, chunks_written=len(mine), chunks_unchanged=plan.unchanged,
                           manifest_bytes=part.nbytes, stage_seconds=stage_seconds,
                           persist_seconds=time.perf_counter() - t0, root=self.root,
-                          chunks_rewritten=len(plan.rewritten))
+                          chunks_rewritten=len(plan.rewritten), bytes_staged=staged.bytes_copied)
 
     def _owned(self, news: list[list[bytes]], here: set[bytes]) -> list[bytes]:
         """The new chunks this rank writes: of the ranks holding a chunk, one, spread by its digest."""

@@ -43,6 +43,9 @@ class SaveResult:
     persist_seconds: float
     root: str
     chunks_rewritten: int = 0
+    #: bytes the host copy copied: ``logical_bytes`` at most, fewer where the staging buffer
+    #: already held unchanged chunks (see ``solar/checkpoint/host.py``)
+    bytes_staged: int = 0
 
     @property
     def dedup_ratio(self) -> float:

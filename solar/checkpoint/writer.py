@@ -382,9 +382,9 @@ class CheckpointWriter:
                 stage_seconds: float) -> SaveResult:
         t0 = time.perf_counter()
         sink = self._stage or self._main
-        out = None
+        out, staged = None, self._pool.staged(slot)
         try:
-            out = self._write_chunks(sink, flat, host, step, meta, self._pool.hashed(slot))
+            out = self._write_chunks(sink, flat, host, step, meta, staged.hashed)
         finally:
             self._pool.release(slot, out.leaves if out is not None else None)
         m = out.manifest
@@ -414,7 +414,8 @@ class CheckpointWriter:
                           chunks_total=m.nchunks, chunks_written=out.chunks_written,
                           chunks_unchanged=out.chunks_unchanged, manifest_bytes=manifest_bytes,
                           stage_seconds=stage_seconds, persist_seconds=time.perf_counter() - t0,
-                          root=sink.store.root, chunks_rewritten=out.chunks_rewritten)
+                          root=sink.store.root, chunks_rewritten=out.chunks_rewritten,
+                          bytes_staged=staged.bytes_copied)
 
     def _plan(self, sink: _Sink, flat: Flat, host: list[np.ndarray],
               on_new: Callable[[bytes, memoryview, str, int], None] | None = None,
