@@ -26,7 +26,10 @@ NOTE [ Staging a remote file ]
     A read waits only for the pieces holding its rows, which jump the file order when they are
     not on their way yet. Its rows are then views of a read-only map of the copy (NOTE [ Mapped
     reads ] in mapped.py), copied once, when their batch is taken (``FsspecBackend.mapped_rows``
-    through ``_view_staged``; NOTE [ Rows copied when the batch is taken ] in solar/slots.py).
+    through ``_view_staged``; NOTE [ Rows copied when the batch is taken ] in solar/slots.py);
+    the rows a pass keeps in the buffer are kept as those views, not copied (their bytes never
+    change: NOTE [ Kept rows in an arena ] in cache/arena.py), so the first epoch's puts cost
+    no memory and no copy at the end of the copy, when the pass's rows have all arrived.
     Rows that are a small part of a piece not on its way yet, far past the copy's front
     (``DIRECT_AHEAD``), are requested directly instead: a shuffled pass over a large file wants
     a few rows in every piece, and waiting for them would hold the first batches for the whole
@@ -38,7 +41,8 @@ NOTE [ Staging a remote file ]
     ``IfMatch=ETag``), so a file replaced meanwhile is refused, as for range reads; the
     dataset's checksums are still verified once per row the backend returns (such fields are
     read into their slots, not as views). Costs: disk space for the whole file per process that
-    opens it (checked up front), and the whole file crosses the link even when a rank reads only
+    opens it (checked up front; freed when the dataset is closed and the loader's buffer, which
+    keeps views of it, is gone), and the whole file crosses the link even when a rank reads only
     part of it.
 """
 
@@ -415,6 +419,11 @@ class StagedFile:
     def check(self) -> None:
         """Nothing to check before copying from :meth:`row_views`: the copy is this process's
         own nameless file, which nobody else can cut."""
+
+    # the rows of row_views never change (views of this process's own file, written once, or
+    # of bytes received): the buffer keeps them as they are, no copy (NOTE [ Kept rows in an
+    # arena ] in cache/arena.py)
+    check.stable = True  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Stop the copy and close the local file (its space is freed when the last read ends)."""

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from solar.cache.arena import RowArena, arena_for
 from solar.cache import TierStats
 from solar.errors import InputError
 from solar.layout import FieldSpec
@@ -217,6 +218,7 @@ class FetchPass:
     mrank: np.ndarray
     datas: dict = field(default_factory=dict)
     layout: "PassLayout | None" = None  # the batches the pass is laid out in, where known
+    stable: set = field(default_factory=set)  # fields whose read rows the buffer keeps as they are
 
     @classmethod
     def gather(cls, ds: Any, indices: Sequence[int], buffer, keep, rows, checked: bool = False) -> "FetchPass":
@@ -284,6 +286,8 @@ class FetchPass:
         if got is None:
             return None
         views = got.views
+        if getattr(got.check, "stable", False):  # NOTE [ Kept rows in an arena ] in cache/arena.py
+            self.stable.add(spec.name)
         ds.stats.read_calls += len(runs)
         ds.stats.bytes_in += len(views) * int(np.prod(spec.sample_shape, dtype=np.int64)) * spec.dtype.itemsize
         if len(views) != len(self.read):  # rows read through sieved gaps: none is copied
@@ -338,11 +342,14 @@ class FetchPass:
         lengths of the steps the batch is made of, each laid out in memory of its own: see
         :class:`StepRows`)."""
         p, datas, kept, ds = self, self.datas, self.kept, self.dataset
-        if buffer is not None:
+        if buffer is not None and kept.any():
+            arenas = {spec.name: arena_for(buffer, spec.sample_shape, spec.dtype)
+                      if spec.kind == "raw" and spec.name not in self.stable else None for spec in ds.specs}
             for j in np.flatnonzero(kept).tolist():
                 keys = [(spec.name, int(p.miss[j])) for spec in ds.specs]
                 for n_put, key in enumerate(keys):
-                    if not buffer.put(key, np.array(datas[key[0]][p.at[j]], copy=True)):
+                    row = datas[key[0]][p.at[j]]
+                    if not buffer.put(key, row if key[0] in self.stable else _kept_row(row, arenas[key[0]])):
                         # all fields of a sample or none: a refused field (byte budget) takes
                         # back the ones already put, so no budget is spent on a half sample
                         for k in keys[:n_put]:
@@ -360,6 +367,16 @@ class FetchPass:
         ds.stats.kept += int(kept.sum())
         ds.stats.steps += 1
         return out
+
+
+def _kept_row(row: np.ndarray, arena: RowArena | None) -> np.ndarray:
+    """A copy of ``row`` for the buffer: in a slot of ``arena`` where its shape and dtype are
+    the arena's (NOTE [ Kept rows in an arena ] in cache/arena.py), else an array of its own."""
+    if arena is None or getattr(row, "shape", None) != arena.shape or row.dtype != arena.dtype:
+        return np.array(row, copy=True)
+    out = arena.row()
+    out[...] = row
+    return out
 
 
 def evict_samples(ds: Any, buffer, evict: Sequence[int] | None) -> None:

@@ -1,0 +1,129 @@
+"""Memory for the rows a buffer keeps: large blocks, each row's slot reused once nobody holds it.
+
+NOTE [ Kept rows in an arena ]
+    A pass puts the misses it keeps into the rank's buffer, one row each (``FetchPass.finish``).
+    Made one ``np.array`` at a time, every row is a fresh allocation of tens to hundreds of KiB:
+    glibc hands such blocks back to the kernel when they are freed (or serves them from pages
+    it has to fault in), so each put paid for its allocation and the faults and zeroing of its
+    pages besides the copy, three to five times the copy itself, and all of it at the end of
+    the first epoch, when the pass's rows have arrived. :class:`RowArena` cuts rows of one shape
+    and dtype out of blocks of ``BLOCK_BYTES`` (backed by huge pages where the kernel gives
+    them), and a row's slot comes back to the arena when the last reference to its memory goes.
+
+    When is a slot free? Each row handed out is a view of a one-dimensional array made over a
+    ``memoryview`` of the slot (``np.frombuffer``). numpy collapses a view's ``base`` to the
+    nearest array whose own base is not an array of the same type, so every view made from the
+    row (a reshape, a slice, ``torch.from_numpy``) keeps that one-dimensional array alive. A
+    weak reference to it puts the slot back on the free list when it dies: the buffer dropped
+    the row and no batch, view or tensor reads it any more. A row is never handed out twice
+    while anything can still read it.
+
+    Bounds: an arena holds the most rows that were alive at once, rounded up to a block (the
+    buffer's budget plus the rows batches still read), and lives as long as the buffer it is
+    kept for (:func:`arena_for`): it never shrinks in between.
+
+    Rows whose bytes never change need no copy at all: those of a staged copy of a remote file
+    (NOTE [ Staging a remote file ] in io_backends/fsspec_stage.py) are views of this process's
+    own nameless file, written once, or of the bytes a direct request received. A backend says
+    so with the ``stable`` attribute of its ``mapped_rows`` check, and ``FetchPass.finish``
+    puts those views in the buffer as they are: the buffer counts their bytes against its
+    budget as any row's (the plan, its hits and its evictions are the same), and the memory is
+    the copy's page cache, already there. A mapped local file's rows are copied: someone else
+    may rewrite that file, and the buffer must keep the bytes that were read.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+__all__ = ["RowArena", "arena_for", "BLOCK_BYTES", "MIN_ROW_BYTES"]
+
+#: Bytes per block of an arena (a row larger than this gets a block of its own).
+BLOCK_BYTES = 16 << 20
+#: Rows smaller than this are allocated one by one: glibc serves them from memory it keeps.
+MIN_ROW_BYTES = 16 << 10
+
+# buffer -> {(shape, dtype): RowArena}: an arena lives as long as the buffer it serves
+_ARENAS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_ARENAS_LOCK = threading.Lock()
+
+
+class RowArena:
+    """Rows of ``shape`` and ``dtype`` (NOTE [ Kept rows in an arena ]): :meth:`row` hands out
+    one writable, uninitialized row, in a free slot of a block or in a new block."""
+
+    def __init__(self, shape: tuple, dtype: np.dtype, block_bytes: int = BLOCK_BYTES) -> None:
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.row_bytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.per_block = max(1, block_bytes // max(1, self.row_bytes))
+        self._blocks: list[memoryview] = []
+        # free slots (block, index); appended by weak-reference callbacks from any thread,
+        # popped by row(): both atomic on a deque, so neither takes a lock a dying row's
+        # callback could wait for
+        self._free: collections.deque = collections.deque()
+        self._refs: dict[tuple[int, int], weakref.ref] = {}
+        self._grow = threading.Lock()
+
+    @property
+    def slots(self) -> int:
+        """Rows the arena's blocks hold, in use or free."""
+        return len(self._blocks) * self.per_block
+
+    @property
+    def in_use(self) -> int:
+        return self.slots - len(self._free)
+
+    def row(self) -> np.ndarray:
+        """A row of ``shape`` and ``dtype`` nobody else references, its bytes uninitialized."""
+        while True:
+            try:
+                slot = self._free.pop()  # (the most recently freed: likeliest still in cache)
+                break
+            except IndexError:
+                with self._grow:
+                    if not self._free:
+                        self._add_block()
+        block, i = slot
+        n = self.row_bytes
+        flat = np.frombuffer(self._blocks[block][i * n:(i + 1) * n], self.dtype)
+        self._refs[slot] = weakref.ref(flat, _releaser(slot, self._refs, self._free))
+        return flat.reshape(self.shape)
+
+    def _add_block(self) -> None:
+        b = len(self._blocks)
+        self._blocks.append(memoryview(np.empty(self.per_block * self.row_bytes, np.uint8)))
+        self._free.extend((b, i) for i in range(self.per_block - 1, -1, -1))
+
+
+def _releaser(slot: tuple[int, int], refs: dict, free: collections.deque):
+    """The weak-reference callback that frees ``slot`` (it holds the arena's free list, not the
+    arena: an arena nobody uses goes with its blocks at once, not at the next garbage collection)."""
+    def release(_ref) -> None:
+        refs.pop(slot, None)
+        free.append(slot)
+    return release
+
+
+def arena_for(buffer: Any, shape: tuple, dtype: np.dtype) -> RowArena | None:
+    """The arena for rows of ``shape`` and ``dtype`` kept in ``buffer`` (made on first use);
+    None for rows under ``MIN_ROW_BYTES`` or a ``buffer`` that cannot be weakly referenced (rows
+    are then allocated one by one)."""
+    if int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize < MIN_ROW_BYTES:
+        return None
+    key = (tuple(shape), np.dtype(dtype).str)
+    with _ARENAS_LOCK:
+        try:
+            arenas = _ARENAS.get(buffer)
+            if arenas is None:
+                arenas = _ARENAS[buffer] = {}
+        except TypeError:
+            return None
+        arena = arenas.get(key)
+        if arena is None:
+            arena = arenas[key] = RowArena(shape, dtype)
+        return arena
