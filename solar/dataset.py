@@ -206,6 +206,10 @@ class H5Dataset(RowReads, Dataset):
         backend_options: extra options for the backend.
     """
 
+    #: the loader may keep decoded copies of its resident samples (NOTE [ Decoded copies ] in
+    #: solar/decoded.py): a batch's ``indices`` are its buffer keys
+    keeps_decoded_copies = True
+
     def __new__(cls, path: Any = None, fields: Any = None, **options: Any):
         """An H5Dataset, or for several files (a list or a glob) a ``ConcatDataset`` of them; with no
         ``path`` (pickle, ``copy``) an empty instance, as ``object.__new__``."""

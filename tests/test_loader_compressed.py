@@ -306,6 +306,8 @@ def test_passes_of_large_steps_are_decoded_step_by_step_in_parallel(files, monke
     import solar.passes as passes
 
     _, comp = files
+    # every sample decoded in both epochs: no decoded copies (NOTE [ Decoded copies ] in solar/decoded.py)
+    monkeypatch.setenv("SOLAR_DECODED_COPIES", "0")
 
     def epochs(step_samples):
         monkeypatch.setattr(passes, "DECODE_STEP_SAMPLES", step_samples)

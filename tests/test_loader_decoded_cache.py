@@ -1,0 +1,184 @@
+"""NOTE [ Decoded copies ] (solar/decoded.py): a compressed buffer's left-over bytes hold decoded
+copies of resident samples. Batches, hits and misses are those of a run without copies; compressed
+and decoded bytes together stay within ``buffer=``; a damaged blob is still refused by name."""
+
+from __future__ import annotations
+
+import gc
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+
+import solar
+import solar.passes as passes
+from solar.cache import MemoryTier
+from solar.decoded import DecodedCopies, usage
+from test_loader_compressed import BATCH, N, SEED, SIZE
+from test_loader_compressed import files  # noqa: F401 (the fixture: raw and compressed file)
+
+
+@pytest.fixture(scope="module")
+def comp(files):  # noqa: F811 (the fixture imported above)
+    return files[1]
+
+
+class Counting(solar.H5Dataset):
+    """Counts the samples its ``decode`` decodes."""
+
+    decoded = 0
+
+    def decode(self, stored):
+        self.decoded += stored.n
+        return super().decode(stored)
+
+
+def loader_over(path, budget, num_workers=0, **kw):
+    ds = Counting(path, backend="hdf5", io_threads=1)
+    return ds, solar.DataLoader(ds, batch_size=BATCH, buffer=str(budget), num_workers=num_workers,
+                                sampler=tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=SEED), **kw)
+
+
+def epochs(path, budget, n=3, num_workers=0, monkeypatch=None, copies=True):
+    """Every batch of ``n`` epochs (cloned), the samples decoded per epoch, the dataset's hits and
+    misses, and the buffer's usage after each epoch."""
+    monkeypatch.setenv("SOLAR_DECODED_COPIES", "1" if copies else "0")
+    ds, loader = loader_over(path, budget, num_workers)
+    batches, decoded, used = [], [], []
+    for e in range(n):
+        loader.sampler.set_epoch(e)
+        before = ds.decoded
+        batches += [[t.clone() for t in b] for b in loader]
+        decoded.append(ds.decoded - before)
+        used.append(usage(loader.solar_sampler.buffer))
+    ds.close()
+    return batches, decoded, (ds.stats.hits, ds.stats.misses), used
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y)
+                                    for p, q in zip(a, b) for x, y in zip(p, q))
+
+
+def stored_bytes(path) -> int:
+    ds = solar.H5Dataset(path, backend="hdf5")
+    try:
+        return int(ds.sample_nbytes().sum())
+    finally:
+        ds.close()
+
+
+@pytest.mark.parametrize("by_step", [False, True])
+def test_copies_change_no_batch_and_no_hit_and_stay_in_the_budget(comp, monkeypatch, by_step):
+    """Three epochs with copies: bit-identical batches, the same hits and misses as without; from
+    the second epoch on fewer samples are decoded (the copies serve the rest); compressed plus
+    decoded bytes never exceed the budget. ``by_step``: passes decoded step by step on the decode
+    threads (NOTE [ Decoding ahead in parallel ] in solar/passes.py), else one decode per pass."""
+    if by_step:
+        monkeypatch.setattr(passes, "DECODE_STEP_SAMPLES", BATCH)
+        monkeypatch.setattr(passes, "_cores", lambda: 2)
+    budget = stored_bytes(comp) + 40 * SIZE * SIZE * 3 * 4  # every blob, and copies of 40 samples
+    want, want_decoded, want_counts, want_used = epochs(comp, budget, monkeypatch=monkeypatch, copies=False)
+    got, decoded, counts, used = epochs(comp, budget, monkeypatch=monkeypatch)
+    assert same(got, want)
+    assert counts == want_counts  # the plan's hits and misses, exactly
+    assert want_decoded == [N, N, N] and all(u.decoded_samples == 0 for u in want_used)
+    assert decoded[0] == N and decoded[1] == decoded[2] == N - 40  # 40 samples served from copies
+    for u in used:
+        assert u.decoded_samples == 40 and u.stored_bytes + u.decoded_bytes <= u.budget_bytes == budget
+    assert used[-1].decoded_hits == 2 * 40
+
+
+def test_no_room_left_no_copies(comp, monkeypatch):
+    """A budget the plan's compressed samples fill leaves no room: no copies, the run as before."""
+    budget = stored_bytes(comp) // 2
+    got, decoded, counts, used = epochs(comp, budget, n=2, monkeypatch=monkeypatch)
+    want, _, want_counts, _ = epochs(comp, budget, n=2, monkeypatch=monkeypatch, copies=False)
+    assert same(got, want) and counts == want_counts
+    assert decoded == [N, N] and all(u.decoded_bytes == 0 for u in used)
+    assert all(u.stored_bytes <= budget for u in used)
+
+
+def test_resume_mid_epoch_with_copies_gives_the_uninterrupted_batches(comp, monkeypatch):
+    """Epoch 0 whole, epoch 1 stopped after 5 batches, its state loaded into a new loader (whose
+    buffer starts empty): the batches are those of one uninterrupted run without copies, the
+    resumed loader's own copies included."""
+    budget = 4 << 20
+    want, _, _, _ = epochs(comp, budget, n=3, monkeypatch=monkeypatch, copies=False)
+    monkeypatch.setenv("SOLAR_DECODED_COPIES", "1")
+    ds, loader = loader_over(comp, budget)
+    got = []
+    loader.sampler.set_epoch(0)
+    got += [[t.clone() for t in b] for b in loader]
+    loader.sampler.set_epoch(1)
+    it = iter(loader)
+    got += [[t.clone() for t in next(it)] for _ in range(5)]
+    state = loader.state_dict()
+    assert usage(loader.solar_sampler.buffer).decoded_hits > 0
+    del it
+    gc.collect()  # (the stopped iteration's read-ahead ends here, not in a thread of its own)
+    ds2, loader2 = loader_over(comp, budget)
+    loader2.load_state_dict(state)
+    got += [[t.clone() for t in b] for b in loader2]
+    loader2.sampler.set_epoch(2)
+    got += [[t.clone() for t in b] for b in loader2]
+    assert usage(loader2.solar_sampler.buffer).decoded_hits > 0
+    assert same(got, want)
+    ds.close()
+    ds2.close()
+
+
+def test_a_damaged_blob_is_refused_by_name_with_copies(comp, tmp_path, monkeypatch):
+    """Sample 10's blob of field x damaged in the file: the pass that reads it raises
+    CorruptDataError naming it, though the buffer has room for copies."""
+    bad = shutil.copy(comp, tmp_path / "damaged.h5")
+    probe = solar.H5Dataset(comp, backend="hdf5")
+    key, at = probe.specs[0].data_key, int(probe._offsets_of(probe.specs[0])[10]) + 40
+    probe.close()
+    with h5py.File(bad, "r+") as f:
+        f[key][at] ^= 0xFF  # a payload byte of sample 10's blob of field x
+    monkeypatch.setenv("SOLAR_DECODED_COPIES", "1")
+    ds = solar.H5Dataset(bad, backend="hdf5", io_threads=1, verify=False)
+    loader = solar.DataLoader(ds, batch_size=BATCH, buffer=str(4 << 20),
+                              sampler=tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=SEED))
+    with pytest.raises(solar.CorruptDataError, match=r"sample '10 of .*damaged.h5:x'"):
+        list(loader)
+    gc.collect()  # (the failed iteration's read-ahead ends here, not in a thread of its own)
+    ds.close()
+
+
+def test_workers_decode_their_batches_without_copies(comp, monkeypatch):
+    """num_workers=2: the workers decode every batch (no copies are made in the loader's
+    process), to the batches of a run without workers."""
+    budget = 4 << 20
+    want, _, want_counts, _ = epochs(comp, budget, n=2, monkeypatch=monkeypatch, copies=False)
+    got, _, counts, used = epochs(comp, budget, n=2, num_workers=2, monkeypatch=monkeypatch)
+    assert same(got, want) and counts == want_counts
+    assert all(u.decoded_samples == 0 for u in used)
+
+
+def test_copies_follow_their_samples_out_of_the_buffer():
+    """A copy is made only of a resident sample, goes when its sample leaves the buffer, and no
+    more copies are kept than the rows the left-over bytes hold."""
+    spec = type("Spec", (), {"name": "x", "sample_shape": (2, 3), "dtype": np.dtype("<f4"), "kind": "codec"})()
+    buf = MemoryTier(1 << 20)
+    for k in range(6):
+        buf.put(("x", k), np.zeros(10, np.uint8))
+    store = DecodedCopies(3 * 24 + 10, [spec], capacity=6)  # room for 3 rows
+    assert store.rows == 3
+    dec = {"x": torch.arange(8 * 6, dtype=torch.float32).reshape(8, 2, 3)}
+    store.admit(list(range(8)), dec, lambda k: ("x", k) in buf)  # samples 6, 7 are not resident
+    assert len(store) == 3 and store.nbytes == 72
+    out = {"x": torch.zeros(4, 2, 3)}
+    hit = store.take([2, 7, 0, 1], out)
+    assert hit.tolist() == [True, False, True, True]
+    assert torch.equal(out["x"][0], dec["x"][2]) and torch.equal(out["x"][2], dec["x"][0])
+    assert not out["x"][1].any()
+    buf.delete(("x", 1))
+    store.sync(buf, "x")
+    assert len(store) == 2 and store.take([1], {"x": torch.zeros(1, 2, 3)}).tolist() == [False]
+    store.admit([3, 4], {"x": dec["x"][3:5]}, lambda k: ("x", k) in buf)  # one row free again
+    assert len(store) == 3 and store.take([3, 4], {"x": torch.zeros(2, 2, 3)}).tolist() == [True, False]
