@@ -16,6 +16,7 @@ from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
+from solar.decoded import copies_for, decode_pass
 from solar.errors import SolarError
 from solar.failfast import abort_out_of_step, is_agreed
 from solar.fetch import LaidOut, PassLayout, StepBatch
@@ -216,12 +217,17 @@ class PassFetcher:
         # other sampler ranks may differ, or one rank may iterate alone (a validation loop)
         lengths = tuple(len(s) for s in steps)
         by_step = self.decode and self._decode_by_step(lengths)  # NOTE [ Decoding ahead in parallel ]
-        one = self.decode and not by_step  # decoded in fetch_steps: the pass laid out as one batch
+        # NOTE [ Decoded copies ] in solar/decoded.py: not on passes the ranks agree on
+        copies = copies_for(self.buffer, self.dataset, self.geometry.capacity) \
+            if self.decode and not self.must_agree else None
+        one = self.decode and not by_step and copies is None  # decoded in fetch_steps: the pass as one batch
         keep = LaidOut(keep, PassLayout((sum(lengths),) if one else lengths, self.shared))
         stored = self.dataset.fetch_steps(steps, buffer=self.buffer, keep=keep, shared=self.shared, evict=evict,
                                           disjoint=disjoint, lockstep=self.in_step,
                                           **({"decode": True} if one else {}))
-        if by_step:
+        if copies is not None:
+            decode_pass(self.dataset, stored, copies, self.buffer, _decode_pool().map if by_step else None)
+        elif by_step:
             pool = _decode_pool()
             for st, dec in zip(stored, list(pool.map(self.dataset.decode, stored))):
                 st.decoded = dec
