@@ -53,7 +53,7 @@ MAY_USE = {
     "solar.subset": {"solar.dataset"},
     "solar.concat": {"solar.dataset", "solar.subset", "solar.fetch", "solar.collective"},
     "solar.views": {"solar.dataset", "solar.subset", "solar.concat"},
-    "solar.decoded": {"solar.cache", "solar.fetch"},  # decoded copies in the buffer's left-over bytes
+    "solar.decoded": {"solar.cache", "solar.fetch", "solar.codec"},  # decoded copies in the buffer's left-over bytes
     "solar.passes": {"solar.fetch", "solar.schedule", "solar.failfast", "solar.decoded"},
     "solar.iterators": {"solar.fetch", "solar.stats"},  # the loader's iterators around torch's
     "solar.sampler": {"solar.options", "solar.schedule", "solar.passes", "solar.prefetch", "solar.cache",
