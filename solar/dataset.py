@@ -448,6 +448,28 @@ class H5Dataset(RowReads, Dataset):
                 out[spec.name] = dec
         return out
 
+    def decodes_into(self) -> bool:
+        """Whether :meth:`decode_into` may stand for :meth:`decode`: H5Dataset's own ``decode``,
+        every field compressed, decoded on the CPU."""
+        return (type(self).decode is H5Dataset.decode and self.device.type == "cpu"
+                and all(s.kind == "codec" for s in self.specs))
+
+    def decode_into(self, stored: StoredBatch, out: dict[str, torch.Tensor], at: np.ndarray) -> None:
+        """:meth:`decode` of ``stored`` (every field compressed) straight into rows ``at`` of
+        ``out``'s tensors (one per field, on :attr:`device`): sample ``i`` into row ``at[i]``."""
+        for spec in self.specs:
+            blobs, names = self._blobs(stored, spec)
+            t0 = time.perf_counter()
+            try:
+                decode_batch(blobs, device=self.device, names=names, compile=self.decode_compile,
+                             out=out[spec.name], at=at)
+            except ConfigError:  # blobs that do not decode to the field's rows: say which, as decode does
+                for blob, name in zip(blobs, names or [None] * len(blobs)):
+                    self._check_layout(spec, header_info(blob), name)
+                raise
+            finally:
+                self.stats.decode_s += time.perf_counter() - t0
+
     def plain_batches(self) -> bool:
         """Whether a batch is its loaded rows as they are, with no per-sample work: every field
         raw, on the CPU, no ``transform``, H5Dataset's own ``__getitem__`` and batch methods

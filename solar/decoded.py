@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from solar.cache import MemoryTier
+from solar.codec import copy_rows
 from solar.fetch import StoredBatch, torch_dtype
 
 __all__ = ["BufferUsage", "DecodedCopies", "copies_for", "decode_pass", "usage"]
@@ -103,35 +104,36 @@ class DecodedCopies:
             slots = np.fromiter((self._slot.get(k, -1) for k in keys), np.int64, len(keys))
             hit = slots >= 0
             if hit.any():
-                at, src = torch.from_numpy(np.flatnonzero(hit)), torch.from_numpy(slots[hit])
+                at, src = np.flatnonzero(hit), slots[hit]
                 for name, t in out.items():
-                    t.index_copy_(0, at, self._slabs[name].index_select(0, src))
-                self.hits += int(hit.sum())
+                    copy_rows(self._slabs[name], src, t, at)
+                self.hits += len(at)
         return hit
 
-    def admit(self, keys: Sequence[int], decoded: dict[str, torch.Tensor], resident: Callable[[int], bool]) -> None:
-        """Keep copies of ``decoded``'s rows (row ``j`` is sample ``keys[j]``) of resident samples
-        without one, while rows are free."""
+    def admit(self, keys: Sequence[int], decoded: dict[str, torch.Tensor], rows: np.ndarray,
+              resident: Callable[[int], bool]) -> None:
+        """Keep copies of resident samples without one while rows are free: sample ``keys[j]`` is
+        row ``rows[j]`` of ``decoded``'s tensors."""
         if not self._free:
             return
         with self._lock:
-            rows, slots = [], []
+            take, slots = [], []
             for j, k in enumerate(keys):
                 if len(slots) == len(self._free):
                     break
                 if k not in self._slot and resident(k):
                     self._slot[k] = self._free[-1 - len(slots)]
-                    rows.append(j)
+                    take.append(rows[j])
                     slots.append(self._slot[k])
-            if not rows:
+            if not take:
                 return
             del self._free[len(self._free) - len(slots):]
             if not self._slabs:
                 self._slabs = {name: torch.empty((self.rows, *shape), dtype=dt)
                                for name, (shape, dt) in self.shapes.items()}
-            at, src = torch.from_numpy(np.array(slots, np.int64)), torch.from_numpy(np.array(rows, np.int64))
+            src, at = np.array(take, np.int64), np.array(slots, np.int64)
             for name, slab in self._slabs.items():
-                slab.index_copy_(0, at, decoded[name].index_select(0, src))
+                copy_rows(decoded[name], src, slab, at)
 
 
 def _enabled() -> bool:
@@ -176,8 +178,8 @@ def _resident(buffer: Any, first: str, key: int) -> bool:
 
 
 def _decode_steps(dataset: Any, copies: DecodedCopies, resident: Callable, steps: list[StoredBatch]) -> list[dict]:
-    """The steps' tensors: their samples' copies, the rest decoded in one ``decode`` (and copied
-    while room is left)."""
+    """The steps' tensors: their samples' copies, the rest decoded in one call (and copied while
+    room is left); for one step of H5Dataset's own decode, straight into the step's rows."""
     outs, misses = [], []
     for st in steps:
         out = {name: torch.empty((st.n, *shape), dtype=dt) for name, (shape, dt) in copies.shapes.items()}
@@ -185,20 +187,22 @@ def _decode_steps(dataset: Any, copies: DecodedCopies, resident: Callable, steps
         misses.append(np.flatnonzero(~copies.take(st.indices, out)))
     if not any(len(m) for m in misses):
         return outs
-    if len(steps) == 1 and len(misses[0]) == steps[0].n:  # nothing copied: the step as it is
-        dec = dataset.decode(steps[0])
-        copies.admit(steps[0].indices, dec, resident)
-        return [dec]
-    sub = _part(dataset, steps, misses)
+    whole = len(steps) == 1 and len(misses[0]) == steps[0].n  # nothing copied: the step as it is
+    sub = steps[0] if whole else _part(dataset, steps, misses)
+    if len(steps) == 1 and dataset.decodes_into():
+        dataset.decode_into(sub, outs[0], misses[0])
+        copies.admit(sub.indices, outs[0], misses[0], resident)
+        return outs
     dec = dataset.decode(sub)
-    a = 0
-    for out, m in zip(outs, misses):
-        if len(m):
-            at = torch.from_numpy(m)
+    if whole:
+        outs[0] = dec
+    else:
+        a = 0
+        for out, m in zip(outs, misses):
             for name, t in out.items():
-                t.index_copy_(0, at, dec[name][a:a + len(m)])
+                copy_rows(dec[name], np.arange(a, a + len(m)), t, m)
             a += len(m)
-    copies.admit(sub.indices, dec, resident)
+    copies.admit(sub.indices, dec, np.arange(sub.n), resident)
     return outs
 
 

@@ -36,23 +36,25 @@ class Counting(solar.H5Dataset):
         return super().decode(stored)
 
 
-def loader_over(path, budget, num_workers=0, **kw):
-    ds = Counting(path, backend="hdf5", io_threads=1)
+def loader_over(path, budget, num_workers=0, cls=None, **kw):
+    ds = (cls or Counting)(path, backend="hdf5", io_threads=1)
     return ds, solar.DataLoader(ds, batch_size=BATCH, buffer=str(budget), num_workers=num_workers,
                                 sampler=tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=SEED), **kw)
 
 
-def epochs(path, budget, n=3, num_workers=0, monkeypatch=None, copies=True):
-    """Every batch of ``n`` epochs (cloned), the samples decoded per epoch, the dataset's hits and
-    misses, and the buffer's usage after each epoch."""
+def epochs(path, budget, n=3, num_workers=0, monkeypatch=None, copies=True, cls=None):
+    """Every batch of ``n`` epochs (cloned), the samples decoded per epoch (counted by a Counting
+    dataset; else all but those the copies served), the dataset's hits and misses, and the
+    buffer's usage after each epoch."""
     monkeypatch.setenv("SOLAR_DECODED_COPIES", "1" if copies else "0")
-    ds, loader = loader_over(path, budget, num_workers)
+    ds, loader = loader_over(path, budget, num_workers, cls)
     batches, decoded, used = [], [], []
     for e in range(n):
         loader.sampler.set_epoch(e)
-        before = ds.decoded
+        before = getattr(ds, "decoded", None)
         batches += [[t.clone() for t in b] for b in loader]
-        decoded.append(ds.decoded - before)
+        served = usage(loader.solar_sampler.buffer).decoded_hits - sum(N - d for d in decoded)
+        decoded.append(ds.decoded - before if before is not None else N - served)
         used.append(usage(loader.solar_sampler.buffer))
     ds.close()
     return batches, decoded, (ds.stats.hits, ds.stats.misses), used
@@ -71,18 +73,19 @@ def stored_bytes(path) -> int:
         ds.close()
 
 
-@pytest.mark.parametrize("by_step", [False, True])
-def test_copies_change_no_batch_and_no_hit_and_stay_in_the_budget(comp, monkeypatch, by_step):
+@pytest.mark.parametrize("by_step, cls", [(False, Counting), (True, Counting), (True, solar.H5Dataset)])
+def test_copies_change_no_batch_and_no_hit_and_stay_in_the_budget(comp, monkeypatch, by_step, cls):
     """Three epochs with copies: bit-identical batches, the same hits and misses as without; from
     the second epoch on fewer samples are decoded (the copies serve the rest); compressed plus
     decoded bytes never exceed the budget. ``by_step``: passes decoded step by step on the decode
-    threads (NOTE [ Decoding ahead in parallel ] in solar/passes.py), else one decode per pass."""
+    threads (NOTE [ Decoding ahead in parallel ] in solar/passes.py), else one decode per pass;
+    H5Dataset's own decode decodes a step's misses straight into their rows (``decode_into``)."""
     if by_step:
         monkeypatch.setattr(passes, "DECODE_STEP_SAMPLES", BATCH)
         monkeypatch.setattr(passes, "_cores", lambda: 2)
     budget = stored_bytes(comp) + 40 * SIZE * SIZE * 3 * 4  # every blob, and copies of 40 samples
-    want, want_decoded, want_counts, want_used = epochs(comp, budget, monkeypatch=monkeypatch, copies=False)
-    got, decoded, counts, used = epochs(comp, budget, monkeypatch=monkeypatch)
+    want, want_decoded, want_counts, want_used = epochs(comp, budget, monkeypatch=monkeypatch, copies=False, cls=cls)
+    got, decoded, counts, used = epochs(comp, budget, monkeypatch=monkeypatch, cls=cls)
     assert same(got, want)
     assert counts == want_counts  # the plan's hits and misses, exactly
     assert want_decoded == [N, N, N] and all(u.decoded_samples == 0 for u in want_used)
@@ -170,7 +173,7 @@ def test_copies_follow_their_samples_out_of_the_buffer():
     store = DecodedCopies(3 * 24 + 10, [spec], capacity=6)  # room for 3 rows
     assert store.rows == 3
     dec = {"x": torch.arange(8 * 6, dtype=torch.float32).reshape(8, 2, 3)}
-    store.admit(list(range(8)), dec, lambda k: ("x", k) in buf)  # samples 6, 7 are not resident
+    store.admit(list(range(8)), dec, np.arange(8), lambda k: ("x", k) in buf)  # samples 6, 7 are not resident
     assert len(store) == 3 and store.nbytes == 72
     out = {"x": torch.zeros(4, 2, 3)}
     hit = store.take([2, 7, 0, 1], out)
@@ -180,5 +183,63 @@ def test_copies_follow_their_samples_out_of_the_buffer():
     buf.delete(("x", 1))
     store.sync(buf, "x")
     assert len(store) == 2 and store.take([1], {"x": torch.zeros(1, 2, 3)}).tolist() == [False]
-    store.admit([3, 4], {"x": dec["x"][3:5]}, lambda k: ("x", k) in buf)  # one row free again
+    store.admit([3, 4], {"x": dec["x"][3:5]}, np.arange(2), lambda k: ("x", k) in buf)  # one row free again
     assert len(store) == 3 and store.take([3, 4], {"x": torch.zeros(2, 2, 3)}).tolist() == [True, False]
+
+
+def test_blobs_of_another_shape_than_the_field_declares_are_refused_by_name(tmp_path, monkeypatch):
+    """A field whose declared sample shape its blobs do not have: the step decoded straight into
+    its rows (``decode_into``) refuses it as ``decode`` does, naming the sample."""
+    from solar.ingest import ingest
+
+    monkeypatch.setattr(passes, "DECODE_STEP_SAMPLES", 2)
+    monkeypatch.setattr(passes, "_cores", lambda: 2)
+    monkeypatch.setenv("SOLAR_DECODED_COPIES", "1")
+    src, path = str(tmp_path / "x.npy"), str(tmp_path / "c.h5")
+    np.save(src, np.random.default_rng(0).standard_normal((8, 8, 8)).astype(np.float32))
+    ingest([src], path, rel_error=1e-3, progress=False)
+    with h5py.File(path, "r+") as f:
+        f["x"].attrs["sample_shape"] = np.array([4, 16])
+    ds = solar.H5Dataset(path, backend="hdf5", io_threads=1)
+    assert ds.decodes_into()
+    loader = solar.DataLoader(ds, batch_size=2, buffer=str(1 << 20),
+                              sampler=tud.DistributedSampler(ds, num_replicas=1, rank=0, seed=SEED))
+    with pytest.raises(solar.CorruptDataError, match=r"sample \d+ of .*c.h5:x decodes to float32 \(8, 8\), "
+                                                     r"but field 'x' .* declares"):
+        list(loader)
+    gc.collect()  # (the failed iteration's read-ahead ends here, not in a thread of its own)
+    ds.close()
+
+
+@pytest.mark.parametrize("decoder", ["auto", "reference"])
+def test_decode_batch_into_rows_of_out_gives_the_decoded_bits(decoder):
+    """``decode_batch(out=, at=)``: blob ``i`` lands in ``out[at[i]]`` with the bits a plain
+    decode gives, by the cpu-kernel path and by the reference; rows not named stay untouched."""
+    import solar.codec as sc
+
+    rng = np.random.default_rng(4)
+    blobs = [sc.encode(rng.standard_normal((3, 5)).astype(np.float32), rel_error=1e-3) for _ in range(4)]
+    want = sc.decode_batch(blobs, decoder=decoder)
+    out = torch.full((6, 3, 5), 7.0)
+    assert sc.decode_batch(blobs, decoder=decoder, out=out, at=[5, 0, 2, 3]) is out
+    assert torch.equal(out[[5, 0, 2, 3]], want) and torch.equal(out[[1, 4]], torch.full((2, 3, 5), 7.0))
+    with pytest.raises(solar.ConfigError, match="one row of out"):
+        sc.decode_batch(blobs, out=out, at=[0, 1, 6, 2])
+    with pytest.raises(solar.ConfigError, match="rows of torch.float32 \\(5, 3\\)"):
+        sc.decode_batch(blobs, decoder=decoder, out=torch.empty(4, 5, 3))
+
+
+@pytest.mark.parametrize("numba", [True, False])
+def test_copy_rows_copies_the_rows_it_names(monkeypatch, numba):
+    """``solar.codec.copy_rows``: the compiled loop and torch's index ops copy the same rows."""
+    import solar.codec as sc
+    from solar.codec import paths
+
+    if not numba:
+        monkeypatch.setattr(paths, "_kernels", lambda: None)
+    src = torch.arange(5 * 2 * 3, dtype=torch.float32).reshape(5, 2, 3)
+    dst = torch.zeros(4, 2, 3)
+    sc.copy_rows(src, [4, 0, 2], dst, [1, 3, 0])
+    assert torch.equal(dst[1], src[4]) and torch.equal(dst[3], src[0]) and torch.equal(dst[0], src[2])
+    assert not dst[2].any()
+    sc.copy_rows(src, [], dst, [])

@@ -31,7 +31,8 @@ from .base import Codec, Parsed, get_codec, registry
 from .header import Header, payload_of, read_header
 from .quantize import resolve_bound
 
-__all__ = ["encode", "decode", "decode_batch", "verify", "header_info", "HeaderInfo", "Codec", "registry", "get_codec"]
+__all__ = ["encode", "decode", "decode_batch", "copy_rows", "verify", "header_info", "HeaderInfo", "Codec", "registry",
+           "get_codec"]
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,34 @@ def decode(blob, *, device="cpu", out=None, compile: bool | None = None, decoder
     return x if out is None else out
 
 
+def _rows_of(out, at, n: int):
+    """``decode_batch``'s ``at=`` as an int64 array checked against ``out`` (None without ``out``)."""
+    if out is None:
+        return None
+    at = np.arange(n, dtype=np.int64) if at is None else np.asarray(at, dtype=np.int64)
+    if at.shape != (n,) or (len(at) and (at.min() < 0 or at.max() >= len(out))):
+        raise ConfigError(f"at= must give one row of out (0..{len(out) - 1}) per blob, got {len(at)} rows "
+                          f"for {n} blobs")
+    return at
+
+
+def _into(out, at: np.ndarray, x):
+    """``x`` (a batch decoded without ``out=``) put into rows ``at`` of ``out``."""
+    import torch  # decode only: `import solar.codec` stays numpy-only (encoding, solar ingest)
+
+    if isinstance(x, list) or x.shape[1:] != out.shape[1:] or x.dtype != out.dtype:
+        raise ConfigError(f"out= has rows of {out.dtype} {tuple(out.shape[1:])}; the blobs decode to others")
+    out[torch.from_numpy(at)] = x.to(out.device)
+    return out
+
+
+def copy_rows(src, src_rows, dst, dst_rows) -> None:
+    """``dst[dst_rows[k]] = src[src_rows[k]]`` for every ``k`` (int64 arrays) between two
+    contiguous CPU tensors of one row shape and dtype, without the GIL where numba imports
+    (decoded rows gathered for a batch)."""
+    _fast().copy_rows(src, np.asarray(src_rows, dtype=np.int64), dst, np.asarray(dst_rows, dtype=np.int64))
+
+
 def _options_ok(decoder, threads) -> bool:
     """Whether ``decoder=`` and ``threads=`` are valid (a batch's blobs are checked before them)."""
     try:
@@ -216,7 +245,7 @@ def _check_out(out, h: Header, device) -> None:
 
 
 def decode_batch(blobs: Sequence, *, device="cpu", names: Sequence[Any] | None = None, compile: bool | None = None,
-                 decoder: str | None = None, threads: int | None = None):
+                 decoder: str | None = None, threads: int | None = None, out=None, at=None):
     """Decode a mini-batch; blobs of one shape/dtype/codec are decoded with one sequence of ops.
 
     Returns a stacked ``(B, *shape)`` tensor when every blob has the same shape and dtype (the
@@ -231,9 +260,15 @@ def decode_batch(blobs: Sequence, *, device="cpu", names: Sequence[Any] | None =
         decoder: the decoder path (see :func:`decode`); None follows ``SOLAR_CODEC_DECODER``.
         threads: the ``cpu-kernel`` path's threads over the batch's blobs (0: every core); None
             follows ``SOLAR_CODEC_THREADS`` (default 1).
+        out: a contiguous ``(M, *shape)`` tensor on ``device`` to decode into, blob ``i`` into
+            row ``at[i]`` (``at``: distinct int64 rows, one per blob; None: rows ``0 .. B-1``);
+            then ``out`` is returned (a CPU decode by the ``cpu-kernel`` path writes the rows
+            directly).
 
     Raises:
         CorruptDataError: naming the offending blob (``names[i]`` when given).
+        ConfigError: ``out`` and ``at`` that do not fit the blobs (rows of another shape or
+            dtype, or not one row per blob).
     """
     import torch  # decode only: `import solar.codec` stays numpy-only (encoding, solar ingest)
 
@@ -246,14 +281,18 @@ def decode_batch(blobs: Sequence, *, device="cpu", names: Sequence[Any] | None =
     if names is not None and len(names) != len(blobs):
         raise ConfigError(f"names= has {len(names)} entries for {len(blobs)} blobs")
     blobs = list(blobs)
+    at = _rows_of(out, at, len(blobs))
     if not blobs:
-        return []
+        return [] if out is None else out
     labels = [f"sample {names[i]!r}" if names is not None else f"blob {i} of the batch" for i in range(len(blobs))]
     if str(device) == "cpu" and not compile and _options_ok(decoder, threads):
         with fused.use(compile), decoders.use(decoder, threads):
-            x = _fast().decode_rows(blobs, labels)  # each blob through the one-blob path, into its row
+            x = _fast().decode_rows(blobs, labels, out, at)  # each blob through the one-blob path, into its row
         if x is not None:
             return x
+    if out is not None:
+        return _into(out, at, decode_batch(blobs, device=device, names=names, compile=compile, decoder=decoder,
+                                           threads=threads))
     parsed = [_parse(b, w) for b, w in zip(blobs, labels)]
     groups: dict[Any, list[int]] = defaultdict(list)
     codecs: dict[str, Codec] = {}

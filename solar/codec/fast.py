@@ -33,8 +33,9 @@ from .ebq_meta import BITPACK, NIBBLES, EbqMeta, code_len
 from .header import Header, payload_of, read_header
 from .predict import Predictor
 from .sections import _ESCAPE_RANGE, _UNORDERED
+from .torch_ops import TORCH_DTYPES
 
-__all__ = ["decode_one", "decode_rows"]
+__all__ = ["copy_rows", "decode_one", "decode_rows"]
 
 _COVERED = frozenset({Predictor.INTERP, Predictor.FINE, Predictor.LORENZO})
 _INT = {4: torch.int32, 8: torch.int64}
@@ -76,11 +77,13 @@ def decode_one(blob, decoder: str | None, compile: bool | None = None, what: str
     return torch.from_numpy(x)
 
 
-def decode_rows(blobs, labels) -> torch.Tensor | None:
+def decode_rows(blobs, labels, out: torch.Tensor | None = None, at: np.ndarray | None = None) -> torch.Tensor | None:
     """A batch of ``blobs`` of one shape and dtype decoded on the CPU, each through the one-blob
     path straight into its row of the ``(B, *shape)`` result, the blobs split into one contiguous
     share per thread (:func:`solar.codec.decoders.current`'s count; the lossless stage and the
     kernel release the GIL). Call it inside the batch's ``fused.use`` / ``decoders.use`` block.
+    ``out`` (a contiguous CPU tensor): blob ``i`` into ``out[at[i]]`` instead (``at`` None: row
+    ``i``), returned; None also where the blobs' shape or dtype is not ``out``'s rows'.
 
     None when the group path must decode the batch: another path or compiling in effect, numba
     missing, a blob that is not a flat byte buffer, that the kernel does not cover, or of another
@@ -98,14 +101,21 @@ def decode_rows(blobs, labels) -> torch.Tensor | None:
                 return None
             jobs.append(job)
         h = jobs[0].plan.h
-        x = np.empty((len(jobs),) + h.shape, h.dtype)
-        rows = x.reshape(len(jobs), h.size)
+        if out is None:
+            x = np.empty((len(jobs),) + h.shape, h.dtype)
+        elif tuple(out.shape[1:]) != h.shape or out.dtype != TORCH_DTYPES[h.dtype.itemsize] \
+                or not out.is_contiguous() or out.device.type != "cpu":
+            return None
+        else:
+            x = out.numpy()
+        rows = x.reshape(len(x), h.size)
+        at = np.arange(len(jobs)) if at is None else at
         threads = min(decoders.current().threads, len(jobs))
         if threads <= 1:
-            _rows(jobs, labels, 0, len(jobs), rows)
+            _rows(jobs, labels, 0, len(jobs), rows, at)
         else:
             cuts = np.linspace(0, len(jobs), threads + 1).astype(int)
-            futures = [paths._pool(threads).submit(_rows, jobs, labels, a, b, rows)
+            futures = [paths._pool(threads).submit(_rows, jobs, labels, a, b, rows, at)
                        for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
             for f in futures:
                 f.exception()  # every share done before any refusal is looked at
@@ -113,7 +123,21 @@ def decode_rows(blobs, labels) -> torch.Tensor | None:
                 f.result()
     except CorruptDataError:
         return None
-    return torch.from_numpy(x)
+    return torch.from_numpy(x) if out is None else out
+
+
+def copy_rows(src: torch.Tensor, src_rows: np.ndarray, dst: torch.Tensor, dst_rows: np.ndarray) -> None:
+    """``dst[dst_rows[k]] = src[src_rows[k]]`` for every ``k`` (int64 arrays): rows of two
+    contiguous CPU tensors of one row shape and dtype, in one compiled loop without the GIL where
+    numba imports, else with torch's index ops."""
+    if not len(src_rows):
+        return
+    k = paths._kernels()
+    if k is not None and src.is_contiguous() and dst.is_contiguous():
+        width = src[0].numel()
+        k.copy_rows(src.numpy().reshape(len(src), width), src_rows, dst.numpy().reshape(len(dst), width), dst_rows)
+    else:
+        dst.index_copy_(0, torch.from_numpy(dst_rows), src.index_select(0, torch.from_numpy(src_rows)))
 
 
 class _Job(NamedTuple):
@@ -159,10 +183,11 @@ def _flat(blob):
     return None
 
 
-def _rows(jobs: list[_Job], labels, b0: int, b1: int, rows: np.ndarray) -> None:
-    """Blobs ``b0 .. b1 - 1`` of a batch, each into its row of ``rows``."""
+def _rows(jobs: list[_Job], labels, b0: int, b1: int, rows: np.ndarray, at) -> None:
+    """Blobs ``b0 .. b1 - 1`` of a batch, blob ``i`` into row ``at[i]`` of ``rows``."""
     for i in range(b0, b1):
-        _kernel(jobs[i].plan, jobs[i].payload, rows[i:i + 1], labels[i])
+        r = int(at[i])
+        _kernel(jobs[i].plan, jobs[i].payload, rows[r:r + 1], labels[i])
 
 
 def _key(blob: bytes) -> tuple[bytes, int]:

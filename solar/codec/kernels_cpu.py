@@ -45,7 +45,7 @@ from .passes import C_LEVEL as _LV
 from .passes import C_NE as _NE
 from .passes import NDIM
 
-__all__ = ["decode_rows"]
+__all__ = ["decode_rows", "copy_rows"]
 
 @numba.njit(inline="always")
 def _wrap(x, is32):
@@ -515,3 +515,10 @@ def decode_blob(n, lead, dims, lorenzo, plan, masks, K, kind, esc_add, esc_limit
                 codes.reshape((1, L)), codes.reshape((1, L)), codes.reshape((1, w, L // w)), bpw, one, marks, side,
                 esc_pos, esc_val, esc_add, out_pos, out_val, steps, offs, add_off, out)
     return 0
+
+
+@numba.njit(nogil=True, cache=True)
+def copy_rows(src, src_rows, dst, dst_rows):
+    """``dst[dst_rows[k]] = src[src_rows[k]]`` for every ``k`` (2-D arrays of one row width)."""
+    for k in range(src_rows.shape[0]):
+        dst[dst_rows[k]] = src[src_rows[k]]
