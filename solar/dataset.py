@@ -483,7 +483,8 @@ class H5Dataset(RowReads, Dataset):
         carry their columns (NOTE [ One copy into the batch ] in solar/fetch.py), or what
         ``transform`` makes of each."""
         cols = tuple(tensors[f] for f in self.fields)
-        samples = Samples(cols[0][i] if self._single else tuple(c[i] for c in cols) for i in range(n))
+        rows = [c.unbind(0) if len(c) == n else c[:n].unbind(0) for c in cols] if n else [()] * len(cols)
+        samples = Samples(rows[0] if self._single else zip(*rows))  # (unbind: every row's view in one call)
         if self.transform is not None:
             return [self.transform(s) for s in samples]
         samples.columns, samples.single = cols, self._single
