@@ -37,11 +37,11 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from typing import Any
+from typing import Any, Hashable
 
 import numpy as np
 
-__all__ = ["RowArena", "arena_for", "BLOCK_BYTES", "MIN_ROW_BYTES"]
+__all__ = ["RowArena", "SlotBlocks", "arena_for", "slot_releaser", "BLOCK_BYTES", "MIN_ROW_BYTES"]
 
 #: Bytes per block of an arena (a row larger than this gets a block of its own).
 BLOCK_BYTES = 16 << 20
@@ -53,30 +53,51 @@ _ARENAS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 _ARENAS_LOCK = threading.Lock()
 
 
-class RowArena:
-    """Rows of ``shape`` and ``dtype`` (NOTE [ Kept rows in an arena ]): :meth:`row` hands out
-    one writable, uninitialized row, in a free slot of a block or in a new block."""
+class SlotBlocks:
+    """Blocks of ``per_block`` slots of ``nbytes`` bytes; a slot is handed out as one array (an
+    uninitialized row, or a value just written) and is free again once that array and every view
+    of it are gone (NOTE [ Kept rows in an arena ]). Subclasses add the blocks."""
 
-    def __init__(self, shape: tuple, dtype: np.dtype, block_bytes: int = BLOCK_BYTES) -> None:
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.row_bytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-        self.per_block = max(1, block_bytes // max(1, self.row_bytes))
+    def __init__(self, nbytes: int, per_block: int) -> None:
+        self.nbytes, self.per_block = int(nbytes), int(per_block)
         self._blocks: list[memoryview] = []
-        # free slots (block, index); appended by weak-reference callbacks from any thread,
-        # popped by row(): both atomic on a deque, so neither takes a lock a dying row's
-        # callback could wait for
+        # free slots: appended by weak-reference callbacks from any thread, popped by the one
+        # handing out (both atomic on a deque, so no callback waits for a lock)
         self._free: collections.deque = collections.deque()
-        self._refs: dict[tuple[int, int], weakref.ref] = {}
-        self._grow = threading.Lock()
+        self._refs: dict[int, weakref.ref] = {}
 
     @property
     def slots(self) -> int:
-        """Rows the arena's blocks hold, in use or free."""
+        """Slots the blocks hold, in use or free."""
         return len(self._blocks) * self.per_block
 
     @property
     def in_use(self) -> int:
         return self.slots - len(self._free)
+
+    def _add(self, block: memoryview) -> None:
+        """A new block's slots become free, the first on top."""
+        b = len(self._blocks)
+        self._blocks.append(block)
+        self._free.extend(range((b + 1) * self.per_block - 1, b * self.per_block - 1, -1))
+
+    def _hand_out(self, slot: int, dtype: np.dtype, shape: tuple) -> np.ndarray:
+        """Slot ``slot`` as an array of ``dtype`` and ``shape``, the slot's one base array."""
+        block, i = divmod(slot, self.per_block)
+        flat = np.frombuffer(self._blocks[block][i * self.nbytes:(i + 1) * self.nbytes], dtype)
+        self._refs[slot] = weakref.ref(flat, slot_releaser(slot, self._refs, self._free))
+        return flat.reshape(shape)
+
+
+class RowArena(SlotBlocks):
+    """Rows of ``shape`` and ``dtype`` (NOTE [ Kept rows in an arena ]): :meth:`row` hands out
+    one writable, uninitialized row, in a free slot of a block or in a new block."""
+
+    def __init__(self, shape: tuple, dtype: np.dtype, block_bytes: int = BLOCK_BYTES) -> None:
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        row_bytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        super().__init__(row_bytes, max(1, block_bytes // max(1, row_bytes)))
+        self._grow = threading.Lock()
 
     def row(self) -> np.ndarray:
         """A row of ``shape`` and ``dtype`` nobody else references, its bytes uninitialized."""
@@ -87,20 +108,11 @@ class RowArena:
             except IndexError:
                 with self._grow:
                     if not self._free:
-                        self._add_block()
-        block, i = slot
-        n = self.row_bytes
-        flat = np.frombuffer(self._blocks[block][i * n:(i + 1) * n], self.dtype)
-        self._refs[slot] = weakref.ref(flat, _releaser(slot, self._refs, self._free))
-        return flat.reshape(self.shape)
-
-    def _add_block(self) -> None:
-        b = len(self._blocks)
-        self._blocks.append(memoryview(np.empty(self.per_block * self.row_bytes, np.uint8)))
-        self._free.extend((b, i) for i in range(self.per_block - 1, -1, -1))
+                        self._add(memoryview(np.empty(self.per_block * self.nbytes, np.uint8)))
+        return self._hand_out(slot, self.dtype, self.shape)
 
 
-def _releaser(slot: tuple[int, int], refs: dict, free: collections.deque):
+def slot_releaser(slot: Hashable, refs: dict, free: collections.deque):
     """The weak-reference callback that frees ``slot`` (it holds the arena's free list, not the
     arena: an arena nobody uses goes with its blocks at once, not at the next garbage collection)."""
     def release(_ref) -> None:

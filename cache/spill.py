@@ -8,11 +8,13 @@ the disk after, and a hit from either saves a read from shared storage.
 
 The tier keeps its own index of what it spilled (key -> file number, dtype and shape), so keys
 may be any hashable (the loader uses ``(field, sample)``) and NumPy arrays come back as arrays
-of their dtype and shape (read-only views of the file's bytes); other values come back as
-``bytes``. Its files live in a fresh directory under the given one, removed when the tier is
-garbage collected or the process exits (never by a forked child); a job killed before that
-(SIGKILL at its time limit) leaves its directory, which the next tier made on the same host
-removes (the directory names the host and the process, and that process is gone).
+of their dtype and shape (read-only views of the file's bytes: arrays of ``slab.MIN_BYTES``
+or more are slots of one file per size, read as views of its map, NOTE [ Spilled rows in slab
+files ] in slab.py); other values come back as ``bytes``. Its files live in a fresh directory
+under the given one, removed when the tier is garbage collected or the process exits (never by
+a forked child); a job killed before that (SIGKILL at its time limit) leaves its directory,
+which the next tier made on the same host removes (the directory names the host and the
+process, and that process is gone).
 
 One budget covers both parts (the schedule plans one capacity): a value goes to memory while the
 memory tier has room and the total allows it, else to disk while the total allows it, charged
@@ -29,7 +31,7 @@ import socket
 import threading
 import uuid
 import weakref
-from typing import Any, Hashable, Iterator
+from typing import Any, Hashable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -38,6 +40,7 @@ from solar.errors import BackendNotFoundError, ConfigError
 from . import registry
 from .base import Tier, TierFullError, _nbytes
 from .memory import MemoryTier
+from .slab import MIN_BYTES, Slab
 
 __all__ = ["SpillTier", "spill_level", "file_tiers"]
 
@@ -102,6 +105,12 @@ def remove_stale(directory: str) -> list[str]:
     return gone
 
 
+class InSlab(NamedTuple):
+    """A spilled array in a slot of a :class:`Slab`: the slot's array (read-only)."""
+
+    view: np.ndarray
+
+
 class SpillTier(Tier):
     """``first`` (memory) while it has room, then ``second`` (a disk tier), under one budget.
 
@@ -128,6 +137,8 @@ class SpillTier(Tier):
         self._used_second = 0  # charged: whole blocks per value
         self._lock = threading.RLock()
         self._warned = False
+        self._slab_dir: str | None = None  # where arrays spill to slab files (on_disk's tiers)
+        self._slabs: dict[int, Slab] = {}
 
     @classmethod
     def on_disk(cls, directory: str, memory_bytes: int | None, disk_bytes: int | None,
@@ -149,6 +160,7 @@ class SpillTier(Tier):
             block = os.statvfs(root).f_bsize
         total = None if memory_bytes is None or disk_bytes is None else memory_bytes + disk_bytes
         tier = cls(MemoryTier(memory_bytes), second, total, block=block)
+        tier._slab_dir = root  # NOTE [ Spilled rows in slab files ] in slab.py
         tier._finalizer = weakref.finalize(tier, _remove_dir, root, os.getpid())
         return tier
 
@@ -177,7 +189,11 @@ class SpillTier(Tier):
         if not self._room(cost):
             return False
         try:
-            stored = self.second.put(name, data)
+            stored = self._to_slab(data, arr) if arr is not None else None
+            if stored is not None:
+                name = stored
+            else:
+                stored = self.second.put(name, data)
         except (OSError, TierFullError) as exc:  # disk full or gone: a cache keeps less, it does not fail
             if not self._warned:
                 import warnings
@@ -194,9 +210,24 @@ class SpillTier(Tier):
         self._used_second += cost
         return True
 
+    def _to_slab(self, data: np.ndarray, arr: np.ndarray) -> "InSlab | None":
+        """Write array ``arr``'s bytes ``data`` to the slab file of their size (NOTE [ Spilled
+        rows in slab files ] in slab.py): the slot's array, or None where it goes to a file of its
+        own (no slab directory, a small array, or no room for another block)."""
+        n = data.nbytes
+        if self._slab_dir is None or n < MIN_BYTES:
+            return None
+        slab = self._slabs.get(n)
+        if slab is None:
+            slab = self._slabs[n] = Slab(self._slab_dir, n)
+        view = slab.put(data, arr.dtype, arr.shape)
+        return None if view is None else InSlab(view)
+
     def _load(self, key: Hashable) -> Any | None:
         """A spilled value, as the array (dtype, shape) it was when put, or bytes."""
         entry = self._spilled.get(key)
+        if entry is not None and isinstance(entry[0], InSlab):
+            return entry[0].view
         value = None if entry is None else self.second.get(entry[0])
         if value is not None and entry[1] is not None:
             value = np.frombuffer(value, entry[1]).reshape(entry[2])
@@ -206,7 +237,8 @@ class SpillTier(Tier):
         entry = self._spilled.pop(key, None)
         if entry is None:
             return False
-        self.second.delete(entry[0])
+        if not isinstance(entry[0], InSlab):  # (a slab's slot is free once its array is gone)
+            self.second.delete(entry[0])
         self._used_second -= entry[3]
         return True
 
@@ -259,6 +291,9 @@ class SpillTier(Tier):
             self.first.clear()
             for key in list(self._spilled):
                 self._unspill(key)
+            for slab in self._slabs.values():
+                slab.close()
+            self._slabs.clear()
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer()
