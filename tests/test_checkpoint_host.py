@@ -10,9 +10,10 @@ import torch
 from solar.checkpoint import CheckpointWriter, load
 from solar.checkpoint.chunking import hash_chunks, hasher
 from solar.checkpoint.flatten import flatten
-from solar.checkpoint.host import SKIP_BELOW, HostPool
+from solar.checkpoint.host import HASH_FIRST_MIN_CHUNK, SKIP_BELOW, HostPool
 
-CS = 1024  # the smallest chunk size a writer takes: many chunks from small tensors
+CS = 1024  # the smallest chunk size a writer takes: many chunks from small tensors (the pool's tests)
+WCS = HASH_FIRST_MIN_CHUNK  # a writer stages hash-first from this chunk size on
 
 
 def _pool() -> HostPool:
@@ -110,10 +111,10 @@ def test_every_version_of_randomly_changing_state_loads_exactly(tmp_path, max_in
     """Sparse, dense, frozen and resized tensors over 30 saves: each version loads bit-exactly
     (a chunk wrongly skipped would load its older bytes)."""
     rng = np.random.default_rng(7)
-    state = {"w": torch.randn(37 * CS // 4 + 3), "frozen": torch.randn(9 * CS // 4),
-             "b": torch.randn(5), "half": torch.randn(6 * CS // 2).to(torch.bfloat16)}
-    saved = {}
-    with CheckpointWriter(tmp_path / "ck", chunk_size=CS, max_in_flight=max_in_flight) as w:
+    state = {"w": torch.randn(37 * WCS // 4 + 3), "frozen": torch.randn(9 * WCS // 4),
+             "b": torch.randn(5), "half": torch.randn(6 * WCS // 2).to(torch.bfloat16)}
+    saved, staged = {}, []
+    with CheckpointWriter(tmp_path / "ck", chunk_size=WCS, max_in_flight=max_in_flight) as w:
         for step in range(30):
             kind = rng.integers(4)
             flat = state["w"].view(-1)
@@ -124,14 +125,16 @@ def test_every_version_of_randomly_changing_state_loads_exactly(tmp_path, max_in
             elif kind == 1:  # every chunk
                 flat.neg_()
             elif kind == 2:  # a run of consecutive chunks of the bf16 tensor
-                a = int(rng.integers(0, 5)) * CS // 2
-                state["half"][a:a + CS].add_(1.0)
+                a = int(rng.integers(0, 5)) * WCS // 2
+                state["half"][a:a + WCS].add_(1.0)
             if step == 20:  # another layout: a tensor grows
                 state["b"] = torch.randn(700)
             state["b"][0] = float(step)
-            w.save(state, step)
+            staged.append(w.save(state, step))
             saved[step] = {k: v.clone() for k, v in state.items()}
         w.wait()
+    logical = staged[0].result().logical_bytes
+    assert min(f.result().bytes_staged for f in staged) < logical / 4  # some saves copied little
     for step, want in saved.items():
         got = load(tmp_path / "ck", step=step)
         for k, v in want.items():
@@ -139,16 +142,37 @@ def test_every_version_of_randomly_changing_state_loads_exactly(tmp_path, max_in
 
 
 def test_save_result_counts_the_bytes_the_host_copy_copied(tmp_path):
-    state = {"w": torch.zeros(64 * CS // 4), "frozen": torch.ones(16 * CS // 4)}
-    total = 80 * CS
-    with CheckpointWriter(tmp_path / "ck", chunk_size=CS) as w:
+    state = {"w": torch.zeros(64 * WCS // 4), "frozen": torch.ones(16 * WCS // 4)}
+    total = 80 * WCS
+    with CheckpointWriter(tmp_path / "ck", chunk_size=WCS) as w:
         first = w.save(state, 0).result()
-        state["w"][10 * CS // 4] = 1.0  # one chunk of w
+        state["w"][10 * WCS // 4] = 1.0  # one chunk of w
         second = w.save(state, 1).result()
-        state["w"].add_(2.0)  # all of w: hashed first once (nothing changed much before) ...
+        state["w"].add_(2.0)  # all of w: hashed first until a sixteenth of it was seen changed ...
         third = w.save(state, 2).result()
         state["w"].add_(2.0)
         fourth = w.save(state, 3).result()  # ... then copied outright; frozen is never copied again
-    assert (first.bytes_staged, second.bytes_staged) == (total, CS)
-    assert (third.bytes_staged, fourth.bytes_staged) == (64 * CS, 64 * CS)
+    assert (first.bytes_staged, second.bytes_staged) == (total, WCS)
+    assert (third.bytes_staged, fourth.bytes_staged) == (64 * WCS, 64 * WCS)
     assert second.logical_bytes == total
+
+
+def test_small_chunks_stage_by_copying(tmp_path):
+    state = {"w": torch.zeros(64 * CS // 4)}
+    with CheckpointWriter(tmp_path / "ck", chunk_size=CS) as w:
+        w.save(state, 0).result()
+        assert w.save(state, 1).result().bytes_staged == 64 * CS
+
+
+def test_a_blob_found_changing_throughout_is_copied_after_a_sixteenth_of_its_hash():
+    n = 64  # chunks; the pool hashes 4 MiB groups, so with 1 MiB chunks it looks at 4 at a time
+    pool = HostPool(1, 1 << 20, hasher("xxh3_128"))
+    t = torch.zeros(n * (1 << 20) // 4)
+    slot, views = _stage(pool, {"t": t})
+    pool.release(slot, [hash_chunks(views[0], 1 << 20, hasher("xxh3_128"))])
+    t.add_(1.0)
+    slot, views = _stage(pool, {"t": t})
+    assert pool.staged(slot) == ([None], n * (1 << 20))  # gave up hashing after its first 4 chunks
+    assert np.array_equal(views[0], t.view(torch.uint8).numpy())
+    pool.release(slot, [hash_chunks(views[0], 1 << 20, hasher("xxh3_128"))])
+    assert pool._held[0].changed == [1.0]

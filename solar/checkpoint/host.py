@@ -15,7 +15,8 @@ live chunks first and copies only the chunks whose digest differs from the one h
 blob's chunks mostly stayed the same last time: frozen layers, a replicated tensor, a sparse
 update. Hashing reads each byte once where a copy reads and writes it, so an unchanged chunk
 blocks the caller for well under its copy's time; a blob that mostly changed is copied outright
-(hashing it first would add the hash to the copy). The digests hashed here are the save's own
+(hashing it first would add the hash to the copy), and a blob found changing throughout while it
+is hashed is copied outright from there on. The digests hashed here are the save's own
 chunk digests: the save does not hash those blobs again. Invariant: a slot's record holds the
 digests of the bytes its buffer holds, or is absent; a staging copy that may have failed halfway
 drops it first.
@@ -33,13 +34,17 @@ import torch
 from .chunking import DIGEST_SIZE, hasher
 from .flatten import BlobSource
 
-__all__ = ["HostPool", "SKIP_BELOW", "Staged", "host_pool"]
+__all__ = ["HostPool", "SKIP_BELOW", "HASH_FIRST_MIN_CHUNK", "Staged", "host_pool"]
 
 _ALIGN = 64  # each blob's copy starts on this byte boundary of the buffer
 #: a blob is hashed before it is copied when at most this fraction of its chunks changed between
 #: the slot's last two saves: hashing costs about two thirds of a copy, so past about a third of
 #: the chunks changed the hash-first staging blocks longer than a plain copy
 SKIP_BELOW = 0.25
+_GROUP_BYTES = 4 << 20  # hash-first staging hashes, then copies, this many bytes of chunks at a time
+#: hash-first staging needs chunks this large: it makes one hash call per chunk in the caller's
+#: thread, whose fixed cost (about a microsecond) must stay small next to the chunk's hash
+HASH_FIRST_MIN_CHUNK = 1 << 18
 
 
 class Staged(NamedTuple):
@@ -191,7 +196,7 @@ class HostPool:
             dst = buf[off:off + b.nbytes]
             old = held.digests[i] if held is not None and held.changed[i] <= SKIP_BELOW else None
             if old is not None and len(old) == -(-b.nbytes // self._chunk_size):
-                digests, n = self._copy_changed(src, dst, old)
+                digests, n = self._copy_changed(src, dst, old)  # digests None: it gave up hashing
                 hashed.append(digests)
                 copied += n
             else:
@@ -210,29 +215,41 @@ class HostPool:
         self._staged[slot] = Staged(hashed, copied)
         return views
 
-    def _copy_changed(self, src: torch.Tensor, dst: torch.Tensor, old: np.ndarray) -> tuple[np.ndarray, int]:
-        """Hash ``src``'s chunks and copy into ``dst`` the runs of chunks whose digest differs from
-        ``old`` (the digests of what ``dst`` holds); return the new digests and the bytes copied."""
+    def _copy_changed(self, src: torch.Tensor, dst: torch.Tensor, old: np.ndarray) -> tuple[np.ndarray | None, int]:
+        """Hash ``src``'s chunks and copy into ``dst`` the chunks whose digest differs from ``old``
+        (the digests of what ``dst`` holds); return the new digests and the bytes copied.
+
+        Group by group, so a changed chunk is copied while the hash left it in cache. Where more
+        than ``SKIP_BELOW`` of the chunks seen so far changed once a sixteenth of the blob was
+        seen, the rest is copied outright and the digests are ``None`` (the save hashes its copy):
+        a blob that changed throughout costs its copy and a sixteenth of its hash."""
         cs, digest = self._chunk_size, self._digest
         view = memoryview(src.numpy())
-        out = bytearray()
-        for a in range(0, len(view), cs):
-            out += digest(view[a:a + cs])
-        new = np.frombuffer(bytes(out), dtype=np.uint8).reshape(-1, DIGEST_SIZE)
-        changed = np.flatnonzero((new != old).any(axis=1))
-        copied = 0
-        if len(changed):  # copy each run of consecutive changed chunks at once
-            breaks = np.flatnonzero(np.diff(changed) > 1) + 1
-            for run in np.split(changed, breaks):
-                a, e = int(run[0]) * cs, min((int(run[-1]) + 1) * cs, len(view))
-                dst[a:e].copy_(src[a:e])
-                copied += e - a
-        return new, copied
+        n = len(old)
+        group = max(1, _GROUP_BYTES // cs)
+        probe = max(group, n // 16)
+        out, copied, nchanged = bytearray(), 0, 0
+        for g in range(0, n, group):
+            if g >= probe and nchanged > SKIP_BELOW * g:
+                a = g * cs
+                dst[a:].copy_(src[a:])
+                return None, copied + len(view) - a
+            for j in range(g, min(g + group, n)):
+                d = digest(view[j * cs:(j + 1) * cs])
+                out += d
+                if d != old[j].tobytes():
+                    nchanged += 1
+                    a, e = j * cs, min((j + 1) * cs, len(view))
+                    dst[a:e].copy_(src[a:e])
+                    copied += e - a
+        return np.frombuffer(bytes(out), dtype=np.uint8).reshape(-1, DIGEST_SIZE), copied
 
 
 def host_pool(slots: int, chunk_size: int, hash: str) -> HostPool:
-    """The writer's pool; hash-first staging only with a hash that reads faster than a copy (XXH3)."""
-    return HostPool(slots, chunk_size, hasher(hash) if hash == "xxh3_128" else None)
+    """The writer's pool; hash-first staging only with a hash that reads faster than a copy (XXH3)
+    and chunks of at least ``HASH_FIRST_MIN_CHUNK`` bytes."""
+    fast = hash == "xxh3_128" and chunk_size >= HASH_FIRST_MIN_CHUNK
+    return HostPool(slots, chunk_size, hasher(hash) if fast else None)
 
 
 def _layout(blobs: list[BlobSource]) -> tuple[int, list[int]]:
