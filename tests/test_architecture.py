@@ -58,7 +58,7 @@ MAY_USE = {
     "solar.iterators": {"solar.fetch", "solar.stats"},  # the loader's iterators around torch's
     "solar.sampler": {"solar.options", "solar.schedule", "solar.passes", "solar.prefetch", "solar.cache",
                       "solar.collective", "solar.dist", "solar.shardplan", "solar.nodeshare", "solar.exchange",
-                      "solar.firststeps"},
+                      "solar.firststeps", "solar.decoded"},
     "solar.loader": {"solar.sampler", "solar.options", "solar.memory", "solar.schedule", "solar.order", "solar.subset",
                      "solar.views", "solar.dist", "solar.fetch", "solar.stats", "solar.iterators"},
     # consumers of the data path and of the tiers
