@@ -45,6 +45,7 @@ from torch.utils.data import BatchSampler, DistributedSampler
 from solar.cache import MemoryTier
 from solar.cache.spill import SpillTier
 from solar.collective import agree_iteration
+from solar.decoded import BufferUsage, usage
 from solar.dist import collective_call, mpi_executor, plan_comm, plan_executor
 from solar.errors import ConfigError
 from solar.exchange import run_mpi
@@ -275,6 +276,11 @@ class SolarBatchSampler(BatchSampler):
     @property
     def _sharded(self) -> bool:
         return isinstance(self._planner, ShardPlanner)
+
+    def buffer_usage(self) -> BufferUsage:
+        """What this rank's buffer holds now: stored bytes, and the decoded copies in its left-over
+        bytes (NOTE [ Decoded copies ] in solar/decoded.py)."""
+        return usage(self.buffer)
 
     # -- resume ---------------------------------------------------------------------------------
     def set_resume(self, state: dict | None) -> None:

@@ -55,7 +55,7 @@ def epochs(path, budget, n=3, num_workers=0, monkeypatch=None, copies=True, cls=
         batches += [[t.clone() for t in b] for b in loader]
         served = usage(loader.solar_sampler.buffer).decoded_hits - sum(N - d for d in decoded)
         decoded.append(ds.decoded - before if before is not None else N - served)
-        used.append(usage(loader.solar_sampler.buffer))
+        used.append(loader.solar_sampler.buffer_usage())
     ds.close()
     return batches, decoded, (ds.stats.hits, ds.stats.misses), used
 
