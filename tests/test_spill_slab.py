@@ -114,3 +114,17 @@ def test_a_loader_spilling_large_rows_gives_torchs_batches(tmp_path):
     finally:
         ds.close()
         ref_ds.close()
+
+
+def test_written_values_are_mapped_in_at_once(tmp_path):
+    """Each put maps its pages into the block's map (MADV_POPULATE_READ): reading the values
+    afterwards takes no page faults, where each would have faulted in a first read."""
+    import resource
+
+    slab = Slab(str(tmp_path), 16384)
+    views = [slab.put(np.full(4096, i, np.float32).view(np.uint8), np.float32, (4096,)) for i in range(256)]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    total = sum(float(v[0]) + float(v[-1]) for v in views)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert total == 2 * sum(range(256)) and faults < 16  # (without: a fault every few values, 65 here)
+    slab.close()
