@@ -454,10 +454,14 @@ class H5Dataset(RowReads, Dataset):
         return (type(self).decode is H5Dataset.decode and self.device.type == "cpu"
                 and all(s.kind == "codec" for s in self.specs))
 
-    def decode_into(self, stored: StoredBatch, out: dict[str, torch.Tensor], at: np.ndarray) -> None:
-        """:meth:`decode` of ``stored`` (every field compressed) straight into rows ``at`` of
-        ``out``'s tensors (one per field, on :attr:`device`): sample ``i`` into row ``at[i]``."""
+    def decode_into(self, stored: StoredBatch, out: dict[str, torch.Tensor], at: np.ndarray) -> dict[str, float]:
+        """:meth:`decode` of ``stored``'s fields that ``out`` names (compressed fields) straight
+        into rows ``at`` of ``out``'s tensors (on :attr:`device`): sample ``i`` into row ``at[i]``.
+        Returns each field's decode seconds."""
+        took = {}
         for spec in self.specs:
+            if spec.name not in out:
+                continue
             blobs, names = self._blobs(stored, spec)
             t0 = time.perf_counter()
             try:
@@ -468,7 +472,9 @@ class H5Dataset(RowReads, Dataset):
                     self._check_layout(spec, header_info(blob), name)
                 raise
             finally:
-                self.stats.decode_s += time.perf_counter() - t0
+                took[spec.name] = time.perf_counter() - t0
+                self.stats.decode_s += took[spec.name]
+        return took
 
     def plain_batches(self) -> bool:
         """Whether a batch is its loaded rows as they are, with no per-sample work: every field

@@ -52,40 +52,84 @@ _STORES_LOCK = threading.Lock()
 
 class BufferUsage(NamedTuple):
     """What a rank buffer holds (``SolarBatchSampler.buffer_usage()``): bytes of stored
-    (compressed or raw) samples, bytes and count of decoded copies (NOTE [ Decoded copies ]),
-    steps' samples served from copies so far, and the byte budget (None: counted in samples)."""
+    (compressed or raw) samples; bytes of decoded copies (NOTE [ Decoded copies ]), the samples
+    with a copy of some field and the copied rows (a sample's field each); the rows steps took from
+    copies so far; the byte budget (None: counted in samples)."""
 
     stored_bytes: int
     decoded_bytes: int
     decoded_samples: int
+    decoded_rows: int
     decoded_hits: int
     budget_bytes: int | None
 
 
-class DecodedCopies:
-    """Decoded copies of up to ``rows`` samples, one slab per field (NOTE [ Decoded copies ]).
+class _Field:
+    """One field's copies: a slab of ``rows`` rows (allocated at the first copy, its pages touched
+    row by row as copies are made), the row of each sample that has one, and the free rows."""
 
-    The slabs are allocated at the first copy and their pages are touched row by row as copies
-    are made; :attr:`nbytes` counts the rows held."""
+    def __init__(self, shape: tuple, dtype: torch.dtype) -> None:
+        self.shape, self.dtype = shape, dtype
+        self.row_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self.rows = 0
+        self.slab: torch.Tensor | None = None
+        self.slot: dict[int, int] = {}  # buffer key -> row of the slab
+        self.free: list[int] = []
+        self.seconds = self.decoded = 0.0  # decode time of this field's rows, and how many rows
+
+    def size(self, rows: int) -> None:
+        self.rows, self.free = rows, list(range(rows - 1, -1, -1))
+
+
+class DecodedCopies:
+    """Decoded copies in ``budget`` bytes, field by field (NOTE [ Decoded copies ]).
+
+    Which fields: where the decode time per row of each field is known (``note``: H5Dataset's own
+    decode, field by field), the budget goes first to the field whose rows cost the most decode
+    time per byte, up to ``capacity`` rows (every resident sample), then to the next; otherwise
+    (or until then) every field gets as many rows as the budget holds whole samples."""
 
     def __init__(self, budget: int, specs: Sequence[Any], capacity: int) -> None:
         self.capacity = capacity  # the plan's samples per rank this store was sized for
-        self.shapes = {s.name: ((*s.sample_shape,), torch_dtype(s.dtype)) for s in specs}
-        self.row_bytes = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize for shape, dt in self.shapes.values())
-        self.rows = max(0, int(budget) // self.row_bytes) if self.row_bytes else 0
-        self._slabs: dict[str, torch.Tensor] = {}
-        self._slot: dict[int, int] = {}  # buffer key -> row of the slabs
-        self._free = list(range(self.rows - 1, -1, -1))
+        self.budget = max(0, int(budget))
+        self.fields = {s.name: _Field((*s.sample_shape,), torch_dtype(s.dtype)) for s in specs}
+        sample = sum(f.row_bytes for f in self.fields.values())
+        self.rows = self.budget // sample if sample else 0  # whole samples the budget holds
+        for f in self.fields.values():
+            f.size(self.rows)
+        self.sized_by_cost = False
         self._lock = threading.Lock()
         self._seen = -1  # the buffer's evictions at the last sync
         self.hits = 0
 
     @property
     def nbytes(self) -> int:
-        return len(self._slot) * self.row_bytes
+        return sum(len(f.slot) * f.row_bytes for f in self.fields.values())
 
     def __len__(self) -> int:
-        return len(self._slot)
+        """Samples with a copy of some field."""
+        return len(set().union(*(f.slot for f in self.fields.values())))
+
+    @property
+    def copied_rows(self) -> int:
+        return sum(len(f.slot) for f in self.fields.values())
+
+    def note(self, name: str, seconds: float, rows: int) -> None:
+        """``rows`` rows of field ``name`` took ``seconds`` to decode; once every field has a
+        figure and no copy is held yet, the budget is split by them (see the class docstring)."""
+        f = self.fields[name]
+        f.seconds += seconds
+        f.decoded += rows
+        if self.sized_by_cost or any(not g.decoded for g in self.fields.values()):
+            return
+        with self._lock:
+            if self.sized_by_cost or any(g.slot for g in self.fields.values()):
+                return
+            left = self.budget
+            for g in sorted(self.fields.values(), key=lambda g: -g.seconds / g.decoded / g.row_bytes):
+                g.size(min(self.capacity, left // g.row_bytes))
+                left -= g.rows * g.row_bytes
+            self.sized_by_cost = True
 
     def sync(self, buffer: Any, first: str) -> None:
         """Drop the copies of samples no longer in ``buffer`` (``first``: its first field)."""
@@ -94,46 +138,46 @@ class DecodedCopies:
             return
         with self._lock:
             self._seen = evictions
-            for key in [k for k in self._slot if (first, k) not in buffer]:
-                self._free.append(self._slot.pop(key))
+            for f in self.fields.values():
+                for key in [k for k in f.slot if (first, k) not in buffer]:
+                    f.free.append(f.slot.pop(key))
 
-    def take(self, keys: Sequence[int], out: dict[str, torch.Tensor]) -> np.ndarray:
-        """Copy the rows of ``keys`` that have copies into their places of ``out``; the mask of
-        those places."""
+    def take(self, keys: Sequence[int], out: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        """Copy the rows of ``keys`` that have copies into their places of ``out``; per field,
+        the mask of those places."""
+        hits = {}
         with self._lock:
-            slots = np.fromiter((self._slot.get(k, -1) for k in keys), np.int64, len(keys))
-            hit = slots >= 0
-            if hit.any():
-                at, src = np.flatnonzero(hit), slots[hit]
-                for name, t in out.items():
-                    copy_rows(self._slabs[name], src, t, at)
-                self.hits += len(at)
-        return hit
+            for name, t in out.items():
+                f = self.fields[name]
+                slots = np.fromiter((f.slot.get(k, -1) for k in keys), np.int64, len(keys)) if f.slot else None
+                hit = hits[name] = slots >= 0 if slots is not None else np.zeros(len(keys), bool)
+                if slots is not None and hit.any():
+                    at = np.flatnonzero(hit)
+                    copy_rows(f.slab, slots[hit], t, at)
+                    self.hits += len(at)
+        return hits
 
     def admit(self, keys: Sequence[int], decoded: dict[str, torch.Tensor], rows: np.ndarray,
               resident: Callable[[int], bool]) -> None:
-        """Keep copies of resident samples without one while rows are free: sample ``keys[j]`` is
-        row ``rows[j]`` of ``decoded``'s tensors."""
-        if not self._free:
-            return
+        """Keep copies of resident samples' fields without one while rows are free: sample
+        ``keys[j]`` is row ``rows[j]`` of ``decoded``'s tensors (the fields it has)."""
         with self._lock:
-            take, slots = [], []
-            for j, k in enumerate(keys):
-                if len(slots) == len(self._free):
-                    break
-                if k not in self._slot and resident(k):
-                    self._slot[k] = self._free[-1 - len(slots)]
-                    take.append(rows[j])
-                    slots.append(self._slot[k])
-            if not take:
-                return
-            del self._free[len(self._free) - len(slots):]
-            if not self._slabs:
-                self._slabs = {name: torch.empty((self.rows, *shape), dtype=dt)
-                               for name, (shape, dt) in self.shapes.items()}
-            src, at = np.array(take, np.int64), np.array(slots, np.int64)
-            for name, slab in self._slabs.items():
-                copy_rows(decoded[name], src, slab, at)
+            for name, t in decoded.items():
+                f = self.fields[name]
+                take, slots = [], []
+                for j, k in enumerate(keys):
+                    if len(slots) == len(f.free):
+                        break
+                    if k not in f.slot and resident(k):
+                        f.slot[k] = f.free[-1 - len(slots)]
+                        take.append(rows[j])
+                        slots.append(f.slot[k])
+                if not take:
+                    continue
+                del f.free[len(f.free) - len(slots):]
+                if f.slab is None or len(f.slab) != f.rows and len(f.slot) == len(slots):  # (resized, none held)
+                    f.slab = torch.empty((f.rows, *f.shape), dtype=f.dtype)
+                copy_rows(t, np.array(take, np.int64), f.slab, np.array(slots, np.int64))
 
 
 def _enabled() -> bool:
@@ -178,21 +222,30 @@ def _resident(buffer: Any, first: str, key: int) -> bool:
 
 
 def _decode_steps(dataset: Any, copies: DecodedCopies, resident: Callable, steps: list[StoredBatch]) -> list[dict]:
-    """The steps' tensors: their samples' copies, the rest decoded in one call (and copied while
-    room is left); for one step of H5Dataset's own decode, straight into the step's rows."""
-    outs, misses = [], []
+    """The steps' tensors: their samples' copies, the rest decoded (and copied while room is
+    left). One step of H5Dataset's own decode: field by field, each field's misses straight into
+    their rows; else a sample that misses a field is decoded whole, in one call for the steps."""
+    outs, hits = [], []
     for st in steps:
-        out = {name: torch.empty((st.n, *shape), dtype=dt) for name, (shape, dt) in copies.shapes.items()}
+        out = {name: torch.empty((st.n, *f.shape), dtype=f.dtype) for name, f in copies.fields.items()}
         outs.append(out)
-        misses.append(np.flatnonzero(~copies.take(st.indices, out)))
+        hits.append(copies.take(st.indices, out))
+    if len(steps) == 1 and dataset.decodes_into():
+        st, out, made = steps[0], outs[0], []
+        for name, hit in hits[0].items():
+            miss = np.flatnonzero(~hit)
+            if len(miss):
+                sub = st if len(miss) == st.n else _part(dataset, [st], [miss], (name,))
+                copies.note(name, dataset.decode_into(sub, {name: out[name]}, miss)[name], len(miss))
+                made.append((name, sub.indices, miss))
+        for name, keys, miss in made:  # (after every field's note: the budget is split before any copy)
+            copies.admit(keys, {name: out[name]}, miss, resident)
+        return outs
+    misses = [np.flatnonzero(~np.logical_and.reduce(list(h.values()))) for h in hits]
     if not any(len(m) for m in misses):
         return outs
     whole = len(steps) == 1 and len(misses[0]) == steps[0].n  # nothing copied: the step as it is
     sub = steps[0] if whole else _part(dataset, steps, misses)
-    if len(steps) == 1 and dataset.decodes_into():
-        dataset.decode_into(sub, outs[0], misses[0])
-        copies.admit(sub.indices, outs[0], misses[0], resident)
-        return outs
     dec = dataset.decode(sub)
     if whole:
         outs[0] = dec
@@ -206,12 +259,14 @@ def _decode_steps(dataset: Any, copies: DecodedCopies, resident: Callable, steps
     return outs
 
 
-def _part(dataset: Any, steps: list[StoredBatch], places: list[np.ndarray]) -> StoredBatch:
-    """The samples at ``places[k]`` of each ``steps[k]`` (codec fields), their blobs copied
-    together in that order."""
+def _part(dataset: Any, steps: list[StoredBatch], places: list[np.ndarray], fields: tuple = ()) -> StoredBatch:
+    """The samples at ``places[k]`` of each ``steps[k]`` (codec fields; ``fields``: only these),
+    their blobs copied together in that order."""
     out = StoredBatch(sum(len(p) for p in places),
                       indices=[st.indices[j] for st, p in zip(steps, places) for j in p.tolist()])
     for spec in dataset.specs:
+        if fields and spec.name not in fields:
+            continue
         pieces = []
         for st, p in zip(steps, places):
             flat, off = st.fields[spec.name]
@@ -229,5 +284,5 @@ def usage(buffer: Any) -> BufferUsage:
     with _STORES_LOCK:
         store = _STORES.get(buffer) if buffer is not None else None
     return BufferUsage(int(getattr(buffer, "nbytes", 0) or 0), store.nbytes if store else 0,
-                       len(store) if store else 0, store.hits if store else 0,
+                       len(store) if store else 0, store.copied_rows if store else 0, store.hits if store else 0,
                        getattr(buffer, "capacity_bytes", None))

@@ -44,8 +44,7 @@ def loader_over(path, budget, num_workers=0, cls=None, **kw):
 
 def epochs(path, budget, n=3, num_workers=0, monkeypatch=None, copies=True, cls=None):
     """Every batch of ``n`` epochs (cloned), the samples decoded per epoch (counted by a Counting
-    dataset; else all but those the copies served), the dataset's hits and misses, and the
-    buffer's usage after each epoch."""
+    dataset; else None), the dataset's hits and misses, and the buffer's usage after each epoch."""
     monkeypatch.setenv("SOLAR_DECODED_COPIES", "1" if copies else "0")
     ds, loader = loader_over(path, budget, num_workers, cls)
     batches, decoded, used = [], [], []
@@ -53,8 +52,7 @@ def epochs(path, budget, n=3, num_workers=0, monkeypatch=None, copies=True, cls=
         loader.sampler.set_epoch(e)
         before = getattr(ds, "decoded", None)
         batches += [[t.clone() for t in b] for b in loader]
-        served = usage(loader.solar_sampler.buffer).decoded_hits - sum(N - d for d in decoded)
-        decoded.append(ds.decoded - before if before is not None else N - served)
+        decoded.append(ds.decoded - before if before is not None else None)
         used.append(loader.solar_sampler.buffer_usage())
     ds.close()
     return batches, decoded, (ds.stats.hits, ds.stats.misses), used
@@ -78,8 +76,10 @@ def test_copies_change_no_batch_and_no_hit_and_stay_in_the_budget(comp, monkeypa
     """Three epochs with copies: bit-identical batches, the same hits and misses as without; from
     the second epoch on fewer samples are decoded (the copies serve the rest); compressed plus
     decoded bytes never exceed the budget. ``by_step``: passes decoded step by step on the decode
-    threads (NOTE [ Decoding ahead in parallel ] in solar/passes.py), else one decode per pass;
-    H5Dataset's own decode decodes a step's misses straight into their rows (``decode_into``)."""
+    threads (NOTE [ Decoding ahead in parallel ] in solar/passes.py), else one decode per pass.
+    A subclass's decode decodes whole samples, so the budget holds copies of 40 whole samples;
+    H5Dataset's own decodes field by field, straight into the rows, and the budget goes to the
+    field that costs the most decode time per byte first: all of its rows, the rest to the other."""
     if by_step:
         monkeypatch.setattr(passes, "DECODE_STEP_SAMPLES", BATCH)
         monkeypatch.setattr(passes, "_cores", lambda: 2)
@@ -88,11 +88,19 @@ def test_copies_change_no_batch_and_no_hit_and_stay_in_the_budget(comp, monkeypa
     got, decoded, counts, used = epochs(comp, budget, monkeypatch=monkeypatch, cls=cls)
     assert same(got, want)
     assert counts == want_counts  # the plan's hits and misses, exactly
-    assert want_decoded == [N, N, N] and all(u.decoded_samples == 0 for u in want_used)
-    assert decoded[0] == N and decoded[1] == decoded[2] == N - 40  # 40 samples served from copies
+    assert all(u.decoded_rows == 0 for u in want_used)
     for u in used:
-        assert u.decoded_samples == 40 and u.stored_bytes + u.decoded_bytes <= u.budget_bytes == budget
-    assert used[-1].decoded_hits == 2 * 40
+        assert u.stored_bytes + u.decoded_bytes <= u.budget_bytes == budget
+        assert u.decoded_rows == used[0].decoded_rows  # every copy made in the first epoch, none dropped
+    assert used[-1].decoded_hits == 2 * used[-1].decoded_rows  # each copy served once per later epoch
+    if cls is Counting:
+        assert want_decoded == [N, N, N]
+        assert decoded[0] == N and decoded[1] == decoded[2] == N - 40  # 40 samples served from copies
+        assert used[-1].decoded_samples == 40 and used[-1].decoded_rows == 2 * 40
+    else:  # x's rows (4 KiB) or y's (8 KiB) first: all N of x and the rest in y's, or y's only
+        left, y_row = budget - used[-1].stored_bytes, 2 * SIZE * SIZE * 4
+        assert 0 <= left - used[-1].decoded_bytes < y_row  # the budget filled
+        assert used[-1].decoded_samples in (N, left // y_row) and used[-1].decoded_rows > 2 * 40
 
 
 def test_no_room_left_no_copies(comp, monkeypatch):
@@ -101,7 +109,7 @@ def test_no_room_left_no_copies(comp, monkeypatch):
     got, decoded, counts, used = epochs(comp, budget, n=2, monkeypatch=monkeypatch)
     want, _, want_counts, _ = epochs(comp, budget, n=2, monkeypatch=monkeypatch, copies=False)
     assert same(got, want) and counts == want_counts
-    assert decoded == [N, N] and all(u.decoded_bytes == 0 for u in used)
+    assert decoded == [N, N] and all(u.decoded_bytes == 0 and u.decoded_rows == 0 for u in used)
     assert all(u.stored_bytes <= budget for u in used)
 
 
@@ -176,15 +184,15 @@ def test_copies_follow_their_samples_out_of_the_buffer():
     store.admit(list(range(8)), dec, np.arange(8), lambda k: ("x", k) in buf)  # samples 6, 7 are not resident
     assert len(store) == 3 and store.nbytes == 72
     out = {"x": torch.zeros(4, 2, 3)}
-    hit = store.take([2, 7, 0, 1], out)
+    hit = store.take([2, 7, 0, 1], out)["x"]
     assert hit.tolist() == [True, False, True, True]
     assert torch.equal(out["x"][0], dec["x"][2]) and torch.equal(out["x"][2], dec["x"][0])
     assert not out["x"][1].any()
     buf.delete(("x", 1))
     store.sync(buf, "x")
-    assert len(store) == 2 and store.take([1], {"x": torch.zeros(1, 2, 3)}).tolist() == [False]
+    assert len(store) == 2 and store.take([1], {"x": torch.zeros(1, 2, 3)})["x"].tolist() == [False]
     store.admit([3, 4], {"x": dec["x"][3:5]}, np.arange(2), lambda k: ("x", k) in buf)  # one row free again
-    assert len(store) == 3 and store.take([3, 4], {"x": torch.zeros(2, 2, 3)}).tolist() == [True, False]
+    assert len(store) == 3 and store.take([3, 4], {"x": torch.zeros(2, 2, 3)})["x"].tolist() == [True, False]
 
 
 def test_blobs_of_another_shape_than_the_field_declares_are_refused_by_name(tmp_path, monkeypatch):
@@ -243,3 +251,17 @@ def test_copy_rows_copies_the_rows_it_names(monkeypatch, numba):
     assert torch.equal(dst[1], src[4]) and torch.equal(dst[3], src[0]) and torch.equal(dst[0], src[2])
     assert not dst[2].any()
     sc.copy_rows(src, [], dst, [])
+
+
+def test_the_budget_goes_to_the_field_that_costs_most_per_byte():
+    """Once each field's decode time per row is known, the rows go to the costlier field per
+    byte first, up to every resident sample, and the rest to the next (no copy held yet)."""
+    specs = [type("Spec", (), {"name": n, "sample_shape": shape, "dtype": np.dtype("<f4"), "kind": "codec"})()
+             for n, shape in (("x", (1, 4)), ("y", (2, 4)))]  # rows of 16 and 32 bytes
+    store = DecodedCopies(10 * 48 + 8, specs, capacity=12)
+    assert store.rows == 10 and [f.rows for f in store.fields.values()] == [10, 10]
+    store.note("x", 2.0, 10)  # 0.2 s per row of 16 bytes: the costlier per byte
+    assert not store.sized_by_cost
+    store.note("y", 3.0, 10)  # 0.3 s per row of 32 bytes
+    assert store.sized_by_cost
+    assert store.fields["x"].rows == 12 and store.fields["y"].rows == (10 * 48 + 8 - 12 * 16) // 32
