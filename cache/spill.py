@@ -244,6 +244,12 @@ class SpillTier(Tier):
 
     # -- Tier -------------------------------------------------------------------------------------
     def get(self, key: Hashable) -> Any | None:
+        entry = self._spilled.get(key)
+        if entry is not None and type(entry[0]) is InSlab:  # a lookup (a loader asks once per field of every hit)
+            view, stats = entry[0].view, self.stats
+            stats.hits += 1
+            stats.bytes_out += view.nbytes
+            return view
         with self._lock:
             value = self.first.get(key) if key in self.first else self._load(key)
             if value is None and key in self._spilled:  # its file went (removed by hand): forget it
