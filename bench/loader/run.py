@@ -31,7 +31,9 @@ checks every decoded sample of one more (untimed) epoch against the original wit
 reports the decode time share. ``--solar-workers`` sets SOLAR's ``num_workers`` (decode runs there).
 A fourth loader (``--no-decode-compile`` skips it) is the same compressed run decoding with the
 ``torch.compile``-d decoder graph (``H5Dataset(decode_compile=True)``); its first epoch includes
-the one-time compile, the steady state does not.
+the one-time compile, the steady state does not. A fifth (``--no-copies-ab`` skips it) is the
+compressed run without decoded copies (``SOLAR_DECODED_COPIES=0``: NOTE [ Decoded copies ] in
+solar/decoded.py); the compressed runs report the buffer's decoded copies beside its blobs.
 
 Under ``mpirun -n P`` every rank runs both loaders on its DistributedSampler share (SOLAR through
 parallel HDF5 with collective reads and its schedule); epoch times are the slowest rank's.
@@ -54,6 +56,7 @@ import torch.utils.data as tud
 
 import solar
 from solar.fileio import write_text_atomic
+from solar.decoded import usage
 from solar.dist import mpi_comm
 from solar.io_backends import Backend, open_backend
 from solar.io_backends.hdf5 import HDF5Backend
@@ -112,7 +115,9 @@ def report(title: str, rows: dict[str, dict], ratios: dict[str, float], config: 
 
 class TimedH5Dataset(solar.H5Dataset):
     """``H5Dataset`` that adds the seconds spent in per-batch :meth:`decode` to a counter shared
-    with DataLoader workers (decode runs where the batch is assembled: a worker or this process)."""
+    with DataLoader workers (decode runs where the batch is assembled: a worker). Without workers
+    the bench reads ``ds.stats.decode_s`` of a plain ``H5Dataset`` instead: an override of
+    ``decode`` would turn off decoding straight into a batch's rows (``H5Dataset.decodes_into``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -188,6 +193,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="where SOLAR decodes compressed batches")
     ap.add_argument("--decode-compile", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the compressed loader with the torch.compile-d decoder (H5Dataset decode_compile)")
+    ap.add_argument("--copies-ab", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the compressed loader without decoded copies (SOLAR_DECODED_COPIES=0)")
     ap.add_argument("--data", default="out/bench/loader.h5")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results.json"))
     args = ap.parse_args(argv)
@@ -250,21 +257,29 @@ def main(argv=None) -> int:
             64 << 10 if storage == "local" else args.latency * args.bandwidth / args.io_threads)
         readers = 1 if P > 1 else args.io_threads  # collective parallel HDF5 does not use request threads
 
-        def solar_run(path: str, check: bool = False, compile: bool = False) -> dict:
-            ds = TimedH5Dataset(path, backend=backend(path, readers, solar_side=True), io_threads=args.io_threads,
-                                sieve_bytes=int(sieve), device=args.device, decode_compile=compile)
+        def solar_run(path: str, check: bool = False, compile: bool = False, copies: bool = True) -> dict:
+            os.environ["SOLAR_DECODED_COPIES"] = "1" if copies else "0"  # (read at each pass)
+            cls = TimedH5Dataset if args.solar_workers else solar.H5Dataset
+            ds = cls(path, backend=backend(path, readers, solar_side=True), io_threads=args.io_threads,
+                     sieve_bytes=int(sieve), device=args.device, decode_compile=compile)
             loader = solar.DataLoader(ds, batch_size=args.batch_size, buffer=str(budget),
                                       num_workers=args.solar_workers, persistent_workers=args.solar_workers > 0,
                                       sampler=tud.DistributedSampler(ds, num_replicas=P, rank=rank, seed=0))
             times = run_epochs(loader, args.epochs, comm)
             st, sampler = ds.stats, loader.solar_sampler
+            used = usage(sampler.buffer)
             hits, misses, calls, nbytes, resident, decode_s = (allsum(v, comm) for v in (
-                st.hits, st.misses, st.read_calls, st.bytes_in, len(sampler.buffer) // len(ds.fields), ds.decode_s))
+                st.hits, st.misses, st.read_calls, st.bytes_in, len(sampler.buffer) // len(ds.fields),
+                ds.decode_s if args.solar_workers else st.decode_s))
             out = {"epoch_s": times, "steady_s": steady(times), "hits": hits, "misses": misses,
                    "hit_rate_after_fill": hits / max(1, hits + misses - n), "read_calls": calls, "bytes_read": nbytes,
                    "capacity_samples": sampler.plan_config().capacity, "resident_samples": resident,
                    "plan_bound": sampler.plan_config().bound,
                    "buffer_bytes_used": allsum(sampler.buffer.nbytes, comm),
+                   "decoded_copies": {"bytes": allsum(used.decoded_bytes, comm),
+                                      "samples": allsum(used.decoded_samples, comm),
+                                      "rows": allsum(used.decoded_rows, comm),
+                                      "hits": allsum(used.decoded_hits, comm)},
                    "decode_s": decode_s / P,  # per rank, summed over its decoding processes
                    "decode_share": decode_s / P / max(1, args.solar_workers) / sum(times)}
             if check:
@@ -295,6 +310,12 @@ def main(argv=None) -> int:
                      within_bound=all(c["max_abs_error"][f] <= b
                                       for f, b in results["compression"]["abs_error_bound"].items()))
             run["compressed"] = c
+            if args.copies_ab:
+                nc = solar_run(cdata, copies=False)
+                nc.update(speedup_steady_vs_torch=steady(t_torch) / nc["steady_s"],
+                          speedup_steady_vs_solar_raw=raw["steady_s"] / nc["steady_s"],
+                          copies_speedup=nc["steady_s"] / c["steady_s"])
+                run["compressed_no_copies"] = nc
             if args.decode_compile:
                 cc = solar_run(cdata, check=True, compile=True)
                 cc.update(speedup_steady_vs_torch=steady(t_torch) / cc["steady_s"],
@@ -309,6 +330,8 @@ def main(argv=None) -> int:
             f" {args.bandwidth / 1e6:.0f} MB/s per rank, {args.latency * 1e3:.1f} ms per request"))
         cols = [("torch", t_torch), ("solar", t_solar)]
         cols += [("solar+codec", run["compressed"]["epoch_s"])] if compress else []
+        if "compressed_no_copies" in run:
+            cols.append(("codec-nocopy", run["compressed_no_copies"]["epoch_s"]))
         if "compressed_compiled" in run:
             cols.append(("+compiled", run["compressed_compiled"]["epoch_s"]))
         say("  epoch " + "".join(f"{name + ' s':>13}" for name, _ in cols) + "".join(
@@ -332,6 +355,15 @@ def main(argv=None) -> int:
                 f"{c['hit_rate_bound']:.3f}); decode {c['decode_s']:.2f} s = {c['decode_share']:.0%} of the epochs; "
                 f"max abs error " + ", ".join(f"{f} {v:.3g}" for f, v in c["max_abs_error"].items())
                 + f" ({'within' if c['within_bound'] else 'EXCEEDS'} the bound)")
+            dc = c["decoded_copies"]
+            say(f"  decoded copies: {dc['rows']} rows of {dc['samples']} samples, {dc['bytes'] / 2**20:.1f} MiB beside "
+                f"{c['buffer_bytes_used'] / 2**20:.1f} MiB of blobs (budget {budget / 2**20:.0f} MiB); "
+                f"{dc['hits']} rows served from them")
+            if "compressed_no_copies" in run:
+                nc = run["compressed_no_copies"]
+                say(f"  solar+codec without decoded copies: steady {nc['speedup_steady_vs_torch']:.2f}x torch, "
+                    f"{nc['speedup_steady_vs_solar_raw']:.2f}x solar (uncompressed); copies make the steady "
+                    f"epoch {nc['copies_speedup']:.2f}x faster")
             if "compressed_compiled" in run:
                 cc = run["compressed_compiled"]
                 say(f"  solar+codec, compiled decoder (decode_compile=True; epoch 0 includes the compile): steady "
