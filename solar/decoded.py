@@ -13,13 +13,18 @@ NOTE [ Decoded copies ]
       misses, and the buffer's puts, are what they are without copies: copies never take a
       byte a compressed sample may need (compressed bytes <= the reserve, copies <= budget -
       reserve, so together they stay within ``buffer=``).
-    - A step's samples that have a copy are copied from it: the bits the decoder gave them when
+    - A step's rows that have a copy are copied from it: the bits the decoder gave them when
       the copy was made, so batches are bit-identical with and without copies. Only the others
-      are decoded, by the dataset's own ``decode`` (a subclass's too).
-    - Which samples: under DistributedSampler's orders every resident sample is asked for once
-      per epoch, so each is reused as often as any other; copies are made first come while room
-      is left, and kept while their sample stays resident (no copy is replaced by another: a
-      replacement costs a copy and saves none in a later epoch).
+      are decoded: by H5Dataset's own decode field by field, straight into the step's rows
+      (``decode_into``); by a subclass's ``decode`` a sample at a time, whole.
+    - Which copies: under DistributedSampler's orders every resident sample is asked for once
+      per epoch, so each is reused as often as any other, and what a copy saves is its field's
+      decode time. So the room goes field by field, to the field whose rows cost the most
+      decode time per byte first (measured on the first step decoded), up to every resident
+      sample, then to the next (:meth:`DecodedCopies.note`); a subclass's decode gives whole
+      samples' copies. Copies are made first come while a field's rows are free, and kept while
+      their sample stays resident (none is replaced by another: a replacement costs a copy and
+      saves none in a later epoch).
     - Where: passes decoded ahead on the read-ahead thread (no workers: workers decode their
       own batches, and shipping decoded copies to them would cost ratio-times the shared
       memory), on the CPU, of an ``H5Dataset`` whose fields are all compressed, with a byte
