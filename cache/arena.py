@@ -24,7 +24,8 @@ NOTE [ Kept rows in an arena ]
 
     Rows whose bytes never change need no copy at all: those of a staged copy of a remote file
     (NOTE [ Staging a remote file ] in io_backends/fsspec_stage.py) are views of this process's
-    own nameless file, written once, or of the bytes a direct request received. A backend says
+    own nameless file, written once, or of the bytes a direct request received (kept whole while
+    any row of them is kept: a request's rows are all rows of the same read). A backend says
     so with the ``stable`` attribute of its ``mapped_rows`` check, and ``FetchPass.finish``
     puts those views in the buffer as they are: the buffer counts their bytes against its
     budget as any row's (the plan, its hits and its evictions are the same), and the memory is
