@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from solar.cache.arena import RowArena, arena_for
 from solar.cache import TierStats
+from solar.cache.arena import RowArena, arena_for
 from solar.errors import InputError
 from solar.layout import FieldSpec
 from solar.slots import DeferredRows, DeferredStep, SlotPool, SlotRows, StepRows, deferred_fields
