@@ -203,8 +203,10 @@ def copies_for(buffer: Any, dataset: Any, capacity: int) -> DecodedCopies | None
     with _STORES_LOCK:
         store = _STORES.get(buffer)
         if store is None or store.capacity != capacity:
-            sizes = np.sort(np.asarray(dataset.sample_nbytes(), dtype=np.int64))[::-1]
-            reserve = int(sizes[:max(0, capacity)].sum())
+            sizes = np.asarray(dataset.sample_nbytes(), dtype=np.int64)
+            k = min(max(0, capacity), len(sizes))  # the reserve: the k largest (a partition, not a sort)
+            reserve = int(np.partition(sizes, len(sizes) - k)[len(sizes) - k:].sum()) if 0 < k < len(sizes) \
+                else int(sizes.sum()) if k else 0
             store = _STORES[buffer] = DecodedCopies(buffer.capacity_bytes - reserve, specs, capacity)
     return store if store.rows else None
 

@@ -265,3 +265,24 @@ def test_the_budget_goes_to_the_field_that_costs_most_per_byte():
     store.note("y", 3.0, 10)  # 0.3 s per row of 32 bytes
     assert store.sized_by_cost
     assert store.fields["x"].rows == 12 and store.fields["y"].rows == (10 * 48 + 8 - 12 * 16) // 32
+
+
+def test_the_reserve_is_the_plans_largest_compressed_samples(monkeypatch):
+    """The copies get the budget less the ``capacity`` largest stored samples (what the plan may
+    keep at most); none where that leaves less than a row."""
+    from solar.decoded import copies_for
+
+    monkeypatch.setenv("SOLAR_DECODED_COPIES", "1")
+    spec = type("Spec", (), {"name": "x", "sample_shape": (2, 3), "dtype": np.dtype("<f4"), "kind": "codec"})()
+
+    class Stub:
+        keeps_decoded_copies, specs, device = True, [spec], "cpu"
+
+        def sample_nbytes(self):
+            return np.array([100, 50, 200, 10])
+
+    for capacity, left in ((2, 1000 - 300), (4, 1000 - 360), (9, 1000 - 360), (1, 1000 - 200)):
+        store = copies_for(MemoryTier(1000), Stub(), capacity)
+        assert store.budget == left and store.rows == left // 24
+    assert copies_for(MemoryTier(360 + 23), Stub(), 4) is None  # less than a row left
+    assert copies_for(MemoryTier(1000), solar.H5Dataset.__new__(solar.H5Dataset), 4) is None  # no fields
