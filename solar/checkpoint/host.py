@@ -38,12 +38,13 @@ __all__ = ["HostPool", "SKIP_BELOW", "HASH_FIRST_MIN_CHUNK", "Staged", "host_poo
 
 _ALIGN = 64  # each blob's copy starts on this byte boundary of the buffer
 #: a blob is hashed before it is copied when at most this fraction of its chunks changed between
-#: the slot's last two saves: hashing costs about two thirds of a copy, so past about a third of
-#: the chunks changed the hash-first staging blocks longer than a plain copy
+#: the slot's last two saves: hashing costs a good part of a copy (bench/checkpoint/job.py's
+#: dense rows), and every changed chunk costs its copy on top, so a blob changing much more than
+#: this blocks longer hashed first than copied outright
 SKIP_BELOW = 0.25
 _GROUP_BYTES = 4 << 20  # hash-first staging hashes, then copies, this many bytes of chunks at a time
 #: hash-first staging needs chunks this large: it makes one hash call per chunk in the caller's
-#: thread, whose fixed cost (about a microsecond) must stay small next to the chunk's hash
+#: thread, whose fixed cost must stay small next to hashing the chunk's bytes
 HASH_FIRST_MIN_CHUNK = 1 << 18
 
 
@@ -190,7 +191,24 @@ class HostPool:
         if held is None or held.layout != layout or not on_cpu or self._digest is None:
             held = None
         arr = buf.numpy()
-        views, hashed, copied = [], [], 0
+        cuda = {b.storage.device for b in blobs if b.storage.device.type == "cuda"}
+        try:
+            hashed, copied = self._copy_blobs(blobs, offsets, buf, held)
+        finally:  # every device's copies have landed before the buffer is read or staged again
+            for dev in cuda:
+                torch.cuda.synchronize(dev)
+        # for release(): this save's layout and the digests the buffer held before it, which the
+        # save's own digests are compared with
+        before = held.digests if held is not None else [None] * len(blobs)
+        self._held[slot] = _Held(layout, before, [0.0] * len(blobs))
+        self._staged[slot] = Staged(hashed, copied)
+        return [arr[off:off + b.nbytes] for b, off in zip(blobs, offsets)]
+
+    def _copy_blobs(self, blobs: list[BlobSource], offsets: list[int], buf: torch.Tensor,
+                    held: _Held | None) -> tuple[list[np.ndarray | None], int]:
+        """Copy every blob into ``buf`` at its offset, hash-first where ``held`` says it mostly
+        stays the same; each blob's digests (``None``: copied outright) and the bytes copied."""
+        hashed, copied = [], 0
         for i, (b, off) in enumerate(zip(blobs, offsets)):
             src = b.byte_view()
             dst = buf[off:off + b.nbytes]
@@ -205,26 +223,21 @@ class HostPool:
                 dst.copy_(src, non_blocking=src.device.type == "cuda")
                 hashed.append(None)
                 copied += b.nbytes
-            views.append(arr[off:off + b.nbytes])
-        if on_cuda:
-            torch.cuda.synchronize()
-        # for release(): this save's layout and the digests the buffer held before it, which the
-        # save's own digests are compared with
-        before = held.digests if held is not None else [None] * len(blobs)
-        self._held[slot] = _Held(layout, before, [0.0] * len(blobs))
-        self._staged[slot] = Staged(hashed, copied)
-        return views
+        return hashed, copied
 
     def _copy_changed(self, src: torch.Tensor, dst: torch.Tensor, old: np.ndarray) -> tuple[np.ndarray | None, int]:
         """Hash ``src``'s chunks and copy into ``dst`` the chunks whose digest differs from ``old``
-        (the digests of what ``dst`` holds); return the new digests and the bytes copied.
+        (the digests of what ``dst`` holds); return the digests of what ``dst`` then holds and the
+        bytes copied.
 
-        Group by group, so a changed chunk is copied while the hash left it in cache. Where more
-        than ``SKIP_BELOW`` of the chunks seen so far changed once a sixteenth of the blob was
-        seen, the rest is copied outright and the digests are ``None`` (the save hashes its copy):
-        a blob that changed throughout costs its copy and a sixteenth of its hash."""
+        A copied chunk's digest is taken from its copy, not from ``src``: a lazy save's source may
+        change between the hash and the copy, and a digest that does not match the stored bytes
+        would let later saves de-duplicate onto them. Group by group, so a changed chunk is copied
+        and hashed again while it is in cache. Once the first group or a sixteenth of the blob,
+        whichever is more, was seen with more than ``SKIP_BELOW`` of its chunks changed, the rest
+        is copied outright and the digests are ``None`` (the save hashes its copy)."""
         cs, digest = self._chunk_size, self._digest
-        view = memoryview(src.numpy())
+        live, held = memoryview(src.numpy()), memoryview(dst.numpy())
         n = len(old)
         group = max(1, _GROUP_BYTES // cs)
         probe = max(group, n // 16)
@@ -233,15 +246,16 @@ class HostPool:
             if g >= probe and nchanged > SKIP_BELOW * g:
                 a = g * cs
                 dst[a:].copy_(src[a:])
-                return None, copied + len(view) - a
+                return None, copied + len(live) - a
             for j in range(g, min(g + group, n)):
-                d = digest(view[j * cs:(j + 1) * cs])
-                out += d
+                a, e = j * cs, min((j + 1) * cs, len(live))
+                d = digest(live[a:e])
                 if d != old[j].tobytes():
                     nchanged += 1
-                    a, e = j * cs, min((j + 1) * cs, len(view))
                     dst[a:e].copy_(src[a:e])
                     copied += e - a
+                    d = digest(held[a:e])
+                out += d
         return np.frombuffer(bytes(out), dtype=np.uint8).reshape(-1, DIGEST_SIZE), copied
 
 

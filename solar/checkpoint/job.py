@@ -308,9 +308,11 @@ class JobWriter(CheckpointWriter):
         def release() -> None:
             if held[0]:
                 held[0] = False
-                if self._deltas is not None and plan is not None:  # before the staging copy is reused
-                    self._deltas.written(flat, host, plan.digests)
-                self._pool.release(slot, plan.digests if plan is not None else None)
+                try:
+                    if self._deltas is not None and plan is not None:  # before the staging copy is reused
+                        self._deltas.written(flat, host, plan.digests)
+                finally:  # a slot never given back would stop every later save in acquire()
+                    self._pool.release(slot, plan.digests if plan is not None else None)
 
         plan, staged = None, self._pool.staged(slot)
         if self._deltas is not None:
