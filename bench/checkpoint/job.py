@@ -151,6 +151,51 @@ def bench_torch_save(comm, state: dict, d: str) -> dict:
             **cpu}
 
 
+def summarize(comm, args, runs: dict[str, list], load_start, peak_rss) -> dict:
+    """The JSON of a run: best and median of each contender, and SOLAR's ratios round by round."""
+    best = {k: {m: min(run[m] for run in v) for m in v[0]} for k, v in runs.items()}
+    median = {k: {m: statistics.median(run[m] for run in v) for m in v[0]} for k, v in runs.items()}
+    torch_s = [run["total_s"] for run in runs["torch_save"]]
+    # each round's SOLAR blocking over the same round's torch.save (the contenders alternate)
+    by_round = {"first": [r["blocking_s"] / t for r, t in zip(runs["solar"], torch_s)],
+                "first_reserved": [r["blocking_s"] / t for r, t in zip(runs["solar_reserved"], torch_s)],
+                "steady": [r["steady_blocking_s"] / t for r, t in zip(runs["solar"] + runs["solar_reserved"],
+                                                                        torch_s + torch_s)],
+                "dense_first": [r["dense_first_blocking_s"] / t
+                                for r, t in zip(runs["solar"] + runs["solar_reserved"], torch_s + torch_s)],
+                "dense_steady": [r["dense_steady_blocking_s"] / t
+                                 for r, t in zip(runs["solar"] + runs["solar_reserved"], torch_s + torch_s)]}
+    torch_cpu = [run["cpu_s"] for run in runs["torch_save"]]
+    by_round_cpu = {  # the same ratios in CPU seconds (see timed)
+        "first": [r["blocking_cpu_s"] / t for r, t in zip(runs["solar"], torch_cpu)],
+        "first_reserved": [r["blocking_cpu_s"] / t for r, t in zip(runs["solar_reserved"], torch_cpu)],
+        "steady": [r["steady_blocking_cpu_s"] / t for r, t in zip(runs["solar"] + runs["solar_reserved"],
+                                                                   torch_cpu + torch_cpu)]}
+    own = comm.size * args.mib * MiB
+    rep = args.mib * MiB // 4
+    s = best["solar"]
+    out = {"world_size": comm.size, "mib_per_rank": args.mib, "rounds": args.rounds,
+           "load_average": os.getloadavg(), "logical_bytes_unique": own + rep + comm.size * 0,
+           "load_average_at_start": load_start, "peak_rss_bytes_per_rank": peak_rss, "best": best, "median": median,
+           "solar_blocking_vs_torch_save_by_round": by_round,
+           "solar_blocking_cpu_vs_torch_save_cpu_by_round": by_round_cpu,
+           "solar_incremental_vs_first": s["incremental_bytes"] / s["bytes"],
+           "solar_bytes_vs_unique_state": s["bytes"] / (own + rep),
+           "solar_blocking_vs_dcp_save": s["blocking_s"] / best["dcp_save"]["total_s"],
+           "solar_blocking_vs_dcp_async_blocking": s["blocking_s"] / best["dcp_async"]["blocking_s"],
+           "solar_total_vs_dcp_save": s["total_s"] / best["dcp_save"]["total_s"],
+           "solar_blocking_vs_torch_save": s["blocking_s"] / best["torch_save"]["total_s"],
+           "solar_reserved_first_blocking_vs_torch_save": best["solar_reserved"]["blocking_s"]
+           / best["torch_save"]["total_s"],
+           "solar_steady_blocking_vs_torch_save": s["steady_blocking_s"] / best["torch_save"]["total_s"],
+           "solar_dense_steady_blocking_vs_torch_save": s["dense_steady_blocking_s"]
+           / best["torch_save"]["total_s"],
+           "solar_files_per_rank_first_save": s["files"] / comm.size,
+           "dcp_async_blocking_vs_torch_save": best["dcp_async"]["blocking_s"] / best["torch_save"]["total_s"],
+           "runs": runs}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=64, help="MiB of sharded state per rank")
@@ -188,46 +233,7 @@ def main() -> None:
     peak_rss = comm.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # bytes (Linux: KiB)
     if comm.rank == 0:
         shutil.rmtree(base, ignore_errors=True)
-        best = {k: {m: min(run[m] for run in v) for m in v[0]} for k, v in runs.items()}
-        median = {k: {m: statistics.median(run[m] for run in v) for m in v[0]} for k, v in runs.items()}
-        torch_s = [run["total_s"] for run in runs["torch_save"]]
-        # each round's SOLAR blocking over the same round's torch.save (the contenders alternate)
-        by_round = {"first": [r["blocking_s"] / t for r, t in zip(runs["solar"], torch_s)],
-                    "first_reserved": [r["blocking_s"] / t for r, t in zip(runs["solar_reserved"], torch_s)],
-                    "steady": [r["steady_blocking_s"] / t for r, t in zip(runs["solar"] + runs["solar_reserved"],
-                                                                            torch_s + torch_s)],
-                    "dense_first": [r["dense_first_blocking_s"] / t
-                                    for r, t in zip(runs["solar"] + runs["solar_reserved"], torch_s + torch_s)],
-                    "dense_steady": [r["dense_steady_blocking_s"] / t
-                                     for r, t in zip(runs["solar"] + runs["solar_reserved"], torch_s + torch_s)]}
-        torch_cpu = [run["cpu_s"] for run in runs["torch_save"]]
-        by_round_cpu = {  # the same ratios in CPU seconds (see timed)
-            "first": [r["blocking_cpu_s"] / t for r, t in zip(runs["solar"], torch_cpu)],
-            "first_reserved": [r["blocking_cpu_s"] / t for r, t in zip(runs["solar_reserved"], torch_cpu)],
-            "steady": [r["steady_blocking_cpu_s"] / t for r, t in zip(runs["solar"] + runs["solar_reserved"],
-                                                                       torch_cpu + torch_cpu)]}
-        own = comm.size * args.mib * MiB
-        rep = args.mib * MiB // 4
-        s = best["solar"]
-        out = {"world_size": comm.size, "mib_per_rank": args.mib, "rounds": args.rounds,
-               "load_average": os.getloadavg(), "logical_bytes_unique": own + rep + comm.size * 0,
-               "load_average_at_start": load_start, "peak_rss_bytes_per_rank": peak_rss, "best": best, "median": median,
-               "solar_blocking_vs_torch_save_by_round": by_round,
-               "solar_blocking_cpu_vs_torch_save_cpu_by_round": by_round_cpu,
-               "solar_incremental_vs_first": s["incremental_bytes"] / s["bytes"],
-               "solar_bytes_vs_unique_state": s["bytes"] / (own + rep),
-               "solar_blocking_vs_dcp_save": s["blocking_s"] / best["dcp_save"]["total_s"],
-               "solar_blocking_vs_dcp_async_blocking": s["blocking_s"] / best["dcp_async"]["blocking_s"],
-               "solar_total_vs_dcp_save": s["total_s"] / best["dcp_save"]["total_s"],
-               "solar_blocking_vs_torch_save": s["blocking_s"] / best["torch_save"]["total_s"],
-               "solar_reserved_first_blocking_vs_torch_save": best["solar_reserved"]["blocking_s"]
-               / best["torch_save"]["total_s"],
-               "solar_steady_blocking_vs_torch_save": s["steady_blocking_s"] / best["torch_save"]["total_s"],
-               "solar_dense_steady_blocking_vs_torch_save": s["dense_steady_blocking_s"]
-               / best["torch_save"]["total_s"],
-               "solar_files_per_rank_first_save": s["files"] / comm.size,
-               "dcp_async_blocking_vs_torch_save": best["dcp_async"]["blocking_s"] / best["torch_save"]["total_s"],
-               "runs": runs}
+        out = summarize(comm, args, runs, load_start, peak_rss)
         print(json.dumps(out, indent=2))
         if args.out:
             with open(args.out, "w") as fh:
