@@ -4,9 +4,9 @@ NOTE [ Kept rows in an arena ]
     A pass puts the misses it keeps into the rank's buffer, one row each (``FetchPass.finish``).
     Made one ``np.array`` at a time, every row is a fresh allocation of tens to hundreds of KiB:
     glibc hands such blocks back to the kernel when they are freed (or serves them from pages
-    it has to fault in), so each put paid for its allocation and the faults and zeroing of its
-    pages besides the copy, three to five times the copy itself, and all of it at the end of
-    the first epoch, when the pass's rows have arrived. :class:`RowArena` cuts rows of one shape
+    it has to fault in), so each put pays for its allocation and the faults and zeroing of its
+    pages besides the copy, all of it at the end of the first epoch, when the pass's rows have
+    arrived. :class:`RowArena` cuts rows of one shape
     and dtype out of blocks of ``BLOCK_BYTES`` (backed by huge pages where the kernel gives
     them), and a row's slot comes back to the arena when the last reference to its memory goes.
 
@@ -35,6 +35,7 @@ NOTE [ Kept rows in an arena ]
 
 from __future__ import annotations
 
+import bisect
 import collections
 import threading
 import weakref
@@ -55,13 +56,16 @@ _ARENAS_LOCK = threading.Lock()
 
 
 class SlotBlocks:
-    """Blocks of ``per_block`` slots of ``nbytes`` bytes; a slot is handed out as one array (an
-    uninitialized row, or a value just written) and is free again once that array and every view
-    of it are gone (NOTE [ Kept rows in an arena ]). Subclasses add the blocks."""
+    """Blocks of slots of ``nbytes`` bytes (``per_block`` each unless a subclass adds blocks of
+    other sizes); a slot is handed out as one array (an uninitialized row, or a value just
+    written) and is free again once that array and every view of it are gone (NOTE [ Kept rows
+    in an arena ]). Subclasses add the blocks."""
 
     def __init__(self, nbytes: int, per_block: int) -> None:
         self.nbytes, self.per_block = int(nbytes), int(per_block)
         self._blocks: list[memoryview] = []
+        self._starts: list[int] = []  # each block's first slot (ascending)
+        self._slots = 0
         # free slots: appended by weak-reference callbacks from any thread, popped by the one
         # handing out (both atomic on a deque, so no callback waits for a lock)
         self._free: collections.deque = collections.deque()
@@ -70,21 +74,29 @@ class SlotBlocks:
     @property
     def slots(self) -> int:
         """Slots the blocks hold, in use or free."""
-        return len(self._blocks) * self.per_block
+        return self._slots
 
     @property
     def in_use(self) -> int:
         return self.slots - len(self._free)
 
-    def _add(self, block: memoryview) -> None:
-        """A new block's slots become free, the first on top."""
-        b = len(self._blocks)
+    def _add(self, block: memoryview, count: int | None = None) -> None:
+        """A new block of ``count`` slots (default ``per_block``): its slots become free, the
+        first on top. (A slot on the free list always lies in a block already listed.)"""
+        first, count = self._slots, self.per_block if count is None else int(count)
+        self._starts.append(first)
         self._blocks.append(block)
-        self._free.extend(range((b + 1) * self.per_block - 1, b * self.per_block - 1, -1))
+        self._slots = first + count
+        self._free.extend(range(first + count - 1, first - 1, -1))
+
+    def _locate(self, slot: int) -> tuple[int, int]:
+        """The block holding ``slot`` and the slot's index in it."""
+        block = bisect.bisect_right(self._starts, slot) - 1
+        return block, slot - self._starts[block]
 
     def _hand_out(self, slot: int, dtype: np.dtype, shape: tuple) -> np.ndarray:
         """Slot ``slot`` as an array of ``dtype`` and ``shape``, the slot's one base array."""
-        block, i = divmod(slot, self.per_block)
+        block, i = self._locate(slot)
         flat = np.frombuffer(self._blocks[block][i * self.nbytes:(i + 1) * self.nbytes], dtype)
         self._refs[slot] = weakref.ref(flat, slot_releaser(slot, self._refs, self._free))
         return flat.reshape(shape)
