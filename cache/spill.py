@@ -18,11 +18,20 @@ process, and that process is gone).
 
 One budget covers both parts (the schedule plans one capacity): a value goes to memory while the
 memory tier has room and the total allows it, else to disk while the total allows it, charged
-there at whole file-system blocks (each value is one file; small values cost a block each).
+there at whole file-system blocks (a value in a file of its own; small values cost a block each)
+or, for a value in a slab, nothing more than the slab's blocks, each charged in full when the
+slab grows (never past the budget).
+
+Which sizes get a slab: a slab's first block is reserved whole, so a size seen once would waste
+most of it. The first ``EAGER_SLABS`` sizes get one at their first value (a dataset's fixed-size
+fields); any other size once it repeats (``REPEATS`` values), and at most ``MAX_SLABS`` slabs in
+all. Compressed blobs, whose sizes rarely repeat, stay a file each. A slab's first block is at
+most ``1/FIRST_BLOCK_SHARE`` of the disk budget, and its blocks at most ``1/MAX_BLOCK_SHARE``.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import re
@@ -30,6 +39,7 @@ import shutil
 import socket
 import threading
 import uuid
+import warnings
 import weakref
 from typing import Any, Hashable, Iterator, NamedTuple
 
@@ -40,9 +50,20 @@ from solar.errors import BackendNotFoundError, ConfigError
 from . import registry
 from .base import Tier, TierFullError, _nbytes
 from .memory import MemoryTier
-from .slab import MIN_BYTES, Slab
+from .slab import BLOCK_BYTES, MAX_BLOCK_BYTES, MIN_BYTES, Slab, available
 
 __all__ = ["SpillTier", "spill_level", "file_tiers"]
+
+#: Sizes that get a slab at their first value; other sizes get one once they repeat.
+EAGER_SLABS = 2
+#: Values of one size after which that size gets a slab.
+REPEATS = 2
+#: Slabs a tier keeps at most (other sizes are a file each).
+MAX_SLABS = 8
+#: A slab's first block is at most the disk budget over this; its blocks, over MAX_BLOCK_SHARE.
+FIRST_BLOCK_SHARE, MAX_BLOCK_SHARE = 64, 4
+#: Sizes counted while waiting for a repeat (the count starts over past this many).
+_SIZES_COUNTED = 4096
 
 
 def file_tiers() -> list[str]:
@@ -111,6 +132,16 @@ class InSlab(NamedTuple):
     view: np.ndarray
 
 
+class Spilled(NamedTuple):
+    """A value the tier spilled: where it is (the disk tier's key, or its slot), the dtype and
+    shape it comes back as (None: bytes), and what it costs the budget besides its slab's blocks."""
+
+    where: "int | InSlab"
+    dtype: np.dtype | None
+    shape: tuple | None
+    cost: int
+
+
 class SpillTier(Tier):
     """``first`` (memory) while it has room, then ``second`` (a disk tier), under one budget.
 
@@ -132,13 +163,14 @@ class SpillTier(Tier):
         super().__init__(capacity_bytes)
         self.first, self.second = first, second
         self.block = max(1, int(block))
-        self._spilled: dict[Hashable, tuple[int, np.dtype | None, tuple | None, int]] = {}
+        self._spilled: dict[Hashable, Spilled] = {}
         self._names = itertools.count()
-        self._used_second = 0  # charged: whole blocks per value
+        self._used_second = 0  # charged: whole file-system blocks per file, and the slabs' blocks
         self._lock = threading.RLock()
         self._warned = False
         self._slab_dir: str | None = None  # where arrays spill to slab files (on_disk's tiers)
         self._slabs: dict[int, Slab] = {}
+        self._sizes: dict[int, int] = {}  # values seen per size that has no slab (yet)
 
     @classmethod
     def on_disk(cls, directory: str, memory_bytes: int | None, disk_bytes: int | None,
@@ -185,68 +217,102 @@ class SpillTier(Tier):
             return False
         arr = value if isinstance(value, np.ndarray) else None
         data = np.ascontiguousarray(arr).view(np.uint8).reshape(-1) if arr is not None else value
-        name, cost = next(self._names), self.charge(_nbytes(data))
-        if not self._room(cost):
-            return False
-        try:
-            stored = self._to_slab(data, arr) if arr is not None else None
-            if stored is not None:
-                name = stored
-            else:
-                stored = self.second.put(name, data)
-        except (OSError, TierFullError) as exc:  # disk full or gone: a cache keeps less, it does not fail
-            if not self._warned:
-                import warnings
-
-                warnings.warn(f"solar: the buffer's spill directory {getattr(self.second, 'root', self.second)} "
-                              f"refused a write ({exc}); samples that do not fit in memory are read again instead "
-                              "(free space there, or pass a smaller spill size)", RuntimeWarning, stacklevel=2)
-                self._warned = True
-            return False
-        if not stored:
-            return False
         meta = (arr.dtype, arr.shape) if arr is not None else (None, None)
-        self._spilled[key] = (name, *meta, cost)
-        self._used_second += cost
+        try:
+            slot = self._to_slab(data, arr) if arr is not None else None
+            if slot is not None:
+                entry = Spilled(slot, *meta, 0)
+            else:
+                entry = Spilled(next(self._names), *meta, self.charge(_nbytes(data)))
+                if not self._room(entry.cost) or not self.second.put(entry.where, data):
+                    return False
+        except (OSError, TierFullError) as exc:  # disk full or gone: a cache keeps less, it does not fail
+            self._warn(exc)
+            return False
+        self._spilled[key] = entry
+        self._used_second += entry.cost
         return True
+
+    def _warn(self, exc: Exception) -> None:
+        """Say once that the spill directory refused a write, and why."""
+        if self._warned:
+            return
+        if getattr(exc, "errno", None) in (errno.EMFILE, errno.ENFILE):
+            what = "the process has no file descriptor left: raise the limit (ulimit -n)"
+        else:
+            what = "free space there, or pass a smaller spill size"
+        warnings.warn(f"solar: the buffer's spill directory {getattr(self.second, 'root', self.second)} "
+                      f"refused a write ({exc}); samples that do not fit in memory are read again instead "
+                      f"({what})", RuntimeWarning, stacklevel=4)
+        self._warned = True
 
     def _to_slab(self, data: np.ndarray, arr: np.ndarray) -> "InSlab | None":
         """Write array ``arr``'s bytes ``data`` to the slab file of their size (NOTE [ Spilled
         rows in slab files ] in slab.py): the slot's array, or None where it goes to a file of its
-        own (no slab directory, a small array, or no room for another block)."""
+        own (no slab directory or no slabs on this platform, a small array, a size without a slab,
+        or no room for another block). A block grown is charged to the budget in full."""
         n = data.nbytes
         if self._slab_dir is None or n < MIN_BYTES:
             return None
-        slab = self._slabs.get(n)
+        slab = self._slabs.get(n) or self._new_slab(n)
         if slab is None:
-            slab = self._slabs[n] = Slab(self._slab_dir, n)
-        view = slab.put(data, arr.dtype, arr.shape)
+            return None
+        before = slab.reserved
+        room = None if self.capacity_bytes is None else self.capacity_bytes - self.nbytes
+        try:
+            view = slab.put(data, arr.dtype, arr.shape, room)
+        finally:
+            self._used_second += slab.reserved - before
         return None if view is None else InSlab(view)
+
+    def _new_slab(self, n: int) -> Slab | None:
+        """A slab for values of ``n`` bytes, where that size gets one now (module docstring:
+        'Which sizes get a slab'); None where it does not."""
+        seen = self._sizes.get(n, 0) + 1
+        eager = len(self._slabs) < EAGER_SLABS
+        if len(self._slabs) >= MAX_SLABS or not (eager or seen >= REPEATS) or not available():
+            if len(self._sizes) >= _SIZES_COUNTED:
+                self._sizes.clear()
+            self._sizes[n] = seen
+            return None
+        self._sizes.pop(n, None)
+        disk = self._disk_budget()
+        first = BLOCK_BYTES if disk is None else min(BLOCK_BYTES, disk // FIRST_BLOCK_SHARE)
+        most = MAX_BLOCK_BYTES if disk is None else min(MAX_BLOCK_BYTES, disk // MAX_BLOCK_SHARE)
+        slab = self._slabs[n] = Slab(self._slab_dir, n, first, most)
+        return slab
+
+    def _disk_budget(self) -> int | None:
+        """The budget's bytes beyond the memory tier's own (None: unbounded)."""
+        memory = getattr(self.first, "capacity_bytes", None)
+        if self.capacity_bytes is None:
+            return None
+        return max(0, self.capacity_bytes - (memory or 0))
 
     def _load(self, key: Hashable) -> Any | None:
         """A spilled value, as the array (dtype, shape) it was when put, or bytes."""
         entry = self._spilled.get(key)
-        if entry is not None and isinstance(entry[0], InSlab):
-            return entry[0].view
-        value = None if entry is None else self.second.get(entry[0])
-        if value is not None and entry[1] is not None:
-            value = np.frombuffer(value, entry[1]).reshape(entry[2])
+        if entry is not None and isinstance(entry.where, InSlab):
+            return entry.where.view
+        value = None if entry is None else self.second.get(entry.where)
+        if value is not None and entry.dtype is not None:
+            value = np.frombuffer(value, entry.dtype).reshape(entry.shape)
         return value
 
     def _unspill(self, key: Hashable) -> bool:
         entry = self._spilled.pop(key, None)
         if entry is None:
             return False
-        if not isinstance(entry[0], InSlab):  # (a slab's slot is free once its array is gone)
-            self.second.delete(entry[0])
-        self._used_second -= entry[3]
+        if not isinstance(entry.where, InSlab):  # (a slab's slot is free once its array is gone)
+            self.second.delete(entry.where)
+        self._used_second -= entry.cost
         return True
 
     # -- Tier -------------------------------------------------------------------------------------
     def get(self, key: Hashable) -> Any | None:
         entry = self._spilled.get(key)
-        if entry is not None and type(entry[0]) is InSlab:  # a lookup (a loader asks once per field of every hit)
-            view, stats = entry[0].view, self.stats
+        if entry is not None and type(entry.where) is InSlab:  # a lookup (a loader asks once per field of every hit)
+            view, stats = entry.where.view, self.stats
             stats.hits += 1
             stats.bytes_out += view.nbytes
             return view
@@ -298,6 +364,7 @@ class SpillTier(Tier):
             for key in list(self._spilled):
                 self._unspill(key)
             for slab in self._slabs.values():
+                self._used_second -= slab.reserved
                 slab.close()
             self._slabs.clear()
         finalizer = getattr(self, "_finalizer", None)

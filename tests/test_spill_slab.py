@@ -4,16 +4,24 @@ value was deleted and no view of it lives; a loader spilling such rows gives tor
 
 from __future__ import annotations
 
+import errno
+import gc
+import mmap
 import os
+import subprocess
+import sys
+import textwrap
 
 import h5py
 import numpy as np
+import pytest
 import torch
 import torch.utils.data as tud
 
 import solar
-from solar.cache.slab import MIN_BYTES, Slab
-from solar.cache.spill import SpillTier
+from solar.cache import slab as slab_module
+from solar.cache.slab import MADV_POPULATE_READ, MIN_BYTES, Slab
+from solar.cache.spill import MAX_SLABS, SpillTier
 
 ROW = (64, 64)  # float32: 16 KiB, spilled to a slab
 
@@ -121,6 +129,7 @@ def test_written_values_are_mapped_in_at_once(tmp_path):
     afterwards takes no page faults, where each would have faulted in a first read."""
     import resource
 
+    _skip_without_populate_read(tmp_path)
     slab = Slab(str(tmp_path), 16384)
     views = [slab.put(np.full(4096, i, np.float32).view(np.uint8), np.float32, (4096,)) for i in range(256)]
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -128,3 +137,160 @@ def test_written_values_are_mapped_in_at_once(tmp_path):
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert total == 2 * sum(range(256)) and faults < 16  # (without: a fault every few values, 65 here)
     slab.close()
+
+
+def _skip_without_populate_read(tmp_path) -> None:
+    """Skip where the kernel refuses MADV_POPULATE_READ (before Linux 5.14, e.g. RHEL 8)."""
+    if MADV_POPULATE_READ is None or not hasattr(mmap.mmap, "madvise"):
+        pytest.skip("no MADV_POPULATE_READ on this platform")
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"x" * mmap.PAGESIZE)
+    with open(probe, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        try:
+            m.madvise(MADV_POPULATE_READ)
+        except OSError:
+            pytest.skip("this kernel refuses MADV_POPULATE_READ (Linux < 5.14)")
+
+
+_METADATA = 64 << 10  # what a file system may allocate besides the data (extent blocks)
+
+
+def _disk_bytes(root: str) -> int:
+    return sum(os.stat(os.path.join(root, n)).st_blocks * 512 for n in os.listdir(root))
+
+
+def test_slab_blocks_count_against_the_spill_budget(tmp_path):
+    """Arrays of distinct sizes (compressed blobs) reserve no block per size: the disk under
+    the tier stays within its budget, slabs are few, and a size that repeats gets one."""
+    budget = 8 << 20
+    tier = SpillTier.on_disk(str(tmp_path), 0, budget)
+    rng = np.random.default_rng(1)
+    blobs = [rng.integers(0, 255, 16384 + 16 * i, dtype=np.uint8) for i in range(200)]
+    for i, b in enumerate(blobs):
+        assert tier.put(("b", i), b)
+    for i, b in enumerate(blobs):
+        np.testing.assert_array_equal(tier.get(("b", i)), b)
+    assert len(tier._slabs) <= MAX_SLABS and tier.nbytes <= budget
+    assert _disk_bytes(tier._slab_dir) <= budget + _METADATA
+    repeated = 40000  # a size none of the blobs has: its second value on goes to a slab
+    for i in range(3):
+        assert tier.put(("r", i), np.full(repeated, i, np.uint8))
+    assert repeated in tier._slabs and tier._slabs[repeated].in_use == 2
+    tier.close()
+    # one size filling the budget: its blocks never grow past it, and the budget is used
+    tier = SpillTier.on_disk(str(tmp_path), 0, 1 << 20)
+    kept = sum(tier.put(("x", i), r) for i, r in enumerate(_rows(80)))
+    assert 56 <= kept <= 64 and tier.nbytes <= 1 << 20 and _disk_bytes(tier._slab_dir) <= (1 << 20) + _METADATA
+    tier.close()
+
+
+def _open_fds() -> list[str]:
+    return [os.path.realpath(f"/proc/self/fd/{n}") for n in os.listdir("/proc/self/fd")]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+def test_a_spill_tier_dropped_without_close_closes_its_slab_files(tmp_path):
+    """A tier the sampler replaces goes with the garbage collector: its slabs' descriptors (and
+    the disk space of their deleted files) go too."""
+    gc.collect()
+    before = len(_open_fds())
+    for i in range(5):
+        tier = SpillTier.on_disk(str(tmp_path), 0, None)
+        assert tier.put(("x", 0), _rows(1)[0]) and tier._slabs
+        del tier
+        gc.collect()
+    assert len(_open_fds()) <= before and not any(".slab-" in f for f in _open_fds())
+
+
+def test_slab_blocks_grow_geometrically(tmp_path):
+    """A slab's blocks double (up to a cap), so it holds few maps (each holds a descriptor)."""
+    slab = Slab(str(tmp_path), 16384, block_bytes=4 * 16384, max_block_bytes=64 * 16384)
+    views = [slab.put(r.view(np.uint8).reshape(-1), np.float32, ROW) for r in _rows(600)]
+    sizes = [len(m) // 16384 for m in slab._maps]
+    assert sizes == [4, 8, 16, 32] + [64] * 9 and slab.slots >= 600  # (150 maps of 4)
+    np.testing.assert_array_equal(views[599], _rows(600)[599])
+    slab.close()
+
+
+def test_a_spill_without_descriptors_says_so(tmp_path):
+    """A process out of file descriptors is told so, not that its disk is full."""
+    script = textwrap.dedent(f"""
+        import os, resource, warnings, numpy as np
+        from solar.cache.spill import SpillTier
+        tier = SpillTier.on_disk({str(tmp_path)!r}, 0, None)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        held = []
+        try:
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            os.close(held.pop())  # one descriptor left: the slab's file takes it, its map finds none
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            kept = [tier.put(("x", i), np.ones(1 << 15, np.uint8)) for i in range(3)]
+        print(kept)
+        for x in w:
+            print("WARNING", x.message)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    warned = [line for line in out.stdout.splitlines() if line.startswith("WARNING")]
+    assert warned and all("file descriptor" in line and "free space" not in line for line in warned), out.stdout
+
+
+def test_spill_without_posix_fallocate_keeps_a_file_each(tmp_path, monkeypatch):
+    """Where the platform has no posix_fallocate (macOS) large arrays are a file each."""
+    monkeypatch.delattr(os, "posix_fallocate")
+    tier = SpillTier.on_disk(str(tmp_path), 0, None)
+    rows = _rows(3)
+    for i, r in enumerate(rows):
+        assert tier.put(("x", i), r)
+    for i, r in enumerate(rows):
+        np.testing.assert_array_equal(tier.get(("x", i)), r)
+    assert not tier._slabs and len(list(tier.second.keys())) == 3
+    tier.close()
+
+
+def _counting_fallocate(monkeypatch, fail: int | None = None) -> list:
+    calls, real = [], os.posix_fallocate
+
+    def fallocate(fd, offset, length):
+        calls.append(length)
+        if fail is not None:
+            raise OSError(fail, os.strerror(fail))
+        return real(fd, offset, length)
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    return calls
+
+
+def test_a_slab_that_cannot_map_is_turned_off_and_a_full_disk_is_not_retried(tmp_path, monkeypatch):
+    """A file system that cannot map the slab: one reservation, a warning, then a file each. A
+    full disk: no reservation tried again until the file system has room."""
+    calls = _counting_fallocate(monkeypatch)
+
+    def no_map(fd, size, at):
+        raise OSError(errno.ENODEV, "No such device")
+    monkeypatch.setattr(slab_module, "_map", no_map)
+    tier = SpillTier.on_disk(str(tmp_path), 0, None)
+    rows = _rows(20)
+    with pytest.warns(RuntimeWarning, match="cannot map it"):
+        assert all(tier.put(("x", i), r) for i, r in enumerate(rows))
+    assert len(calls) == 1 and len(list(tier.second.keys())) == 20
+    np.testing.assert_array_equal(tier.get(("x", 19)), rows[19])
+    tier.close()
+    monkeypatch.undo()
+
+    calls = _counting_fallocate(monkeypatch, fail=errno.ENOSPC)
+    real_statvfs = os.fstatvfs
+    free = {"bytes": 0}
+
+    def statvfs(fd):
+        st = real_statvfs(fd)
+        return os.statvfs_result((st.f_bsize, 1, st.f_blocks, free["bytes"], free["bytes"], *st[5:]))
+    monkeypatch.setattr(os, "fstatvfs", statvfs)
+    tier = SpillTier.on_disk(str(tmp_path), 0, None)
+    assert all(tier.put(("x", i), r) for i, r in enumerate(rows))
+    assert len(calls) == 1  # (then the disk had no room: not tried again)
+    free["bytes"] = 1 << 40
+    assert tier.put(("x", 20), rows[0]) and len(calls) == 2
+    tier.close()
