@@ -175,6 +175,14 @@ def alternate(args, names: list[str]) -> dict[str, list]:
     return {n: t for n, t in times.items() if t}
 
 
+def default_contenders(where: str) -> list[str]:
+    """Every contender; over S3 without torch's and torchdata's (h5py on an s3fs file: minutes per
+    epoch), and the staged SOLAR only over S3."""
+    if where == "s3":
+        return [n for n in CONTENDERS if not n.startswith(("torch-", "stateful-"))]
+    return [n for n in CONTENDERS if "staged" not in n]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default="/tmp/solar-compete/ptycho.h5")
@@ -184,7 +192,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--buffer", default="192MiB", help="SOLAR's buffer= (the issue's setting)")
-    ap.add_argument("--contenders", default=None, help="default: every contender (solar-staged-w0 for s3 only)")
+    ap.add_argument("--contenders", default=None,
+                    help="default: every contender (solar-staged-w0 over s3 only; torch's, torchdata's locally only)")
     ap.add_argument("--where", choices=("local", "s3"), default="local")
     ap.add_argument("--endpoint", default=None, help="an S3 server already running (default: start s3rver)")
     ap.add_argument("--bucket", default="solar-compete")
@@ -202,8 +211,7 @@ def main() -> None:
         write_ptycho_h5(args.data, args.samples, size=args.size, progress=False)
     setup = Setup(args.data, args.samples, args.size, args.batch, args.buffer, args.where, args.endpoint,
                   args.bucket)
-    names = [n for n in (args.contenders or "").split(",") if n] or \
-        [n for n in CONTENDERS if args.where == "s3" or "staged" not in n]
+    names = [n for n in (args.contenders or "").split(",") if n] or default_contenders(args.where)
     step = make_step(args.touch, args.cnn)
     if args.one:
         print(json.dumps(run_one(setup, args.one, args.epochs, step, args.cold)))
